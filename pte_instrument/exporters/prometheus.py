@@ -1,0 +1,144 @@
+"""Prometheus metrics. Names follow the Prometheus conventions (``pte_`` prefix,
+``_total`` counters, base units); labels are bounded: model, engine, phase,
+finish_reason, stage, device. Never a request or session id.
+
+PTE (prefill token equivalents) is the unit of every ``pte_*_pte`` series.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+from ..core.cost import CostModel
+from ..core.ledger import RequestRecord
+
+# 1 PTE … 100M PTE, a factor ~3.16 apart: a short chat to a 100k-token agent turn.
+PTE_BUCKETS = (*(float(f"{m}e{e}") for e in range(8) for m in (1, 3.16)), 1e8)
+
+
+class PteMetrics:
+    """The plugin's metric families, created once per registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        req = ["model", "engine"]
+        self.requests = Counter(
+            "pte_requests",
+            "Finished requests priced by pte-instrument.",
+            [*req, "finish_reason"],
+            registry=registry,
+        )
+        self.served = Counter(
+            "pte_served_pte",
+            "Served PTE: the work the server really did (prefix-cache hits free, recompute included), by phase.",
+            [*req, "phase"],
+            registry=registry,
+        )
+        self.reference = Counter(
+            "pte_reference_pte",
+            "Reference PTE: the published definition, full prompt re-prefilled every turn, by phase.",
+            [*req, "phase"],
+            registry=registry,
+        )
+        self.ideal = Counter(
+            "pte_ideal_pte",
+            "Ideal PTE: cost had the KV cache survived every tool pause.",
+            req,
+            registry=registry,
+        )
+        self.recompute = Counter(
+            "pte_recompute_tax_pte",
+            "PTE spent re-prefilling tokens already computed once (preemption, KV loss).",
+            req,
+            registry=registry,
+        )
+        self.eviction = Counter(
+            "pte_eviction_tax_pte",
+            "PTE spent re-prefilling context a session's previous turn had already paid for.",
+            req,
+            registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            "pte_prompt_tokens", "Prompt tokens of finished requests.", req, registry=registry
+        )
+        self.cached_tokens = Counter(
+            "pte_cached_tokens", "Prompt tokens served from the prefix cache.", req, registry=registry
+        )
+        self.output_tokens = Counter(
+            "pte_output_tokens", "Generated tokens of finished requests.", req, registry=registry
+        )
+        self.request_pte = Histogram(
+            "pte_request_served_pte",
+            "Served PTE per finished request.",
+            req,
+            buckets=PTE_BUCKETS,
+            registry=registry,
+        )
+        self.gamma = Gauge(
+            "pte_gamma",
+            "Decode-vs-prefill price of one context token (gamma), from theory.",
+            [*req, "device"],
+            registry=registry,
+        )
+        self.hoi = Gauge(
+            "pte_hardware_operational_intensity",
+            "Peak FLOP/s divided by memory bandwidth (FLOP per byte) of the device profile.",
+            [*req, "device"],
+            registry=registry,
+        )
+        self.n_active = Gauge(
+            "pte_active_parameters", "Matmul weights used per token (N_active).", req, registry=registry
+        )
+        self.kv_bytes = Gauge(
+            "pte_kv_cache_bytes_per_token",
+            "KV-cache bytes read per context token per decoded token.",
+            req,
+            registry=registry,
+        )
+        self.faults = Counter(
+            "pte_plugin_faults",
+            "Faults inside pte-instrument, by stage; serving continued.",
+            ["stage"],
+            registry=registry,
+        )
+
+
+_metrics: dict[int, PteMetrics] = {}
+_lock = threading.Lock()
+
+
+def metrics_for(registry: CollectorRegistry = REGISTRY) -> PteMetrics:
+    """One ``PteMetrics`` per registry: several loggers (one per engine) share it."""
+    with _lock:
+        if id(registry) not in _metrics:
+            _metrics[id(registry)] = PteMetrics(registry)
+        return _metrics[id(registry)]
+
+
+class PrometheusExporter:
+    def __init__(self, model: str, engine: int, metrics: PteMetrics) -> None:
+        self.m = metrics
+        self.labels = (model, str(engine))
+
+    def publish_cost_model(self, cost: CostModel) -> None:
+        m, lab = self.m, self.labels
+        m.gamma.labels(*lab, cost.device.name).set(cost.gamma)
+        m.hoi.labels(*lab, cost.device.name).set(cost.device.hoi)
+        m.n_active.labels(*lab).set(cost.shape.n_active)
+        m.kv_bytes.labels(*lab).set(cost.shape.kv_bytes_per_token)
+
+    def export(self, r: RequestRecord) -> None:
+        m, lab = self.m, self.labels
+        m.requests.labels(*lab, r.finish_reason).inc()
+        m.served.labels(*lab, "prefill").inc(r.pte_prefill)
+        m.served.labels(*lab, "decode").inc(r.pte_decode)
+        m.reference.labels(*lab, "prefill").inc(r.prompt_tokens)  # reference re-prefills the whole prompt
+        m.reference.labels(*lab, "decode").inc(r.pte_reference - r.prompt_tokens)
+        m.ideal.labels(*lab).inc(r.pte_ideal)
+        m.recompute.labels(*lab).inc(r.pte_recompute)
+        m.eviction.labels(*lab).inc(r.pte_eviction_tax)
+        m.prompt_tokens.labels(*lab).inc(r.prompt_tokens)
+        m.cached_tokens.labels(*lab).inc(r.cached_tokens)
+        m.output_tokens.labels(*lab).inc(r.output_tokens)
+        m.request_pte.labels(*lab).observe(r.pte_served)

@@ -1,0 +1,40 @@
+"""Counting and logging the plugin's own faults: the plugin never takes the server down."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+
+log = logging.getLogger("pte_instrument")
+
+
+class FaultTracker:
+    """Counts faults per stage; logs the first with its traceback, then at most one line
+    per stage every ``log_interval_s`` so a persistent fault cannot flood the log."""
+
+    def __init__(self, on_fault: Callable[[str], None] | None = None, log_interval_s: float = 60.0):
+        self.counts: Counter[str] = Counter()
+        self._on_fault = on_fault
+        self._interval = log_interval_s
+        self._last_log: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def record(self, stage: str, exc: BaseException) -> None:
+        with self._lock:
+            self.counts[stage] += 1
+            n = self.counts[stage]
+            now = time.monotonic()
+            due = now - self._last_log.get(stage, -self._interval) >= self._interval
+            if due:
+                self._last_log[stage] = now
+        if self._on_fault is not None:
+            with contextlib.suppress(Exception):  # the fault counter must not raise either
+                self._on_fault(stage)
+        if n == 1:
+            log.error("pte-instrument: fault in stage %r (serving continues)", stage, exc_info=exc)
+        elif due:
+            log.error("pte-instrument: %d faults so far in stage %r, latest: %r", n, stage, exc)

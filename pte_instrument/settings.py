@@ -1,0 +1,63 @@
+"""Plugin configuration from environment variables (documented in the README).
+
+A malformed value never stops the server: it is reported in ``errors`` (one clear line
+each) and the default is used instead.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+@dataclass(frozen=True)
+class Settings:
+    enabled: bool = True
+    device: str = "auto"
+    hoi: float | None = None
+    n_active: float | None = None
+    request_log: str | None = None
+    errors: tuple[str, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        env = os.environ if env is None else env
+        errors: list[str] = []
+
+        def flag(name: str, default: bool) -> bool:
+            raw = env.get(name)
+            if raw is None:
+                return default
+            low = raw.strip().lower()
+            if low in _TRUE:
+                return True
+            if low in _FALSE:
+                return False
+            errors.append(f"{name}={raw!r} is not a boolean (use 1/0, true/false); using {default}")
+            return default
+
+        def positive(name: str) -> float | None:
+            raw = env.get(name)
+            if raw is None or not raw.strip():
+                return None
+            try:
+                value = float(raw)
+            except ValueError:
+                value = float("nan")
+            if not value > 0 or value == float("inf"):
+                errors.append(f"{name}={raw!r} must be a positive number; ignoring it")
+                return None
+            return value
+
+        return cls(
+            enabled=flag("PTE_ENABLED", True),
+            device=(env.get("PTE_DEVICE") or "auto").strip(),
+            hoi=positive("PTE_HOI"),
+            n_active=positive("PTE_N_ACTIVE"),
+            request_log=(env.get("PTE_REQUEST_LOG") or "").strip() or None,
+            errors=tuple(errors),
+        )

@@ -1,0 +1,130 @@
+"""``vllm.stat_logger_plugins`` entry point: prices every finished request.
+
+vLLM loads this class in the API server process and calls ``record()`` after every
+engine-core output batch. Nothing here may raise into vLLM: a fault is counted
+(``pte_plugin_faults_total``) and logged, and serving continues.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.config import VllmConfig
+from vllm.v1.metrics.loggers import StatLoggerBase
+from vllm.v1.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
+
+from ..accountant import Accountant
+from ..core.architecture import parse_shape
+from ..core.cost import CostModel
+from ..core.devices import resolve_device
+from ..core.ledger import FinishedRequest
+from ..exporters.prometheus import PrometheusExporter, metrics_for
+from ..exporters.request_log import RequestLogWriter
+from ..faults import FaultTracker
+from ..settings import Settings
+
+log = logging.getLogger("pte_instrument")
+if not log.handlers:  # vLLM configures only its own loggers
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [pte-instrument] %(message)s"))
+    log.addHandler(_handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
+def served_model_name(vllm_config: VllmConfig) -> str:
+    mc = vllm_config.model_config
+    name = mc.served_model_name
+    if isinstance(name, (list, tuple)):
+        name = name[0] if name else None
+    return str(name or mc.model)
+
+
+def cost_model_from_vllm(vllm_config: VllmConfig, settings: Settings) -> CostModel:
+    mc = vllm_config.model_config
+    cfg: dict[str, Any] = mc.hf_text_config.to_dict()
+    cfg["torch_dtype"] = str(mc.dtype).removeprefix("torch.")  # the dtype actually served
+    shape = parse_shape(
+        cfg, kv_cache_dtype=vllm_config.cache_config.cache_dtype, n_active_override=settings.n_active
+    )
+    return CostModel(shape, resolve_device(settings.device, settings.hoi))
+
+
+def finished_request(stats: FinishedRequestStats, model: str, engine: int) -> FinishedRequest:
+    return FinishedRequest(
+        request_id=str(stats.request_id),
+        model=model,
+        engine=engine,
+        prompt_tokens=int(stats.num_prompt_tokens),
+        cached_tokens=int(stats.num_cached_tokens),
+        output_tokens=int(stats.num_generation_tokens),
+        finish_reason=str(stats.finish_reason),
+        num_preemptions=int(stats.num_preemptions),
+        queued_s=float(stats.queued_time),
+        prefill_s=float(stats.prefill_time),
+        decode_s=float(stats.decode_time),
+        inference_s=float(stats.inference_time),
+        e2e_s=float(stats.e2e_latency),
+    )
+
+
+class PteStatLogger(StatLoggerBase):
+    """Per-engine stat logger; vLLM wraps it in its per-engine adapter for data parallel."""
+
+    def __init__(self, vllm_config: VllmConfig, engine_index: int = 0) -> None:
+        self.engine_index = engine_index
+        self.model = served_model_name(vllm_config)
+        self.accountant: Accountant | None = None
+        metrics = metrics_for()
+        self.faults = FaultTracker(on_fault=lambda stage: metrics.faults.labels(stage).inc())
+        settings = Settings.from_env()
+        for error in settings.errors:
+            log.error("pte-instrument configuration: %s", error)
+        if not settings.enabled:
+            log.info("pte-instrument disabled (PTE_ENABLED=0)")
+            return
+        try:
+            cost_model = cost_model_from_vllm(vllm_config, settings)
+            prometheus = PrometheusExporter(self.model, engine_index, metrics)
+            prometheus.publish_cost_model(cost_model)
+            exporters: list[tuple[str, Any]] = [("prometheus", prometheus)]
+            if settings.request_log:
+                exporters.append(("request_log", RequestLogWriter(settings.request_log)))
+            self.accountant = Accountant(cost_model, exporters, self.faults)
+        except Exception as e:  # unknown architecture, bad device name…: keep serving unpriced
+            self.faults.record("setup", e)
+            log.error("pte-instrument could not build its cost model and is inactive: %s", e)
+
+    def record(
+        self,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: IterationStats | None,
+        mm_cache_stats: Any = None,
+        engine_idx: int = 0,
+    ) -> None:
+        if self.accountant is None or iteration_stats is None:
+            return
+        for stats in iteration_stats.finished_requests:
+            try:
+                request = finished_request(stats, self.model, engine_idx)
+            except Exception as e:
+                self.faults.record("adapter", e)
+                continue
+            self.accountant.on_finished(request)
+
+    def log_engine_initialized(self) -> None:
+        if self.accountant is None:
+            return
+        c = self.accountant.cost_model
+        log.info(
+            "pte-instrument active for %s (engine %d): gamma=%.6g, device=%s (HOI %.1f), "
+            "N_active=%.4g, KV bytes/token=%g",
+            self.model,
+            self.engine_index,
+            c.gamma,
+            c.device.name,
+            c.device.hoi,
+            c.shape.n_active,
+            c.shape.kv_bytes_per_token,
+        )

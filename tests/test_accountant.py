@@ -1,0 +1,89 @@
+"""A failing exporter is counted and isolated; the others still get every record."""
+
+import json
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from pte_instrument.accountant import Accountant
+from pte_instrument.core.architecture import load_config, parse_shape
+from pte_instrument.core.cost import CostModel
+from pte_instrument.core.devices import PROFILES
+from pte_instrument.core.ledger import FinishedRequest
+from pte_instrument.exporters.prometheus import PrometheusExporter, metrics_for
+from pte_instrument.exporters.request_log import RequestLogWriter
+from pte_instrument.faults import FaultTracker
+
+from .test_architecture import FIX
+
+
+class Boom:
+    def export(self, record):
+        raise RuntimeError("exporter down")
+
+
+def make(tmp_path, extra=()):
+    registry = CollectorRegistry()
+    metrics = metrics_for(registry)
+    faults = FaultTracker(on_fault=lambda s: metrics.faults.labels(s).inc())
+    cost = CostModel(parse_shape(load_config(FIX / "dense_mha.json")), PROFILES["h200"])
+    log = RequestLogWriter(tmp_path / "log.jsonl")
+    acc = Accountant(
+        cost, [*extra, ("prometheus", PrometheusExporter("m", 0, metrics)), ("request_log", log)], faults
+    )
+    return acc, registry, tmp_path / "log.jsonl"
+
+
+def req(i: int, **kw) -> FinishedRequest:
+    return FinishedRequest(
+        request_id=f"r{i}",
+        model="m",
+        prompt_tokens=100,
+        cached_tokens=0,
+        output_tokens=10,
+        finish_reason="length",
+        **kw,
+    )
+
+
+def test_failing_exporter_is_isolated(tmp_path):
+    acc, registry, log = make(tmp_path, extra=[("boom", Boom())])
+    for i in range(3):
+        assert acc.on_finished(req(i)) is not None
+    assert registry.get_sample_value("pte_plugin_faults_total", {"stage": "boom"}) == 3
+    assert (
+        registry.get_sample_value(
+            "pte_requests_total", {"model": "m", "engine": "0", "finish_reason": "length"}
+        )
+        == 3
+    )
+    assert len(log.read_text().splitlines()) == 3
+
+
+def test_accounting_fault_is_counted(tmp_path):
+    acc, registry, log = make(tmp_path)
+    assert acc.on_finished(req(0, recomputed_tokens=-5)) is None  # impossible counts
+    assert registry.get_sample_value("pte_plugin_faults_total", {"stage": "accounting"}) == 1
+    assert not log.exists()
+
+
+def test_request_log_recovers_after_a_failing_path(tmp_path):
+    blocker = tmp_path / "blocked"
+    blocker.write_text("a file where a directory should be")
+    w = RequestLogWriter(blocker / "log.jsonl")
+    acc, *_ = make(tmp_path)
+    record = acc.on_finished(req(0))
+    with pytest.raises(OSError):
+        w.export(record)
+    blocker.unlink()
+    w.export(record)
+    assert json.loads((blocker / "log.jsonl").read_text())["request_id"] == "r0"
+
+
+def test_fault_log_is_rate_limited(caplog):
+    f = FaultTracker(log_interval_s=3600)
+    with caplog.at_level("ERROR", logger="pte_instrument"):
+        for _ in range(50):
+            f.record("x", RuntimeError("again"))
+    assert f.counts["x"] == 50
+    assert len(caplog.records) == 1

@@ -1,0 +1,34 @@
+from pte_instrument.settings import Settings
+
+
+def test_defaults():
+    s = Settings.from_env({})
+    assert s.enabled and s.device == "auto" and s.hoi is None and s.request_log is None
+    assert s.errors == ()
+
+
+def test_values():
+    s = Settings.from_env(
+        {
+            "PTE_ENABLED": "0",
+            "PTE_DEVICE": "h200",
+            "PTE_HOI": "300",
+            "PTE_N_ACTIVE": "8e9",
+            "PTE_REQUEST_LOG": "/tmp/x.jsonl",
+        }
+    )
+    assert (s.enabled, s.device, s.hoi, s.n_active, s.request_log) == (
+        False,
+        "h200",
+        300.0,
+        8e9,
+        "/tmp/x.jsonl",
+    )
+
+
+def test_bad_values_fall_back_with_a_named_error():
+    s = Settings.from_env({"PTE_ENABLED": "maybe", "PTE_HOI": "banana", "PTE_N_ACTIVE": "-3"})
+    assert s.enabled is True and s.hoi is None and s.n_active is None
+    assert len(s.errors) == 3
+    assert any("PTE_HOI='banana'" in e for e in s.errors)
+    assert any("PTE_ENABLED='maybe'" in e for e in s.errors)
