@@ -1,0 +1,282 @@
+"""Benchmark (not a test) of the batched step accumulator (issue 3): per backend and batch
+size, microseconds per ``StepAccumulator.update()`` call and rows per second.
+
+Backends measured: numpy (CPU), torch on CPU, and — when a GPU is present — torch and
+Triton on CUDA. On CUDA three numbers are kept per case:
+  host_us    what the scheduler thread pays to enqueue one update (it never waits)
+  device_us  GPU time per update, from CUDA events around the whole run
+  us_per_update  wall time per update with the pipeline full (synchronised at the end)
+Triton on CPU runs under the Triton interpreter: it is timed only for batch sizes ≤ 64,
+as a sanity figure, never a performance one (``--no-interp`` skips it).
+
+The workload is scheduler-like: 90 % decode rows (n = 1, long contexts), 10 % prefill
+chunks, two KV groups (full attention + a 4096 window), slots drawn from a live pool,
+eight distinct pre-built batches per size cycled so no cache sees one batch only.
+
+Writes bench/results/accumulator-<hostname>-<YYYY-MM-DD>.json and prints a table.
+
+    python bench/accumulator_bench.py [--sizes 1 8 64 512 4096 8192] [--seconds 0.5]
+                                      [--backends numpy torch triton] [--no-interp] [--out F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout too
+
+from pte_instrument.accumulator import StepAccumulator, StepBatch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SIZES = [1, 8, 64, 512, 4096, 8192]
+INTERP_MAX_SIZE = 64
+WINDOWS: tuple[int | None, ...] = (None, 4096)
+
+
+@dataclass
+class Case:
+    backend: str
+    device: str
+    batch: int
+    calls: int
+    us_per_update: float  # wall time per call (CUDA: pipeline full, synchronised at the end)
+    rows_per_s: float
+    host_us: float | None = None  # CUDA: enqueue time per call
+    device_us: float | None = None  # CUDA: GPU time per call (events)
+    note: str = ""
+
+
+def make_batches(rng: np.random.Generator, size: int, slots: np.ndarray, k: int = 8
+                 ) -> list[StepBatch]:
+    out = []
+    for _ in range(k):
+        decode = rng.random(size) < 0.9
+        P = rng.integers(100, 32_000, size)
+        c = np.where(decode, P + rng.integers(0, 4000, size), rng.integers(0, 30_000, size) % P)
+        n = np.where(decode, 1, np.minimum(rng.integers(1, 2048, size), P - c + 1))
+        H = c.copy()
+        slot = rng.choice(slots, size, replace=size > len(slots))
+        out.append(StepBatch.from_arrays(slot=slot, c=c, n=n, P=P, H=H))
+    return out
+
+
+def bench_case(backend: str, device: str, size: int, seconds: float, seed: int) -> Case:
+    rng = np.random.default_rng(seed)
+    capacity = max(1024, size)
+    acc = StepAccumulator(WINDOWS, capacity=capacity, backend=backend, device=device)  # type: ignore[arg-type]
+    slots = acc.allocate_many(capacity)
+    batches = make_batches(rng, size, slots)
+    cuda = device.startswith("cuda")
+    interp = backend == "triton" and not cuda
+    torch: Any = None
+    if cuda:
+        import torch
+
+        sync = torch.cuda.synchronize
+    else:
+        def sync() -> None:
+            return None
+
+    # Warm-up: Triton compiles, the pinned-memory pool fills, numpy's scratch grows.
+    for b in batches[:3]:
+        acc.update(b)
+    sync()
+    # Calibrate the number of calls to fill `seconds` of wall time.
+    t0 = time.perf_counter()
+    probe = 0
+    while time.perf_counter() - t0 < min(0.05, seconds / 4) or probe < 2:
+        acc.update(batches[probe % len(batches)])
+        probe += 1
+    sync()
+    per_call = (time.perf_counter() - t0) / probe
+    calls = max(3 if interp else 20, min(200_000, int(seconds / max(per_call, 1e-7))))
+
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    t0 = time.perf_counter()
+    for i in range(calls):
+        acc.update(batches[i % len(batches)])
+    host = time.perf_counter() - t0
+    if cuda:
+        end.record()
+    sync()
+    wall = time.perf_counter() - t0
+    case = Case(backend, device, size, calls, wall / calls * 1e6, size * calls / wall)
+    if cuda:
+        case.host_us = host / calls * 1e6
+        case.device_us = start.elapsed_time(end) * 1e3 / calls
+    if interp:
+        case.note = "Triton interpreter on CPU: correctness path, not a performance figure"
+    return case
+
+
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": _cpu_model(),
+        "cpu_count": _cpu_count(),
+        "numpy": np.__version__,
+        "loadavg_1m": _loadavg(),  # other work on the host inflates the CPU figures
+    }
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["cuda"] = torch.version.cuda
+        info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except ImportError:
+        info["torch"] = None
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _loadavg() -> float | None:
+    import os
+
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
+def _cpu_count() -> int:
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def git_commit() -> str:
+    try:
+        r = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                           cwd=Path(__file__).resolve().parents[1], timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return "uncommitted"
+    return r.stdout.strip() if r.returncode == 0 and r.stdout.strip() else "uncommitted"
+
+
+def plan(backends: list[str], sizes: list[int], interp: bool) -> list[tuple[str, str, int]]:
+    try:
+        import torch
+
+        has_torch, has_cuda = True, torch.cuda.is_available()
+    except ImportError:
+        has_torch = has_cuda = False
+    try:
+        import triton  # noqa: F401
+
+        has_triton = has_torch
+    except ImportError:
+        has_triton = False
+    cases = []
+    for b in backends:
+        if b == "numpy":
+            cases += [("numpy", "cpu", s) for s in sizes]
+        elif b == "torch" and has_torch:
+            cases += [("torch", "cpu", s) for s in sizes]
+            if has_cuda:
+                cases += [("torch", "cuda", s) for s in sizes]
+        elif b == "triton" and has_triton:
+            if has_cuda:
+                cases += [("triton", "cuda", s) for s in sizes]
+            if interp:
+                cases += [("triton", "cpu", s) for s in sizes if s <= INTERP_MAX_SIZE]
+    return cases
+
+
+def print_table(cases: list[Case]) -> None:
+    head = f"{'backend':<8} {'device':<6} {'batch':>6} {'µs/update':>10} {'rows/s':>12} " \
+           f"{'host µs':>8} {'GPU µs':>8}  note"
+    print(head)
+    print("-" * len(head))
+    for c in cases:
+        host = f"{c.host_us:8.1f}" if c.host_us is not None else f"{'':>8}"
+        dev = f"{c.device_us:8.1f}" if c.device_us is not None else f"{'':>8}"
+        print(f"{c.backend:<8} {c.device:<6} {c.batch:>6} {c.us_per_update:>10.1f} "
+              f"{c.rows_per_s:>12.3g} {host} {dev}  {c.note[:40]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", type=int, nargs="+", default=SIZES)
+    ap.add_argument("--backends", nargs="+", default=["numpy", "torch", "triton"],
+                    choices=["numpy", "torch", "triton"])
+    ap.add_argument("--seconds", type=float, default=0.5, help="wall time per case")
+    ap.add_argument("--no-interp", action="store_true", help="skip Triton-interpreter cases")
+    ap.add_argument("--torch-threads", type=int, default=1,
+                    help="torch intra-op threads for the CPU cases (default 1: with more, "
+                         "a busy host makes torch's CPU timings erratic; 0 keeps torch's)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+
+    if args.torch_threads > 0:
+        try:
+            import torch
+
+            torch.set_num_threads(args.torch_threads)
+        except ImportError:
+            pass
+    now = dt.datetime.now()
+    loadavg_before = _loadavg()
+    cases = []
+    for backend, device, size in plan(args.backends, args.sizes, not args.no_interp):
+        cases.append(bench_case(backend, device, size, args.seconds, args.seed))
+        print(f"  {backend}/{device} B={size}: {cases[-1].us_per_update:.1f} µs", file=sys.stderr)
+    report = {
+        "benchmark": "accumulator",
+        "date": now.isoformat(timespec="seconds"),
+        "git_commit": git_commit(),
+        "machine": machine(),
+        "windows": list(WINDOWS),
+        "seconds_per_case": args.seconds,
+        "torch_cpu_threads": args.torch_threads or "default",
+        "loadavg_1m_before": loadavg_before,
+        "cases": [asdict(c) for c in cases],
+    }
+    out = args.out or RESULTS / f"accumulator-{socket.gethostname()}-{now:%Y-%m-%d}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    m = report["machine"]
+    print(f"machine: {m['hostname']} · {m['cpu']} × {m['cpu_count']} · GPU: {m.get('gpu')} · "
+          f"torch {m.get('torch')} · triton {m.get('triton')} · {report['date']} · "
+          f"commit {report['git_commit']} · load {loadavg_before}→{m['loadavg_1m']}")
+    print_table(cases)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
