@@ -1,14 +1,17 @@
-"""Prices finished requests and fans the records out to the exporters, each isolated:
-a failing exporter is counted as a fault and the others still receive the record."""
+"""Prices finished requests, files them under their session, and fans the records out to
+the exporters, each isolated: a failing stage is counted as a fault and the others still
+receive the record."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Protocol
 
 from .core.cost import CostModel
 from .core.ledger import FinishedRequest, RequestRecord, price_request
+from .core.sessions import SessionLedger
 from .faults import FaultTracker
 
 
@@ -22,19 +25,30 @@ class Accountant:
         cost_model: CostModel,
         exporters: Sequence[tuple[str, Exporter]],
         faults: FaultTracker,
+        sessions: SessionLedger | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.cost_model = cost_model
         self.exporters = list(exporters)
         self.faults = faults
+        self.sessions = sessions
         self.clock = clock
 
     def on_finished(self, request: FinishedRequest) -> RequestRecord | None:
+        now = self.clock()
         try:
-            record = price_request(self.cost_model, request, self.clock())
+            if request.session_id is not None and self.sessions is not None:
+                ctx = self.sessions.context_for(request.session_id, now - request.e2e_s, request.prompt_tokens)
+                request = replace(request, turn=ctx.turn, reusable_tokens=ctx.reusable_tokens, pause_s=ctx.pause_s)
+            record = price_request(self.cost_model, request, now)
         except Exception as e:
             self.faults.record("accounting", e)
             return None
+        if self.sessions is not None:
+            try:
+                self.sessions.add(record)
+            except Exception as e:
+                self.faults.record("sessions", e)
         for stage, exporter in self.exporters:
             try:
                 exporter.export(record)

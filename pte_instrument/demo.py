@@ -51,6 +51,29 @@ def _request_table(records: list[dict]) -> Table:
     return t
 
 
+def _session_table(sessions: list[dict]) -> Table:
+    t = Table(title="PTE per agent session (GET /pte/sessions)")
+    for col in (
+        "session",
+        "turns",
+        "prompt",
+        "cached",
+        "output",
+        "PTE served",
+        "PTE ideal",
+        "eviction tax",
+        "tool pause s",
+    ):
+        t.add_column(col, justify="right")
+    for s in sessions:
+        t.add_row(
+            s["session_id"], str(s["turns"]), str(int(s["prompt_tokens"])), str(int(s["cached_tokens"])),
+            str(int(s["output_tokens"])), f"{s['pte_served']:.1f}", f"{s['pte_ideal']:.1f}",
+            f"{s['pte_eviction_tax']:.1f}", f"{s['pause_s']:.2f}",
+        )  # fmt: skip
+    return t
+
+
 def _wait_for_records(path: Path, n: int, timeout_s: float = 10.0) -> list[dict]:
     """The stat logger sees a request a moment after its response is sent."""
     deadline = time.monotonic() + timeout_s
@@ -73,17 +96,28 @@ def run_demo(model_dir: str = "models/tiny", port: int = 0, sessions: int = 3, t
             port=port,
             log_path=Path(tmp) / "vllm.log",
             extra_args=["--enable-prefix-caching"],
-            env={"PTE_REQUEST_LOG": str(log_path)},
+            # VLLM_PLUGINS=pte opts in to the session routes; dev mode exposes the cache reset.
+            env={"PTE_REQUEST_LOG": str(log_path), "VLLM_PLUGINS": "pte", "VLLM_SERVER_DEV_MODE": "1"},
         )
         console.print("[bold]Starting vLLM[/] (CPU build) with pte-instrument; this takes about a minute…")
         with server:
-            console.print(f"Server up at {server.url}. Running {sessions} agent sessions × {turns} turns…")
-            results = run_workload(
-                server.url, server.served_name, WorkloadConfig(sessions=sessions, turns=turns)
+            console.print(
+                f"Server up at {server.url}. Running {sessions} agent sessions × {turns} turns; "
+                "the prefix cache is dropped before the last turn, as a long tool pause would evict it…"
             )
+
+            def evict_before_last_round(client: httpx.Client, round_: int) -> None:
+                if round_ == turns - 2:
+                    client.post("/reset_prefix_cache").raise_for_status()
+
+            cfg = WorkloadConfig(sessions=sessions, turns=turns)
+            results = run_workload(server.url, server.served_name, cfg, evict_before_last_round)
             records = _wait_for_records(log_path, len(results))
             metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+            session_rows = httpx.get(f"{server.url}/pte/sessions", timeout=10).json()["sessions"]
+        records.sort(key=lambda r: (r["session_id"] or "", r["turn"] or 0))
         console.print(_request_table(records))
+        console.print(_session_table(session_rows))
         total = {
             k: sum(r[k] for r in records)
             for k in (

@@ -94,7 +94,7 @@ class VllmServer:
                     f"vLLM exited with {self.proc.returncode} during start-up:\n{self.log_tail()}"
                 )
             try:
-                if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass

@@ -21,6 +21,12 @@ class Settings:
     hoi: float | None = None
     n_active: float | None = None
     request_log: str | None = None
+    session_header: str = "X-Session-Id"
+    session_from_user: bool = False
+    max_sessions: int = 5000
+    session_idle_ttl_s: float = 3600.0
+    max_turns: int = 64
+    otel: bool = False
     errors: tuple[str, ...] = field(default_factory=tuple)
 
     @classmethod
@@ -53,11 +59,30 @@ class Settings:
                 return None
             return value
 
+        def count(name: str, default: int) -> int:
+            value = positive(name)
+            if value is not None and value != int(value):
+                errors.append(f"{name}={env[name]!r} must be a whole number; using {default}")
+                value = None
+            return default if value is None else int(value)
+
+        header = (env.get("PTE_SESSION_HEADER") or "X-Session-Id").strip()
+        if not header.isascii() or not header.replace("-", "").replace("_", "").isalnum():
+            errors.append(f"PTE_SESSION_HEADER={header!r} is not a valid header name; using X-Session-Id")
+            header = "X-Session-Id"
+        # OpenTelemetry follows its own standard variables: on when an OTLP endpoint is set.
+        otel_default = bool(env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
         return cls(
             enabled=flag("PTE_ENABLED", True),
             device=(env.get("PTE_DEVICE") or "auto").strip(),
             hoi=positive("PTE_HOI"),
             n_active=positive("PTE_N_ACTIVE"),
             request_log=(env.get("PTE_REQUEST_LOG") or "").strip() or None,
+            session_header=header,
+            session_from_user=flag("PTE_SESSION_FROM_USER", False),
+            max_sessions=count("PTE_MAX_SESSIONS", 5000),
+            session_idle_ttl_s=positive("PTE_SESSION_IDLE_TTL_S") or 3600.0,
+            max_turns=count("PTE_MAX_TURNS", 64),
+            otel=flag("PTE_OTEL", otel_default) and not flag("OTEL_SDK_DISABLED", False),
             errors=tuple(errors),
         )

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -40,46 +41,51 @@ class TurnResult:
     output_tokens: int
     finish_reason: str
     latency_s: float
-    text: str = field(repr=False, default="")
 
 
 def _words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(n))
 
 
+def tokenize(client: httpx.Client, model: str, text: str, special: bool = False) -> list[int]:
+    r = client.post("/tokenize", json={"model": model, "prompt": text, "add_special_tokens": special})
+    r.raise_for_status()
+    return r.json()["tokens"]
+
+
 class AgentSession:
-    """One agent: a task, then per turn the model reasons and a tool answers."""
+    """One agent. Like an agent framework that keeps token ids, each turn's prompt is the
+    previous prompt + the model's output ids + the tool result: an exact prefix, so the
+    prefix cache (and the eviction tax) behave as they would for a real agent loop."""
 
     def __init__(self, session_id: str, cfg: WorkloadConfig, system_prompt: str, rng: random.Random):
         self.session_id = session_id
         self.cfg = cfg
         self.rng = rng
-        self.messages: list[dict[str, str]] = [
-            {"role": "system", "content": system_prompt},
-            {"role": "user", "content": f"Task {session_id}: {_words(rng, cfg.task_words)}"},
-        ]
+        self.opening = f"{system_prompt}\nTask {session_id}: {_words(rng, cfg.task_words)}\n"
+        self.context: list[int] = []
         self.turn = 0
 
     def step(self, client: httpx.Client, model: str) -> TurnResult:
+        if not self.context:
+            self.context = tokenize(client, model, self.opening, special=True)
         self.turn += 1
         body: dict[str, Any] = {
             "model": model,
-            "messages": self.messages,
+            "prompt": self.context,
             "max_tokens": self.cfg.max_tokens,
             "ignore_eos": True,  # random weights: keep output lengths deterministic
             "temperature": 0.0,
+            "return_token_ids": True,
         }
         t0 = time.perf_counter()
-        r = client.post("/v1/chat/completions", json=body, headers={self.cfg.session_header: self.session_id})
+        r = client.post("/v1/completions", json=body, headers={self.cfg.session_header: self.session_id})
         latency = time.perf_counter() - t0
         r.raise_for_status()
         data = r.json()
-        usage = data["usage"]
-        text = data["choices"][0]["message"]["content"] or ""
-        self.messages.append({"role": "assistant", "content": text})
-        self.messages.append(
-            {"role": "user", "content": f"Tool result: {_words(self.rng, self.cfg.tool_result_words)}"}
-        )
+        usage, choice = data["usage"], data["choices"][0]
+        tool_result = f"\nTool result: {_words(self.rng, self.cfg.tool_result_words)}\n"
+        self.context = [*self.context, *choice["token_ids"], *tokenize(client, model, tool_result)]
         return TurnResult(
             session_id=self.session_id,
             turn=self.turn,
@@ -87,15 +93,20 @@ class AgentSession:
             prompt_tokens=usage["prompt_tokens"],
             cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
             output_tokens=usage["completion_tokens"],
-            finish_reason=data["choices"][0]["finish_reason"],
+            finish_reason=choice["finish_reason"],
             latency_s=latency,
-            text=text,
         )
 
 
-def run_workload(base_url: str, model: str, cfg: WorkloadConfig) -> list[TurnResult]:
+def run_workload(
+    base_url: str,
+    model: str,
+    cfg: WorkloadConfig,
+    between_rounds: Callable[[httpx.Client, int], None] | None = None,
+) -> list[TurnResult]:
     """Round-robin over sessions, one turn each, so every session pauses between turns
-    while the others run (the tool pause)."""
+    while the others run (the tool pause). ``between_rounds(client, round)`` runs after
+    each round but the last (the demo drops the prefix cache there)."""
     rng = random.Random(cfg.seed)
     system_prompt = "You are an agent with tools. " + _words(rng, cfg.system_words)
     sessions = [
@@ -104,9 +115,11 @@ def run_workload(base_url: str, model: str, cfg: WorkloadConfig) -> list[TurnRes
     ]
     results: list[TurnResult] = []
     with httpx.Client(base_url=base_url, timeout=300) as client:
-        for _ in range(cfg.turns):
+        for round_ in range(cfg.turns):
             for s in sessions:
                 results.append(s.step(client, model))
-            if cfg.tool_pause_s:
+            if round_ + 1 < cfg.turns:
+                if between_rounds is not None:
+                    between_rounds(client, round_)
                 time.sleep(cfg.tool_pause_s)
     return results

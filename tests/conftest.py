@@ -4,7 +4,9 @@ server is shared by every test that does not need its own configuration."""
 
 from __future__ import annotations
 
+import http.server
 import json
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,13 +37,71 @@ def start_server(tiny_model: Path, workdir: Path, env: dict[str, str], extra_arg
     ).start()
 
 
+API_KEY = "test-key"
+
+
+class OtlpReceiver:
+    """An in-process OTLP/HTTP trace receiver: decodes the protobuf export requests."""
+
+    def __init__(self) -> None:
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+        spans = self.spans = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                req = ExportTraceServiceRequest.FromString(body)
+                for rs in req.resource_spans:
+                    for ss in rs.scope_spans:
+                        for sp in ss.spans:
+                            attrs = {a.key: _any_value(a.value) for a in sp.attributes}
+                            spans.append(
+                                {
+                                    "name": sp.name,
+                                    "start": sp.start_time_unix_nano,
+                                    "end": sp.end_time_unix_nano,
+                                    "attributes": attrs,
+                                }
+                            )
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.endpoint = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1/traces"
+
+    def span_for(self, response_id: str, timeout_s: float = 10.0) -> dict | None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for sp in self.spans:
+                if sp["attributes"].get("gen_ai.response.id") == response_id and "pte.served" in sp["attributes"]:
+                    return sp
+            time.sleep(0.1)
+        return None
+
+
+def _any_value(v):
+    kind = v.WhichOneof("value")
+    if kind == "array_value":
+        return [_any_value(x) for x in v.array_value.values]
+    return getattr(v, kind)
+
+
 class Server:
-    def __init__(self, vllm, request_log: Path) -> None:
+    def __init__(self, vllm, request_log: Path, otlp: OtlpReceiver | None = None) -> None:
         self.vllm = vllm
         self.url = vllm.url
         self.model = vllm.served_name
         self.request_log = request_log
-        self.client = httpx.Client(base_url=self.url, timeout=120)
+        self.otlp = otlp
+        self.client = httpx.Client(
+            base_url=self.url, timeout=120, headers={"Authorization": f"Bearer {API_KEY}"}
+        )
 
     def chat(self, content: str, max_tokens: int = 8, **extra) -> dict:
         body = {
@@ -74,8 +134,11 @@ class Server:
             if self.request_log.exists():
                 for line in self.request_log.read_text().splitlines():
                     rec = json.loads(line)
-                    if rec["request_id"] in ids:
-                        found.setdefault(rec["request_id"], []).append(rec)
+                    rid = rec["request_id"]
+                    if rid not in ids:  # /v1/completions: vLLM appends the prompt index
+                        rid = rid.rpartition("-")[0]
+                    if rid in ids:
+                        found.setdefault(rid, []).append(rec)
             if len(found) == len(ids) or time.monotonic() > deadline:
                 return found
             time.sleep(0.2)
@@ -83,13 +146,26 @@ class Server:
 
 @pytest.fixture(scope="session")
 def server(tiny_model, tmp_path_factory) -> Iterator[Server]:
+    """Every feature on: request log, sessions and routes (VLLM_PLUGINS=pte), OTLP export
+    to an in-process receiver, an API key, and vLLM's dev routes (prefix-cache reset)."""
     work = tmp_path_factory.mktemp("server")
     log = work / "requests.jsonl"
-    vllm = start_server(tiny_model, work, {"PTE_REQUEST_LOG": str(log), "PTE_DEVICE": "h100-sxm"})
+    otlp = OtlpReceiver()
+    env = {
+        "PTE_REQUEST_LOG": str(log),
+        "PTE_DEVICE": "h100-sxm",
+        "VLLM_PLUGINS": "pte",
+        "VLLM_SERVER_DEV_MODE": "1",
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": otlp.endpoint,
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",  # the receiver speaks OTLP/HTTP only
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+    }
+    vllm = start_server(tiny_model, work, env, ["--api-key", API_KEY])
     try:
-        yield Server(vllm, log)
+        yield Server(vllm, log, otlp)
     finally:
         vllm.stop()
+        otlp.httpd.shutdown()
 
 
 def metric_sum(metrics: dict, name: str, **labels: str) -> float:

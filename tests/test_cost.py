@@ -10,6 +10,7 @@ from pte_instrument.core.cost import (
     context_sum,
     price_trajectory,
     price_turn,
+    reusable_prefix,
     session_turns,
 )
 from pte_instrument.core.devices import DeviceProfile
@@ -66,23 +67,34 @@ def test_cache_beyond_the_session_is_not_a_tax():
 
 def test_trajectory_ideal_and_eviction_tax():
     turns = session_turns(prompts=[50, 80], outputs=[10, 5])
-    assert [t.reusable_tokens for t in turns] == [0, 60]  # 50 + 10 from turn 1
+    # turn 1 computed its 50 prompt tokens and 9 of its 10 outputs (the last was never fed back)
+    assert [t.reusable_tokens for t in turns] == [0, 59]
     total = price_trajectory(model(), turns)
     # served: 50 + 0.01·(500 + 45) + 80 + 0.01·(400 + 10) = 139.55
     assert total.served == pytest.approx(139.55)
-    # ideal: turn 2 prefills only 80 − 60 = 20 new tokens
-    assert total.ideal == pytest.approx(139.55 - 60)
+    # ideal: turn 2 prefills only the 80 − 59 = 21 tokens turn 1 never computed
+    assert total.ideal == pytest.approx(139.55 - 59)
     # reference: 50 + 0.01·500 + 80 + 0.01·400
     assert total.reference == pytest.approx(139.0)
-    # no cache between turns: the 60 reusable tokens were paid again
-    assert total.served - total.ideal == pytest.approx(60)
+    # no cache between turns: the 59 reusable tokens were paid again
+    assert total.served - total.ideal == pytest.approx(59)
+    assert total.eviction_tax == pytest.approx(59)
 
 
 def test_trajectory_with_cache_has_no_tax():
-    turns = session_turns(prompts=[50, 80], outputs=[10, 5], cached=[0, 60])
+    turns = session_turns(prompts=[50, 80], outputs=[10, 5], cached=[0, 59])
     total = price_trajectory(model(), turns)
     assert total.served == pytest.approx(total.ideal)
     assert total.eviction_tax == 0
+
+
+def test_reusable_prefix_is_block_granular():
+    # 300 prompt + 40 outputs → 339 computed tokens → two whole 128-token blocks
+    assert reusable_prefix(300, 40, 500, block_size=128) == 256
+    assert reusable_prefix(300, 40, 200, block_size=128) == 200  # capped by this prompt
+    assert reusable_prefix(300, 0, 500) == 300  # nothing generated: the prompt was computed
+    turns = session_turns([300, 500], [40, 5], block_size=128)
+    assert turns[1].reusable_tokens == 256
 
 
 def test_rejects_impossible_counts():

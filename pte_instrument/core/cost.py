@@ -161,24 +161,33 @@ def price_turn(model: CostModel, t: TurnTokens) -> TurnCost:
     )
 
 
+def reusable_prefix(prev_prompt: int, prev_output: int, prompt: int, block_size: int = 1) -> int:
+    """Context of the previous turn a prefix cache could still hold for this one: every
+    token the previous turn computed (its prompt and all outputs but the last, which was
+    sampled and never fed back), in whole KV blocks, and no longer than this prompt.
+    Assumes an agent loop, whose prompts extend the previous prompt and output."""
+    computed = prev_prompt + max(prev_output - 1, 0)
+    return min(prompt, computed - computed % block_size)
+
+
 def session_turns(
     prompts: Sequence[int],
     outputs: Sequence[int],
     cached: Sequence[int] | None = None,
     recomputed: Sequence[int] | None = None,
+    block_size: int = 1,
 ) -> list[TurnTokens]:
-    """Turns of one session, each assumed to extend the previous turn's context
-    (prompt + output), which is what an agent loop sends."""
+    """The turns of one session, each inheriting the previous turn's reusable prefix."""
     n = len(prompts)
     cached = cached if cached is not None else [0] * n
     recomputed = recomputed if recomputed is not None else [0] * n
-    turns, previous_context = [], 0
-    for i in range(n):
-        turns.append(
-            TurnTokens(prompts[i], outputs[i], cached[i], recomputed[i], min(previous_context, prompts[i]))
+    return [
+        TurnTokens(
+            prompts[i], outputs[i], cached[i], recomputed[i],
+            reusable_prefix(prompts[i - 1], outputs[i - 1], prompts[i], block_size) if i else 0,
         )
-        previous_context = prompts[i] + outputs[i]
-    return turns
+        for i in range(n)
+    ]  # fmt: skip
 
 
 def price_trajectory(model: CostModel, turns: Sequence[TurnTokens]) -> TurnCost:

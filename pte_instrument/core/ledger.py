@@ -29,6 +29,7 @@ class FinishedRequest:
     session_id: str | None = None
     turn: int | None = None
     reusable_tokens: int = 0  # context the session's previous turn already paid for
+    pause_s: float | None = None  # tool pause between the previous turn's end and this arrival
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class RequestRecord:
     decode_s: float
     inference_s: float
     e2e_s: float
+    pause_s: float | None
     finished_at: float
 
     def to_dict(self) -> dict[str, Any]:
@@ -105,5 +107,6 @@ def price_request(model: CostModel, req: FinishedRequest, finished_at: float) ->
         decode_s=req.decode_s,
         inference_s=req.inference_s,
         e2e_s=req.e2e_s,
+        pause_s=req.pause_s,
         finished_at=finished_at,
     )

@@ -8,11 +8,15 @@ PTE (prefill token equivalents) is the unit of every ``pte_*_pte`` series.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..core.cost import CostModel
 from ..core.ledger import RequestRecord
+from ..core.sessions import SessionLedger
+from ..session_ids import PendingSessions
 
 # 1 PTE … 100M PTE, a factor ~3.16 apart: a short chat to a 100k-token agent turn.
 PTE_BUCKETS = (*(float(f"{m}e{e}") for e in range(8) for m in (1, 3.16)), 1e8)
@@ -96,11 +100,87 @@ class PteMetrics:
             req,
             registry=registry,
         )
+        # --- sessions (observed when a session closes: idle TTL or the live-session cap) ---
+        self.session_turns = Histogram(
+            "pte_session_turns",
+            "Turns per closed agent session.",
+            ["model"],
+            buckets=(1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233),
+            registry=registry,
+        )
+        self.session_pte = Histogram(
+            "pte_session_served_pte",
+            "Served PTE per closed agent session.",
+            ["model"],
+            buckets=PTE_BUCKETS,
+            registry=registry,
+        )
+        self.session_eviction = Histogram(
+            "pte_session_eviction_tax_pte",
+            "Eviction tax (PTE) per closed agent session.",
+            ["model"],
+            buckets=(0.0, *PTE_BUCKETS),
+            registry=registry,
+        )
+        self.tool_pause = Histogram(
+            "pte_tool_pause_seconds",
+            "Pause between a session's turn ending and its next turn arriving.",
+            ["model"],
+            buckets=(0.01, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 300, 900, 3600),
+            registry=registry,
+        )
+        self.sessions_closed = Counter(
+            "pte_sessions_closed",
+            "Agent sessions closed, by reason (idle: TTL; evicted: live-session cap).",
+            ["model", "reason"],
+            registry=registry,
+        )
+        self.session_ids_rejected = Counter(
+            "pte_session_ids_rejected",
+            "Requests whose session id was unusable (served, not tracked), by reason.",
+            ["reason"],
+            registry=registry,
+        )
         self.faults = Counter(
             "pte_plugin_faults",
             "Faults inside pte-instrument, by stage; serving continued.",
             ["stage"],
             registry=registry,
+        )
+
+    def session_closed(self, summary: dict, reason: str) -> None:
+        model = summary["model"]
+        self.session_turns.labels(model).observe(summary["turns"])
+        self.session_pte.labels(model).observe(summary["pte_served"])
+        self.session_eviction.labels(model).observe(summary["pte_eviction_tax"])
+        self.sessions_closed.labels(model, reason).inc()
+
+
+class SessionLedgerCollector:
+    """Ledger state read at scrape time (no bookkeeping on the hot path)."""
+
+    def __init__(self, sessions: SessionLedger, pending: PendingSessions) -> None:
+        self.sessions = sessions
+        self.pending = pending
+
+    def describe(self) -> list:
+        return []  # collected lazily; avoids a scrape at registration time
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        st = self.sessions.stats
+        yield GaugeMetricFamily(
+            "pte_sessions_live", "Agent sessions currently tracked.", value=len(self.sessions)
+        )
+        yield CounterMetricFamily("pte_sessions_opened", "Agent sessions opened.", value=st.sessions_opened)
+        yield CounterMetricFamily(
+            "pte_session_turn_rows_dropped",
+            "Turn rows not kept past the per-session cap (totals still count).",
+            value=st.turns_dropped,
+        )
+        yield CounterMetricFamily(
+            "pte_session_tags_dropped",
+            "Session tags of requests that never finished, dropped past the cap.",
+            value=self.pending.dropped,
         )
 
 
@@ -142,3 +222,5 @@ class PrometheusExporter:
         m.cached_tokens.labels(*lab).inc(r.cached_tokens)
         m.output_tokens.labels(*lab).inc(r.output_tokens)
         m.request_pte.labels(*lab).observe(r.pte_served)
+        if r.pause_s is not None:
+            m.tool_pause.labels(r.model).observe(r.pause_s)

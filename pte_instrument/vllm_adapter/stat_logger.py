@@ -8,6 +8,8 @@ engine-core output batch. Nothing here may raise into vLLM: a fault is counted
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import replace
 from typing import Any
 
 from vllm.config import VllmConfig
@@ -19,9 +21,7 @@ from ..core.architecture import parse_shape
 from ..core.cost import CostModel
 from ..core.devices import resolve_device
 from ..core.ledger import FinishedRequest
-from ..exporters.prometheus import PrometheusExporter, metrics_for
-from ..exporters.request_log import RequestLogWriter
-from ..faults import FaultTracker
+from ..runtime import get_runtime
 from ..settings import Settings
 
 log = logging.getLogger("pte_instrument")
@@ -69,6 +69,17 @@ def finished_request(stats: FinishedRequestStats, model: str, engine: int) -> Fi
     )
 
 
+def request_keys(request_id: str) -> tuple[str, ...]:
+    """Spellings of the X-Request-Id the session middleware registered: vLLM names a
+    request ``<kind>-<X-Request-Id>`` (``chatcmpl-…``) and the completions API appends
+    ``-<prompt index>`` (``cmpl-<id>-0``)."""
+    _kind, sep, base = request_id.partition("-")
+    if not sep:
+        return (request_id,)
+    head, dash, index = base.rpartition("-")
+    return (request_id, base, head) if dash and index.isdigit() else (request_id, base)
+
+
 class PteStatLogger(StatLoggerBase):
     """Per-engine stat logger; vLLM wraps it in its per-engine adapter for data parallel."""
 
@@ -76,24 +87,19 @@ class PteStatLogger(StatLoggerBase):
         self.engine_index = engine_index
         self.model = served_model_name(vllm_config)
         self.accountant: Accountant | None = None
-        metrics = metrics_for()
-        self.faults = FaultTracker(on_fault=lambda stage: metrics.faults.labels(stage).inc())
-        settings = Settings.from_env()
-        for error in settings.errors:
-            log.error("pte-instrument configuration: %s", error)
+        self.runtime = get_runtime()
+        self._next_expiry = 0.0
+        settings = self.runtime.settings
         if not settings.enabled:
             log.info("pte-instrument disabled (PTE_ENABLED=0)")
             return
         try:
             cost_model = cost_model_from_vllm(vllm_config, settings)
-            prometheus = PrometheusExporter(self.model, engine_index, metrics)
-            prometheus.publish_cost_model(cost_model)
-            exporters: list[tuple[str, Any]] = [("prometheus", prometheus)]
-            if settings.request_log:
-                exporters.append(("request_log", RequestLogWriter(settings.request_log)))
-            self.accountant = Accountant(cost_model, exporters, self.faults)
+            exporters = self.runtime.exporters_for(self.model, engine_index, cost_model)
+            self.runtime.sessions.block_size = vllm_config.cache_config.block_size or 1
+            self.accountant = Accountant(cost_model, exporters, self.runtime.faults, self.runtime.sessions)
         except Exception as e:  # unknown architecture, bad device name…: keep serving unpriced
-            self.faults.record("setup", e)
+            self.runtime.faults.record("setup", e)
             log.error("pte-instrument could not build its cost model and is inactive: %s", e)
 
     def record(
@@ -108,10 +114,20 @@ class PteStatLogger(StatLoggerBase):
         for stats in iteration_stats.finished_requests:
             try:
                 request = finished_request(stats, self.model, engine_idx)
+                session_id = self.runtime.pending.pop(*request_keys(request.request_id))
+                if session_id is not None:
+                    request = replace(request, session_id=session_id)
             except Exception as e:
-                self.faults.record("adapter", e)
+                self.runtime.faults.record("adapter", e)
                 continue
             self.accountant.on_finished(request)
+        now = time.monotonic()
+        if now >= self._next_expiry:  # close idle sessions even when no turn arrives
+            self._next_expiry = now + 1.0
+            try:
+                self.runtime.sessions.expire()
+            except Exception as e:
+                self.runtime.faults.record("sessions", e)
 
     def log_engine_initialized(self) -> None:
         if self.accountant is None:

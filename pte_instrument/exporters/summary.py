@@ -1,0 +1,32 @@
+"""Per-model running totals for ``GET /pte/summary``."""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from typing import Any
+
+from ..core.ledger import RequestRecord
+
+SUMMED = ("prompt_tokens", "cached_tokens", "computed_prefill_tokens", "recomputed_tokens", "output_tokens",
+          "pte_reference", "pte_served", "pte_ideal", "pte_prefill", "pte_decode", "pte_recompute",
+          "pte_eviction_tax")  # fmt: skip
+
+
+class ModelTotals:
+    def __init__(self) -> None:
+        self._totals: defaultdict[str, dict[str, float]] = defaultdict(
+            lambda: dict.fromkeys(("requests", *SUMMED), 0)
+        )
+        self._lock = threading.Lock()
+
+    def export(self, r: RequestRecord) -> None:
+        with self._lock:
+            t = self._totals[r.model]
+            t["requests"] += 1
+            for k in SUMMED:
+                t[k] += getattr(r, k)
+
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        with self._lock:
+            return {model: dict(t) for model, t in self._totals.items()}

@@ -1,0 +1,118 @@
+"""Process-wide plugin state shared by the stat logger(s) and the HTTP routes, which vLLM
+loads separately into the same API-server process."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from prometheus_client import REGISTRY, CollectorRegistry
+
+from .core.cost import CostModel
+from .core.sessions import SessionLedger, SessionState
+from .exporters.prometheus import PrometheusExporter, SessionLedgerCollector, metrics_for
+from .exporters.request_log import RequestLogWriter
+from .exporters.summary import ModelTotals
+from .faults import FaultTracker
+from .session_ids import PendingSessions
+from .settings import Settings
+
+log = logging.getLogger("pte_instrument")
+STAGES = (
+    "setup",
+    "adapter",
+    "accounting",
+    "sessions",
+    "prometheus",
+    "request_log",
+    "otel",
+    "summary",
+    "middleware",
+    "routes",
+)
+
+
+class Runtime:
+    def __init__(self, settings: Settings, registry: CollectorRegistry = REGISTRY) -> None:
+        self.settings = settings
+        self.metrics = metrics_for(registry)
+        self.faults = FaultTracker(on_fault=lambda stage: self.metrics.faults.labels(stage).inc())
+        for stage in STAGES:  # expose every stage's fault counter at 0
+            self.metrics.faults.labels(stage)
+        self.pending = PendingSessions()
+        self.sessions = SessionLedger(
+            max_sessions=settings.max_sessions,
+            idle_ttl_s=settings.session_idle_ttl_s,
+            max_turns=settings.max_turns,
+            on_close=self._session_closed,
+        )
+        registry.register(SessionLedgerCollector(self.sessions, self.pending))
+        self.totals = ModelTotals()
+        self.cost_models: dict[tuple[str, int], CostModel] = {}
+        self.api_keys: list[str] = []
+        self.request_log = RequestLogWriter(settings.request_log) if settings.request_log else None
+        self.otel: Any = None
+        if settings.otel:
+            try:
+                from .exporters.otel import OtelExporter
+
+                self.otel = OtelExporter()
+            except Exception as e:  # missing package, bad OTEL_* values
+                self.faults.record("otel", e)
+
+    def _session_closed(self, state: SessionState, reason: str) -> None:
+        try:
+            self.metrics.session_closed(state.summary(), reason)
+        except Exception as e:
+            self.faults.record("prometheus", e)
+
+    def exporters_for(self, model: str, engine: int, cost_model: CostModel) -> list[tuple[str, Any]]:
+        """The exporters a stat logger of (model, engine) fans records out to."""
+        prometheus = PrometheusExporter(model, engine, self.metrics)
+        prometheus.publish_cost_model(cost_model)
+        self.cost_models[(model, engine)] = cost_model
+        exporters: list[tuple[str, Any]] = [("prometheus", prometheus), ("summary", self.totals)]
+        if self.request_log is not None:
+            exporters.append(("request_log", self.request_log))
+        if self.otel is not None:
+            exporters.append(("otel", self.otel))
+        return exporters
+
+    def summary(self) -> dict[str, Any]:
+        s = self.sessions
+        return {
+            "models": self.totals.snapshot(),
+            "cost_models": [
+                {"model": model, "engine": engine, **cm.describe()}
+                for (model, engine), cm in self.cost_models.items()
+            ],
+            "sessions": {
+                "live": len(s),
+                "max_sessions": s.max_sessions,
+                "idle_ttl_s": s.idle_ttl_s,
+                "max_turns": s.max_turns,
+                "opened": s.stats.sessions_opened,
+                "expired": s.stats.sessions_expired,
+                "evicted": s.stats.sessions_evicted,
+                "turn_rows_dropped": s.stats.turns_dropped,
+                "pending_requests": len(self.pending),
+                "pending_dropped": self.pending.dropped,
+            },
+            "faults": dict(self.faults.counts),
+        }
+
+
+_runtime: Runtime | None = None
+_lock = threading.Lock()
+
+
+def get_runtime() -> Runtime:
+    global _runtime
+    with _lock:
+        if _runtime is None:
+            settings = Settings.from_env()
+            for error in settings.errors:
+                log.error("pte-instrument configuration: %s", error)
+            _runtime = Runtime(settings)
+        return _runtime
