@@ -27,6 +27,7 @@ demo: $(STAMP) models/tiny/config.json
 	$(BIN)/pte demo
 
 test: $(STAMP) models/tiny/config.json
+	bash scripts/install_test_deps.sh   # Debian's prometheus + promtool for the scrape test
 	$(BIN)/python -m pytest -ra $(PYTEST_ARGS)
 
 lint: $(STAMP)

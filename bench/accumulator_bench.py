@@ -58,8 +58,7 @@ class Case:
     note: str = ""
 
 
-def make_batches(rng: np.random.Generator, size: int, slots: np.ndarray, k: int = 8
-                 ) -> list[StepBatch]:
+def make_batches(rng: np.random.Generator, size: int, slots: np.ndarray, k: int = 8) -> list[StepBatch]:
     out = []
     for _ in range(k):
         decode = rng.random(size) < 0.9
@@ -86,6 +85,7 @@ def bench_case(backend: str, device: str, size: int, seconds: float, seed: int) 
 
         sync = torch.cuda.synchronize
     else:
+
         def sync() -> None:
             return None
 
@@ -180,8 +180,13 @@ def _cpu_count() -> int:
 
 def git_commit() -> str:
     try:
-        r = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                           cwd=Path(__file__).resolve().parents[1], timeout=10)
+        r = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).resolve().parents[1],
+            timeout=10,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return "uncommitted"
     return r.stdout.strip() if r.returncode == 0 and r.stdout.strip() else "uncommitted"
@@ -217,27 +222,36 @@ def plan(backends: list[str], sizes: list[int], interp: bool) -> list[tuple[str,
 
 
 def print_table(cases: list[Case]) -> None:
-    head = f"{'backend':<8} {'device':<6} {'batch':>6} {'µs/update':>10} {'rows/s':>12} " \
-           f"{'host µs':>8} {'GPU µs':>8}  note"
+    head = (
+        f"{'backend':<8} {'device':<6} {'batch':>6} {'µs/update':>10} {'rows/s':>12} "
+        f"{'host µs':>8} {'GPU µs':>8}  note"
+    )
     print(head)
     print("-" * len(head))
     for c in cases:
         host = f"{c.host_us:8.1f}" if c.host_us is not None else f"{'':>8}"
         dev = f"{c.device_us:8.1f}" if c.device_us is not None else f"{'':>8}"
-        print(f"{c.backend:<8} {c.device:<6} {c.batch:>6} {c.us_per_update:>10.1f} "
-              f"{c.rows_per_s:>12.3g} {host} {dev}  {c.note[:40]}")
+        print(
+            f"{c.backend:<8} {c.device:<6} {c.batch:>6} {c.us_per_update:>10.1f} "
+            f"{c.rows_per_s:>12.3g} {host} {dev}  {c.note[:40]}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=SIZES)
-    ap.add_argument("--backends", nargs="+", default=["numpy", "torch", "triton"],
-                    choices=["numpy", "torch", "triton"])
+    ap.add_argument(
+        "--backends", nargs="+", default=["numpy", "torch", "triton"], choices=["numpy", "torch", "triton"]
+    )
     ap.add_argument("--seconds", type=float, default=0.5, help="wall time per case")
     ap.add_argument("--no-interp", action="store_true", help="skip Triton-interpreter cases")
-    ap.add_argument("--torch-threads", type=int, default=1,
-                    help="torch intra-op threads for the CPU cases (default 1: with more, "
-                         "a busy host makes torch's CPU timings erratic; 0 keeps torch's)")
+    ap.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads for the CPU cases (default 1: with more, "
+        "a busy host makes torch's CPU timings erratic; 0 keeps torch's)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -270,9 +284,11 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     m = report["machine"]
-    print(f"machine: {m['hostname']} · {m['cpu']} × {m['cpu_count']} · GPU: {m.get('gpu')} · "
-          f"torch {m.get('torch')} · triton {m.get('triton')} · {report['date']} · "
-          f"commit {report['git_commit']} · load {loadavg_before}→{m['loadavg_1m']}")
+    print(
+        f"machine: {m['hostname']} · {m['cpu']} × {m['cpu_count']} · GPU: {m.get('gpu')} · "
+        f"torch {m.get('torch')} · triton {m.get('triton')} · {report['date']} · "
+        f"commit {report['git_commit']} · load {loadavg_before}→{m['loadavg_1m']}"
+    )
     print_table(cases)
     print(f"wrote {out}")
     return 0

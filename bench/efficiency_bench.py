@@ -41,8 +41,13 @@ def peak_rss_mib() -> float:
 
 def _git(*args: str) -> subprocess.CompletedProcess | None:
     try:
-        return subprocess.run(["git", "--no-optional-locks", *args], capture_output=True,
-                              text=True, cwd=Path(__file__).resolve().parent, timeout=10)
+        return subprocess.run(
+            ["git", "--no-optional-locks", *args],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).resolve().parent,
+            timeout=10,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
 
@@ -68,8 +73,9 @@ def synthesize(path: Path, models: int, instances: int, traces: bool, seed: int)
     difficulty = rng.normal(0, 1, instances)
     workload = rng.lognormal(5, 0.8, instances)
     p_correct = 1 / (1 + np.exp(-(skill[:, None] - difficulty[None, :])))
-    tokens = np.maximum(1, (verbosity[:, None] * workload[None, :]
-                            * rng.lognormal(0, 0.5, (models, instances)))).astype(np.int64)
+    tokens = np.maximum(
+        1, (verbosity[:, None] * workload[None, :] * rng.lognormal(0, 0.5, (models, instances)))
+    ).astype(np.int64)
     truncated = tokens > np.quantile(tokens, 0.93)
     correct = (rng.random((models, instances)) < p_correct) & ~truncated
     repeat = rng.integers(1, 6, (models, instances))
@@ -78,10 +84,14 @@ def synthesize(path: Path, models: int, instances: int, traces: bool, seed: int)
         for m in range(models):
             lines = []
             for i in range(instances):
-                row = {"model": f"model-{m:02d}", "benchmark": "synthetic",
-                       "instance_id": f"q{i:05d}", "correct": bool(correct[m, i]),
-                       "output_tokens": int(tokens[m, i]),
-                       "finish_reason": "length" if truncated[m, i] else "stop"}
+                row = {
+                    "model": f"model-{m:02d}",
+                    "benchmark": "synthetic",
+                    "instance_id": f"q{i:05d}",
+                    "correct": bool(correct[m, i]),
+                    "output_tokens": int(tokens[m, i]),
+                    "finish_reason": "length" if truncated[m, i] else "stop",
+                }
                 if traces:
                     words = WORDS[rng.integers(0, len(WORDS), 12)]
                     row["trace"] = " ".join(words) * int(repeat[m, i])
@@ -121,8 +131,9 @@ def main() -> int:
     del loaded
     phases["build_arrays_s"] = time.perf_counter() - t
     t = time.perf_counter()
-    result = analyze(table, "model-00", workload="solver", n_boot=args.bootstrap,
-                     n_splits=args.splits, seed=args.seed)
+    result = analyze(
+        table, "model-00", workload="solver", n_boot=args.bootstrap, n_splits=args.splits, seed=args.seed
+    )
     phases["analyze_s"] = time.perf_counter() - t
     t = time.perf_counter()
     report = json.dumps(efficiency_json([result], {}, {}), sort_keys=True, allow_nan=False)
@@ -147,9 +158,15 @@ def main() -> int:
             "load_avg_1m_end": round(os.getloadavg()[0], 2),
         },
         "config": {
-            "models": args.models, "instances": args.instances, "records": n_records,
-            "bootstrap": args.bootstrap, "splits": args.splits, "traces": not args.no_traces,
-            "workload": "solver", "seed": args.seed, "input_file_mib": round(file_mib, 1),
+            "models": args.models,
+            "instances": args.instances,
+            "records": n_records,
+            "bootstrap": args.bootstrap,
+            "splits": args.splits,
+            "traces": not args.no_traces,
+            "workload": "solver",
+            "seed": args.seed,
+            "input_file_mib": round(file_mib, 1),
         },
         "results": {
             "wall_s_total_excluding_synthesis": round(total, 3),
@@ -167,16 +184,20 @@ def main() -> int:
     dest.write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
 
     r = out["results"]
-    print(f"efficiency bench: {args.models} models × {args.instances} instances "
-          f"({n_records} records), {args.bootstrap} bootstrap, {args.splits} splits, "
-          f"traces {'on' if not args.no_traces else 'off'}")
+    print(
+        f"efficiency bench: {args.models} models × {args.instances} instances "
+        f"({n_records} records), {args.bootstrap} bootstrap, {args.splits} splits, "
+        f"traces {'on' if not args.no_traces else 'off'}"
+    )
     for k, v in phases.items():
         print(f"  {k:<18} {v:8.2f} s")
     print(f"  total (load → JSON) {total:7.2f} s   (target < 60 s)")
     print(f"  peak RSS           {r['peak_rss_mib']:8.1f} MiB (target < 4096 MiB)")
     m = out["machine"]
-    print(f"  machine: {m['platform']}, {m['cpu_count']} CPUs, load average "
-          f"{m['load_avg_1m_start']} → {m['load_avg_1m_end']}")
+    print(
+        f"  machine: {m['platform']}, {m['cpu_count']} CPUs, load average "
+        f"{m['load_avg_1m_start']} → {m['load_avg_1m_end']}"
+    )
     print(f"  wrote {dest}")
     ok = total < 60 and r["peak_rss_mib"] < 4096
     return 0 if ok else 1

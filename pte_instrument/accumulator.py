@@ -216,8 +216,9 @@ class _TorchStore:
         return staging.to(self.device, non_blocking=True)
 
     def update(self, packed: np.ndarray, hist_row: int, next_row: int) -> None:
-        self.kernel(self.state, self.hist, self.totals, hist_row, next_row,
-                    self._upload(packed), self.windows)
+        self.kernel(
+            self.state, self.hist, self.totals, hist_row, next_row, self._upload(packed), self.windows
+        )
 
     def read(self, slots: np.ndarray) -> np.ndarray:
         idx = self._upload(slots)
@@ -229,8 +230,7 @@ class _TorchStore:
         self.state.index_fill_(0, idx, 0.0)
 
     def grow(self, capacity: int) -> None:
-        new = self.torch.zeros((capacity, self.state.shape[1]), dtype=self.state.dtype,
-                               device=self.device)
+        new = self.torch.zeros((capacity, self.state.shape[1]), dtype=self.state.dtype, device=self.device)
         new[: self.state.shape[0]].copy_(self.state)
         self.state = new
 
@@ -313,13 +313,15 @@ class StepAccumulator:
         elif self.backend == "torch":
             from .kernels.torch_backend import accumulate_torch
 
-            self._store = _TorchStore(capacity, self.n_columns, history, self.windows,
-                                      self.device, accumulate_torch)
+            self._store = _TorchStore(
+                capacity, self.n_columns, history, self.windows, self.device, accumulate_torch
+            )
         else:
             from .kernels.triton_backend import accumulate_triton
 
-            self._store = _TorchStore(capacity, self.n_columns, history, self.windows,
-                                      self.device, accumulate_triton)
+            self._store = _TorchStore(
+                capacity, self.n_columns, history, self.windows, self.device, accumulate_triton
+            )
         self._allocated = np.zeros(capacity, dtype=bool)
         self._free = list(range(capacity - 1, -1, -1))  # a stack: low slots first
         self.step = 0  # number of update() calls so far

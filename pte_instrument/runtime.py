@@ -4,7 +4,10 @@ loads separately into the same API-server process."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import time
+from collections import OrderedDict
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry
@@ -17,8 +20,10 @@ from .exporters.summary import ModelTotals
 from .faults import FaultTracker
 from .session_ids import PendingSessions
 from .settings import Settings
+from .transport import ADDRESS_ENV, Receiver
 
 log = logging.getLogger("pte_instrument")
+MAX_ENGINE_RESULTS = 20_000
 STAGES = (
     "setup",
     "adapter",
@@ -52,6 +57,16 @@ class Runtime:
         self.cost_models: dict[tuple[str, int], CostModel] = {}
         self.api_keys: list[str] = []
         self.request_log = RequestLogWriter(settings.request_log) if settings.request_log else None
+        self.engine_hooks: set[int] = set()  # engines whose scheduler hook said hello
+        self._engine_results: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._engine_lock = threading.Lock()
+        self.engine_results_dropped = 0
+        self.receiver: Receiver | None = None
+        if os.environ.get(ADDRESS_ENV):
+            try:
+                self.receiver = Receiver(os.environ[ADDRESS_ENV], self._on_engine_messages)
+            except Exception as e:
+                self.faults.record("transport", e)
         self.otel: Any = None
         if settings.otel:
             try:
@@ -60,6 +75,40 @@ class Runtime:
                 self.otel = OtelExporter()
             except Exception as e:  # missing package, bad OTEL_* values
                 self.faults.record("otel", e)
+
+    def _on_engine_messages(self, messages: list[dict[str, Any]]) -> None:
+        with self._engine_lock:
+            for m in messages:
+                if m.get("hello"):
+                    self.engine_hooks.add(int(m["engine"]))
+                    continue
+                m["received_at"] = time.monotonic()
+                self._engine_results[m["external_id"]] = m
+                while len(self._engine_results) > MAX_ENGINE_RESULTS:  # never joined: bounded
+                    self._engine_results.popitem(last=False)
+                    self.engine_results_dropped += 1
+
+    def take_engine_result(self, *keys: str) -> dict[str, Any] | None:
+        with self._engine_lock:
+            for key in keys:
+                found = self._engine_results.pop(key, None)
+                if found is not None:
+                    return found
+        return None
+
+    def take_orphans(self, older_than_s: float) -> list[dict[str, Any]]:
+        """Engine results no stat-logger record claimed in time: requests vLLM's stat
+        logger never reports (a client that disconnected: aborted)."""
+        cutoff = time.monotonic() - older_than_s
+        out = []
+        with self._engine_lock:
+            while self._engine_results:
+                key, oldest = next(iter(self._engine_results.items()))
+                if oldest["received_at"] > cutoff:
+                    break
+                del self._engine_results[key]
+                out.append(oldest)
+        return out
 
     def _session_closed(self, state: SessionState, reason: str) -> None:
         try:

@@ -27,6 +27,8 @@ class Settings:
     session_idle_ttl_s: float = 3600.0
     max_turns: int = 64
     otel: bool = False
+    accumulator_backend: str = "auto"
+    step_log: str | None = None
     errors: tuple[str, ...] = field(default_factory=tuple)
 
     @classmethod
@@ -71,7 +73,13 @@ class Settings:
             errors.append(f"PTE_SESSION_HEADER={header!r} is not a valid header name; using X-Session-Id")
             header = "X-Session-Id"
         # OpenTelemetry follows its own standard variables: on when an OTLP endpoint is set.
-        otel_default = bool(env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+        otel_default = bool(
+            env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        )
+        backend = (env.get("PTE_ACCUMULATOR") or "auto").strip().lower()
+        if backend not in ("auto", "numpy", "torch", "triton"):
+            errors.append(f"PTE_ACCUMULATOR={backend!r} is not one of auto, numpy, torch, triton; using auto")
+            backend = "auto"
         return cls(
             enabled=flag("PTE_ENABLED", True),
             device=(env.get("PTE_DEVICE") or "auto").strip(),
@@ -84,5 +92,7 @@ class Settings:
             session_idle_ttl_s=positive("PTE_SESSION_IDLE_TTL_S") or 3600.0,
             max_turns=count("PTE_MAX_TURNS", 64),
             otel=flag("PTE_OTEL", otel_default) and not flag("OTEL_SDK_DISABLED", False),
+            accumulator_backend=backend,
+            step_log=(env.get("PTE_STEP_LOG") or "").strip() or None,
             errors=tuple(errors),
         )

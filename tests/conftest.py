@@ -79,7 +79,10 @@ class OtlpReceiver:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             for sp in self.spans:
-                if sp["attributes"].get("gen_ai.response.id") == response_id and "pte.served" in sp["attributes"]:
+                if (
+                    sp["attributes"].get("gen_ai.response.id") == response_id
+                    and "pte.served" in sp["attributes"]
+                ):
                     return sp
             time.sleep(0.1)
         return None

@@ -51,12 +51,21 @@ def seed() -> int:
 
 def cost_model(windows: tuple[int | None, ...]) -> CostModel:
     """A made-up model whose KV groups have the given windows (γ ≈ 1e-3 … 4e-3)."""
-    groups = tuple(KVGroup(layers=4, bytes_per_token=4096.0 * (g + 1), window=w)
-                   for g, w in enumerate(windows))
+    groups = tuple(
+        KVGroup(layers=4, bytes_per_token=4096.0 * (g + 1), window=w) for g, w in enumerate(windows)
+    )
     shape = ModelShape(
-        model_type="test", n_layers=4 * len(windows), hidden_size=512, n_heads=8,
-        n_kv_heads=2, head_dim=64, attention="gqa", kv_dtype_bytes=2, kv_groups=groups,
-        n_active=1e9, n_total=1e9,
+        model_type="test",
+        n_layers=4 * len(windows),
+        hidden_size=512,
+        n_heads=8,
+        n_kv_heads=2,
+        head_dim=64,
+        attention="gqa",
+        kv_dtype_bytes=2,
+        kv_groups=groups,
+        n_active=1e9,
+        n_total=1e9,
     )
     return CostModel(shape, DeviceProfile("test", 1e15, 2e12, "made up"))
 
@@ -111,9 +120,16 @@ class Request:
         self.c = cached
 
 
-def run_single(acc: StepAccumulator, L: int, D: int, *, chunk: int | None = None,
-               cached: int = 0, preempt_after: tuple[int, ...] = (),
-               rng: np.random.Generator | None = None) -> Request:
+def run_single(
+    acc: StepAccumulator,
+    L: int,
+    D: int,
+    *,
+    chunk: int | None = None,
+    cached: int = 0,
+    preempt_after: tuple[int, ...] = (),
+    rng: np.random.Generator | None = None,
+) -> Request:
     """Drive one request to completion, one step per update; preempt after the listed step
     numbers (resuming from no cache)."""
     req = Request(acc.allocate(), L, D, c=cached)
@@ -156,7 +172,7 @@ def test_decode_integral_equals_core_cost(backend, windows, seed: int) -> None:
     for g, w in enumerate(windows):
         assert row[ref.CTX0 + g] == context_sum(L, D, w), msg
     want = model.decode_exact(L, D)
-    assert np.isclose(row[ref.CTX0:] @ gammas(model), want, rtol=1e-12), msg
+    assert np.isclose(row[ref.CTX0 :] @ gammas(model), want, rtol=1e-12), msg
     served = acc.served([req.slot], gammas(model))[0]
     assert np.isclose(served, price_turn(model, TurnTokens(L, D)).served, rtol=1e-12), msg
 
@@ -187,8 +203,7 @@ def test_preemption_served_is_plain_served_plus_recompute(backend, seed: int) ->
     # Preempt after 1–2 random steps (during prefill or decode), never the last one: up to
     # there the preempted run is never ahead of the plain one, so it is not done yet.
     last = len(plain.log) - 1
-    after = tuple(sorted(rng.choice(last, size=min(last, int(rng.integers(1, 3))),
-                                    replace=False).tolist()))
+    after = tuple(sorted(rng.choice(last, size=min(last, int(rng.integers(1, 3))), replace=False).tolist()))
     preempted = run_single(acc, L, D, chunk=chunk, preempt_after=after)
     p, q = acc.read([plain.slot, preempted.slot])
     msg = f"seed={seed} L={L} D={D} chunk={chunk} preempt_after={after}"
@@ -226,15 +241,17 @@ def test_cache_hits_cost_nothing(backend, seed: int) -> None:
 # --- a multi-request workload: backends agree, conservation holds ------------------------
 
 
-def simulate(seed: int, n_requests: int, max_prompt: int, max_out: int,
-             max_batch: int) -> list[tuple[np.ndarray, list[int]]]:
+def simulate(
+    seed: int, n_requests: int, max_prompt: int, max_out: int, max_batch: int
+) -> list[tuple[np.ndarray, list[int]]]:
     """Steps of a toy continuous-batching scheduler: chunked prefill, decode with
     speculative drafts (random rejections reported next step), preemptions resuming from
     partial prefix-cache hits, arrivals and finishes. Returns (packed batch, slots to
     release after the step) per step; slots are ints assigned in arrival order."""
     rng = np.random.default_rng(seed)
-    waiting = [Request(i, int(rng.integers(1, max_prompt)), int(rng.integers(1, max_out)))
-               for i in range(n_requests)]
+    waiting = [
+        Request(i, int(rng.integers(1, max_prompt)), int(rng.integers(1, max_out))) for i in range(n_requests)
+    ]
     running: list[Request] = []
     steps: list[tuple[np.ndarray, list[int]]] = []
     while waiting or running:
@@ -271,10 +288,12 @@ def simulate(seed: int, n_requests: int, max_prompt: int, max_out: int,
     return steps
 
 
-def run_workload(backend: tuple[str, str], steps, history: int = 64,
-                 ) -> tuple[StepAccumulator, dict[int, np.ndarray]]:
-    acc = StepAccumulator((None, 48), capacity=4, backend=backend[0], device=backend[1],
-                          history=history)
+def run_workload(
+    backend: tuple[str, str],
+    steps,
+    history: int = 64,
+) -> tuple[StepAccumulator, dict[int, np.ndarray]]:
+    acc = StepAccumulator((None, 48), capacity=4, backend=backend[0], device=backend[1], history=history)
     slot_of: dict[int, int] = {}
     finished: dict[int, np.ndarray] = {}
     for packed, done in steps:
@@ -295,8 +314,7 @@ def run_workload(backend: tuple[str, str], steps, history: int = 64,
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_workload_backends_agree_and_conserve(backend, seed: int) -> None:
     small = backend == ("triton", "cpu")
-    steps = simulate(seed, n_requests=6 if small else 40, max_prompt=60, max_out=12,
-                     max_batch=8)
+    steps = simulate(seed, n_requests=6 if small else 40, max_prompt=60, max_out=12, max_batch=8)
     acc, finished = run_workload(backend, steps)
     want_acc, want = run_workload(("numpy", "cpu"), steps)
     msg = f"seed={seed} steps={len(steps)}"
@@ -322,10 +340,10 @@ def test_step_totals_ring_and_conservation(seed: int) -> None:
     assert list(st.steps) == list(range(max(0, len(steps) - 7), len(steps))), msg
     for s, row in zip(st.steps, st.rows, strict=True):
         ref_state = np.zeros((1 + int(steps[s][0][ref.SLOT].max(initial=0)), 7))
-        np.testing.assert_array_equal(row, ref.accumulate(ref_state, steps[s][0],
-                                                          ref.window_array((None, 48))))
-    assert list(acc.step_totals(since=len(steps) - 2).steps) == [len(steps) - 2,
-                                                                  len(steps) - 1]
+        np.testing.assert_array_equal(
+            row, ref.accumulate(ref_state, steps[s][0], ref.window_array((None, 48)))
+        )
+    assert list(acc.step_totals(since=len(steps) - 2).steps) == [len(steps) - 2, len(steps) - 1]
     assert len(acc.step_totals(since=len(steps)).steps) == 0
     # totals() covers every step, not just the ring.
     requests, per_step = acc.conservation()
@@ -369,8 +387,7 @@ def test_step_batch_layout() -> None:
     b = StepBatch.from_arrays(slot=[3, 1], c=[0, 7], n=[5, 1], P=[5, 7], H=[0, 7])
     assert b.packed.shape == (7, 2) and b.packed.dtype == np.int64 and len(b) == 2
     assert b.slot.tolist() == [3, 1] and b.spec.tolist() == [0, 0]
-    assert StepBatch.from_rows([(3, 0, 5, 5), (1, 7, 1, 7, 7)]).packed.tolist() == \
-        b.packed.tolist()
+    assert StepBatch.from_rows([(3, 0, 5, 5), (1, 7, 1, 7, 7)]).packed.tolist() == b.packed.tolist()
     z = StepBatch.zeros(3)
     z.n[:] = 4  # properties are views: an adapter fills the batch in place
     assert z.packed[ref.N].tolist() == [4, 4, 4]
@@ -404,8 +421,13 @@ def test_numpy_backend_needs_neither_torch_nor_triton() -> None:
         "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
         "print('ok')\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=60,
+    )
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
 
 
@@ -423,15 +445,30 @@ def test_torch_cpu_update_reads_nothing_back(monkeypatch, seed: int) -> None:
     batches = [StepBatch.zeros(0)]
     for size in (1, 17, 300):
         c = rng.integers(0, 100, size)
-        batches.append(StepBatch.from_arrays(slot=rng.choice(slots, size), c=c,
-                                             n=rng.integers(0, 50, size),
-                                             P=rng.integers(1, 100, size), H=c))
+        batches.append(
+            StepBatch.from_arrays(
+                slot=rng.choice(slots, size),
+                c=c,
+                n=rng.integers(0, 50, size),
+                P=rng.integers(1, 100, size),
+                H=c,
+            )
+        )
 
     def forbidden(*_a, **_k):
         raise AssertionError("host read-back in update()")
 
-    for name in ("item", "cpu", "tolist", "numpy", "nonzero", "__bool__", "__int__",
-                 "__float__", "__index__"):
+    for name in (
+        "item",
+        "cpu",
+        "tolist",
+        "numpy",
+        "nonzero",
+        "__bool__",
+        "__int__",
+        "__float__",
+        "__index__",
+    ):
         monkeypatch.setattr(torch.Tensor, name, forbidden)
     monkeypatch.setattr(torch, "nonzero", forbidden)
     for b in batches:
@@ -453,9 +490,15 @@ def test_cuda_update_never_synchronises(backend: str, seed: int) -> None:
     batches = []
     for size in (0, 1, 64, 512, 8192):
         c = rng.integers(0, 10_000, size)
-        batches.append(StepBatch.from_arrays(slot=rng.choice(slots, size), c=c,
-                                             n=rng.integers(0, 500, size),
-                                             P=rng.integers(1, 10_000, size), H=c))
+        batches.append(
+            StepBatch.from_arrays(
+                slot=rng.choice(slots, size),
+                c=c,
+                n=rng.integers(0, 500, size),
+                P=rng.integers(1, 10_000, size),
+                H=c,
+            )
+        )
     for b in batches:  # warm-up: Triton compiles, the pinned pool fills
         acc.update(b)
     torch.cuda.synchronize()

@@ -37,13 +37,29 @@ def records_file(tmp_path):
     C = {"A": [0, 0, 0, 1], "B": [0, 0, 0, 0]}
     W = [10, 40, 20, 80]
     rows = [
-        {"model": m, "benchmark": "bench", "instance_id": f"i{k}", "correct": bool(S[m][k]),
-         "output_tokens": T[m][k], "finish_reason": "length" if C[m][k] else "stop",
-         "workload": W[k], "pte_served": 10.0 * T[m][k]}
-        for m in "AB" for k in range(4)
+        {
+            "model": m,
+            "benchmark": "bench",
+            "instance_id": f"i{k}",
+            "correct": bool(S[m][k]),
+            "output_tokens": T[m][k],
+            "finish_reason": "length" if C[m][k] else "stop",
+            "workload": W[k],
+            "pte_served": 10.0 * T[m][k],
+        }
+        for m in "AB"
+        for k in range(4)
     ]
-    rows.append({"model": "A", "benchmark": "bench", "instance_id": "i9", "correct": True,
-                 "output_tokens": 5, "finish_reason": "length"})  # line 9: correct but truncated
+    rows.append(
+        {
+            "model": "A",
+            "benchmark": "bench",
+            "instance_id": "i9",
+            "correct": True,
+            "output_tokens": 5,
+            "finish_reason": "length",
+        }
+    )  # line 9: correct but truncated
     path = tmp_path / "records.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -76,8 +92,23 @@ def test_efficiency_markdown_and_plots(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     path = records_file(tmp_path)
     plots = tmp_path / "plots"
-    code, out, _ = run(["efficiency", str(path), "--reference", "B", "--bootstrap", "20",
-                        "--workload", "solver", "--splits", "5", "--plots", str(plots)], capsys)
+    code, out, _ = run(
+        [
+            "efficiency",
+            str(path),
+            "--reference",
+            "B",
+            "--bootstrap",
+            "20",
+            "--workload",
+            "solver",
+            "--splits",
+            "5",
+            "--plots",
+            str(plots),
+        ],
+        capsys,
+    )
     assert code == 0
     assert "# Reasoning-efficiency report" in out
     assert "not FLOPs or latency" in out and "not semantic validity" in out
@@ -88,13 +119,16 @@ def test_efficiency_markdown_and_plots(tmp_path, capsys):
     assert all((plots / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
 
 
-@pytest.mark.parametrize(("extra", "message"), [
-    (["--reference", "nobody"], "reference model 'nobody' has no records"),
-    (["--reference", "B", "--benchmark", "other"], "benchmark 'other' not in the records"),
-    (["--reference", "B", "--pool", "A,B"], "--pool applies only with --workload solver"),
-    (["--reference", "B", "--workload", "solver", "--pool", "A,Z"], "pool model(s) Z"),
-    (["--reference", "B", "--strict"], "1 bad record(s); first:"),
-])
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--reference", "nobody"], "reference model 'nobody' has no records"),
+        (["--reference", "B", "--benchmark", "other"], "benchmark 'other' not in the records"),
+        (["--reference", "B", "--pool", "A,B"], "--pool applies only with --workload solver"),
+        (["--reference", "B", "--workload", "solver", "--pool", "A,Z"], "pool model(s) Z"),
+        (["--reference", "B", "--strict"], "1 bad record(s); first:"),
+    ],
+)
 def test_efficiency_bad_input_exit_2(tmp_path, capsys, extra, message):
     code, out, err = run(["efficiency", str(records_file(tmp_path)), *extra], capsys)
     assert code == 2 and out == ""
@@ -105,10 +139,20 @@ def test_efficiency_bad_input_exit_2(tmp_path, capsys, extra, message):
 
 def test_efficiency_native_without_workload_and_missing_file(tmp_path, capsys):
     path = tmp_path / "r.jsonl"
-    path.write_text(json.dumps({"model": "A", "benchmark": "b", "instance_id": 1,
-                                "correct": True, "output_tokens": 3, "truncated": False}) + "\n")
-    code, _, err = run(["efficiency", str(path), "--reference", "A", "--workload", "native"],
-                       capsys)
+    path.write_text(
+        json.dumps(
+            {
+                "model": "A",
+                "benchmark": "b",
+                "instance_id": 1,
+                "correct": True,
+                "output_tokens": 3,
+                "truncated": False,
+            }
+        )
+        + "\n"
+    )
+    code, _, err = run(["efficiency", str(path), "--reference", "A", "--workload", "native"], capsys)
     assert code == 2 and "has no workload field" in err
     code, _, err = run(["efficiency", str(tmp_path / "nope.csv"), "--reference", "A"], capsys)
     assert code == 2 and "no such file" in err
@@ -117,13 +161,16 @@ def test_efficiency_native_without_workload_and_missing_file(tmp_path, capsys):
 def test_efficiency_subprocess_has_no_traceback(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{not json\n")
-    code = ("import sys; from pte_instrument.efficiency.cli import main; "
-            f"sys.exit(main(['efficiency', {str(bad)!r}, '--reference', 'A']))")
+    code = (
+        "import sys; from pte_instrument.efficiency.cli import main; "
+        f"sys.exit(main(['efficiency', {str(bad)!r}, '--reference', 'A']))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         f"pte efficiency: error: no valid evaluation records in {bad}; first problem: "
-        f"{bad}:1: invalid JSON (Expecting property name enclosed in double quotes)"]
+        f"{bad}:1: invalid JSON (Expecting property name enclosed in double quotes)"
+    ]
 
 
 # ----------------------------------------------------------------------------- report
@@ -132,12 +179,23 @@ def test_efficiency_subprocess_has_no_traceback(tmp_path):
 def trajectories_file(tmp_path):
     py = {"type": "code", "name": "python", "code": "print(1)", "output": "1"}
     rows = [
-        {"model": "m", "task": "t", "id": "1", "correct": True,
-         "turns": [{"prompt_tokens": 100, "output_tokens": 10},
-                   {"prompt_tokens": 150, "cached_tokens": 100, "output_tokens": 20,
-                    "tool_calls": [py]}]},
-        {"model": "m", "task": "t", "id": "2", "correct": False,
-         "turns": [{"prompt_tokens": 300, "output_tokens": 0, "parse_errors": 1}]},
+        {
+            "model": "m",
+            "task": "t",
+            "id": "1",
+            "correct": True,
+            "turns": [
+                {"prompt_tokens": 100, "output_tokens": 10},
+                {"prompt_tokens": 150, "cached_tokens": 100, "output_tokens": 20, "tool_calls": [py]},
+            ],
+        },
+        {
+            "model": "m",
+            "task": "t",
+            "id": "2",
+            "correct": False,
+            "turns": [{"prompt_tokens": 300, "output_tokens": 0, "parse_errors": 1}],
+        },
     ]
     path = tmp_path / "traj.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -150,8 +208,7 @@ def test_cost_model_for_gamma_is_exact():
 
 def test_report_json_and_markdown(tmp_path, capsys):
     path = trajectories_file(tmp_path)
-    code, out, _ = run(["report", str(path), "--gamma", "0.01", "--json", "--bootstrap", "20"],
-                       capsys)
+    code, out, _ = run(["report", str(path), "--gamma", "0.01", "--json", "--bootstrap", "20"], capsys)
     assert code == 0
     data = json.loads(out)
     g = data["groups"][0]
@@ -167,21 +224,35 @@ def test_report_json_and_markdown(tmp_path, capsys):
 
 def test_report_with_model_config_and_plots(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    code, out, err = run(["report", str(trajectories_file(tmp_path)), "--model-dir",
-                          str(FIXTURES / "llama31_8b.json"), "--device", "h100-sxm", "--json",
-                          "--plots", str(tmp_path / "p")], capsys)
+    code, out, err = run(
+        [
+            "report",
+            str(trajectories_file(tmp_path)),
+            "--model-dir",
+            str(FIXTURES / "llama31_8b.json"),
+            "--device",
+            "h100-sxm",
+            "--json",
+            "--plots",
+            str(tmp_path / "p"),
+        ],
+        capsys,
+    )
     assert code == 0, err
     assert json.loads(out)["cost_model"]["device"] == "h100-sxm"
     assert sorted(p.name for p in (tmp_path / "p").iterdir()) == [
-        "pte-correct-incorrect.png", "pte-per-step.png"]
+        "pte-correct-incorrect.png",
+        "pte-per-step.png",
+    ]
 
 
 def test_report_bad_input_exit_2(tmp_path, capsys):
     path = trajectories_file(tmp_path)
     code, _, err = run(["report", str(path), "--model-dir", str(tmp_path)], capsys)
     assert code == 2 and err.startswith("pte report: error: cannot read model config")
-    code, _, err = run(["report", str(path), "--model-dir", str(FIXTURES / "llama31_8b.json"),
-                        "--device", "abacus"], capsys)
+    code, _, err = run(
+        ["report", str(path), "--model-dir", str(FIXTURES / "llama31_8b.json"), "--device", "abacus"], capsys
+    )
     assert code == 2 and "unknown device 'abacus'" in err
     code, _, err = run(["report", str(tmp_path / "none.jsonl"), "--gamma", "1"], capsys)
     assert code == 2 and "cannot read" in err

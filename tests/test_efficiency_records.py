@@ -19,12 +19,26 @@ from pte_instrument.efficiency.records import (
 )
 
 GOOD = [
-    {"model": "A", "benchmark": "b", "instance_id": "1", "correct": True, "output_tokens": 10,
-     "finish_reason": "stop", "workload": 2.0},
-    {"model": "A", "benchmark": "b", "instance_id": "2", "correct": False, "output_tokens": 20,
-     "finish_reason": "length", "trace": "a b c d a b c d", "prompt": "x a b c d y"},
-    {"model": "B", "task": "b", "id": 1, "is_correct": "1", "generated_tokens": "30",
-     "truncated": "false"},
+    {
+        "model": "A",
+        "benchmark": "b",
+        "instance_id": "1",
+        "correct": True,
+        "output_tokens": 10,
+        "finish_reason": "stop",
+        "workload": 2.0,
+    },
+    {
+        "model": "A",
+        "benchmark": "b",
+        "instance_id": "2",
+        "correct": False,
+        "output_tokens": 20,
+        "finish_reason": "length",
+        "trace": "a b c d a b c d",
+        "prompt": "x a b c d y",
+    },
+    {"model": "B", "task": "b", "id": 1, "is_correct": "1", "generated_tokens": "30", "truncated": "false"},
 ]
 
 
@@ -47,32 +61,132 @@ def test_good_rows_and_aliases(tmp_path):
 
 
 BAD = [
-    ({"benchmark": "b", "instance_id": "9", "correct": True, "output_tokens": 1,
-      "truncated": False}, "missing field 'model'"),
-    ({"model": "A", "benchmark": "b", "instance_id": "9", "output_tokens": 1,
-      "truncated": False}, "missing field 'correct'"),
-    ({"model": "A", "benchmark": "b", "instance_id": "9", "correct": True, "output_tokens": 1},
-     "missing field 'truncated'"),
-    ({"model": "A", "benchmark": "b", "instance_id": "9", "correct": False, "output_tokens": 0,
-      "truncated": False}, "output_tokens must be > 0"),
-    ({"model": "A", "benchmark": "b", "instance_id": "9", "correct": False, "output_tokens": -3,
-      "truncated": False}, "output_tokens must be > 0"),
-    ({"model": "A", "benchmark": "b", "instance_id": "9", "correct": False, "output_tokens": 2.5,
-      "truncated": False}, "must be an integer"),
-    ({"model": "A", "benchmark": "b", "instance_id": "9", "correct": False,
-      "output_tokens": float("nan"), "truncated": False}, "output_tokens is NaN"),
-    ({"model": "A", "benchmark": "b", "instance_id": "9", "correct": False, "output_tokens": 5,
-      "truncated": False, "workload": float("nan")}, "workload is NaN"),
-    ({"model": "A", "benchmark": "b", "instance_id": "9", "correct": False, "output_tokens": 5,
-      "truncated": False, "workload": 0}, "workload must be > 0"),
-    ({"model": "A", "benchmark": "b", "instance_id": "9", "correct": True, "output_tokens": 5,
-      "finish_reason": "length"}, "correct but truncated"),
-    ({"model": "A", "benchmark": "b", "instance_id": "9", "correct": False, "output_tokens": 5,
-      "truncated": False, "finish_reason": "length"}, "contradicts finish_reason"),
-    ({"model": "A", "benchmark": "b", "instance_id": "9", "correct": "maybe", "output_tokens": 5,
-      "truncated": False}, "correct must be true/false"),
-    ({"model": "A", "benchmark": "b", "instance_id": "9", "correct": False, "output_tokens": 5,
-      "truncated": False, "pte_served": -1}, "pte_served must be >= 0"),
+    (
+        {"benchmark": "b", "instance_id": "9", "correct": True, "output_tokens": 1, "truncated": False},
+        "missing field 'model'",
+    ),
+    (
+        {"model": "A", "benchmark": "b", "instance_id": "9", "output_tokens": 1, "truncated": False},
+        "missing field 'correct'",
+    ),
+    (
+        {"model": "A", "benchmark": "b", "instance_id": "9", "correct": True, "output_tokens": 1},
+        "missing field 'truncated'",
+    ),
+    (
+        {
+            "model": "A",
+            "benchmark": "b",
+            "instance_id": "9",
+            "correct": False,
+            "output_tokens": 0,
+            "truncated": False,
+        },
+        "output_tokens must be > 0",
+    ),
+    (
+        {
+            "model": "A",
+            "benchmark": "b",
+            "instance_id": "9",
+            "correct": False,
+            "output_tokens": -3,
+            "truncated": False,
+        },
+        "output_tokens must be > 0",
+    ),
+    (
+        {
+            "model": "A",
+            "benchmark": "b",
+            "instance_id": "9",
+            "correct": False,
+            "output_tokens": 2.5,
+            "truncated": False,
+        },
+        "must be an integer",
+    ),
+    (
+        {
+            "model": "A",
+            "benchmark": "b",
+            "instance_id": "9",
+            "correct": False,
+            "output_tokens": float("nan"),
+            "truncated": False,
+        },
+        "output_tokens is NaN",
+    ),
+    (
+        {
+            "model": "A",
+            "benchmark": "b",
+            "instance_id": "9",
+            "correct": False,
+            "output_tokens": 5,
+            "truncated": False,
+            "workload": float("nan"),
+        },
+        "workload is NaN",
+    ),
+    (
+        {
+            "model": "A",
+            "benchmark": "b",
+            "instance_id": "9",
+            "correct": False,
+            "output_tokens": 5,
+            "truncated": False,
+            "workload": 0,
+        },
+        "workload must be > 0",
+    ),
+    (
+        {
+            "model": "A",
+            "benchmark": "b",
+            "instance_id": "9",
+            "correct": True,
+            "output_tokens": 5,
+            "finish_reason": "length",
+        },
+        "correct but truncated",
+    ),
+    (
+        {
+            "model": "A",
+            "benchmark": "b",
+            "instance_id": "9",
+            "correct": False,
+            "output_tokens": 5,
+            "truncated": False,
+            "finish_reason": "length",
+        },
+        "contradicts finish_reason",
+    ),
+    (
+        {
+            "model": "A",
+            "benchmark": "b",
+            "instance_id": "9",
+            "correct": "maybe",
+            "output_tokens": 5,
+            "truncated": False,
+        },
+        "correct must be true/false",
+    ),
+    (
+        {
+            "model": "A",
+            "benchmark": "b",
+            "instance_id": "9",
+            "correct": False,
+            "output_tokens": 5,
+            "truncated": False,
+            "pte_served": -1,
+        },
+        "pte_served must be >= 0",
+    ),
 ]
 
 
@@ -122,18 +236,51 @@ def test_conflicting_workload_is_kept_but_unknown(tmp_path):
 
 def test_csv_with_multiline_trace_names_the_right_lines(tmp_path):
     path = tmp_path / "r.csv"
-    fields = ["model", "benchmark", "instance_id", "correct", "output_tokens", "finish_reason",
-              "workload", "trace"]
+    fields = [
+        "model",
+        "benchmark",
+        "instance_id",
+        "correct",
+        "output_tokens",
+        "finish_reason",
+        "workload",
+        "trace",
+    ]
     with path.open("w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=fields)
         w.writeheader()  # line 1
-        w.writerow({"model": "A", "benchmark": "b", "instance_id": "1", "correct": "true",
-                    "output_tokens": "10", "finish_reason": "stop", "workload": "",
-                    "trace": "line one\nline two"})  # lines 2-3
-        w.writerow({"model": "A", "benchmark": "b", "instance_id": "2", "correct": "0",
-                    "output_tokens": "nan", "finish_reason": "stop"})  # line 4
-        w.writerow({"model": "A", "benchmark": "b", "instance_id": "3", "correct": "false",
-                    "output_tokens": "7", "finish_reason": "length"})  # line 5
+        w.writerow(
+            {
+                "model": "A",
+                "benchmark": "b",
+                "instance_id": "1",
+                "correct": "true",
+                "output_tokens": "10",
+                "finish_reason": "stop",
+                "workload": "",
+                "trace": "line one\nline two",
+            }
+        )  # lines 2-3
+        w.writerow(
+            {
+                "model": "A",
+                "benchmark": "b",
+                "instance_id": "2",
+                "correct": "0",
+                "output_tokens": "nan",
+                "finish_reason": "stop",
+            }
+        )  # line 4
+        w.writerow(
+            {
+                "model": "A",
+                "benchmark": "b",
+                "instance_id": "3",
+                "correct": "false",
+                "output_tokens": "7",
+                "finish_reason": "length",
+            }
+        )  # line 5
     res = load_records(path)
     assert [r.instance_id for r in res.records] == ["1", "3"]
     assert res.records[0].trace == "line one\nline two" and res.records[0].workload is None
@@ -145,11 +292,17 @@ def test_csv_with_multiline_trace_names_the_right_lines(tmp_path):
 def test_parquet_round_trip(tmp_path):
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
-    table = pa.table({
-        "model": ["A", "A", "B"], "benchmark": ["b", "b", "b"], "instance_id": ["1", "2", "1"],
-        "correct": [True, False, True], "output_tokens": [10, 20, 0],
-        "finish_reason": ["stop", "length", "stop"], "workload": [2.0, None, 2.0],
-    })
+    table = pa.table(
+        {
+            "model": ["A", "A", "B"],
+            "benchmark": ["b", "b", "b"],
+            "instance_id": ["1", "2", "1"],
+            "correct": [True, False, True],
+            "output_tokens": [10, 20, 0],
+            "finish_reason": ["stop", "length", "stop"],
+            "workload": [2.0, None, 2.0],
+        }
+    )
     pq.write_table(table, tmp_path / "r.parquet")
     res = load_records(tmp_path / "r.parquet")
     assert [(r.model, r.instance_id) for r in res.records] == [("A", "1"), ("A", "2")]
@@ -158,12 +311,25 @@ def test_parquet_round_trip(tmp_path):
 
 
 def test_join_request_log_by_request_and_session(tmp_path):
-    log = write_jsonl(tmp_path / "requests.jsonl", [
-        {"request_id": "r1", "session_id": "s1", "pte_served": 10.0, "pte_reference": 12.0,
-         "pte_ideal": 9.0},
-        {"request_id": "r2", "session_id": "s1", "pte_served": 5.0, "pte_reference": 6.0,
-         "pte_ideal": 4.0},
-    ])
+    log = write_jsonl(
+        tmp_path / "requests.jsonl",
+        [
+            {
+                "request_id": "r1",
+                "session_id": "s1",
+                "pte_served": 10.0,
+                "pte_reference": 12.0,
+                "pte_ideal": 9.0,
+            },
+            {
+                "request_id": "r2",
+                "session_id": "s1",
+                "pte_served": 5.0,
+                "pte_reference": 6.0,
+                "pte_ideal": 4.0,
+            },
+        ],
+    )
     recs = [
         parse_record({**GOOD[0], "request_id": "r2"}),
         parse_record({**GOOD[1], "session_id": "s1"}),
@@ -177,8 +343,10 @@ def test_join_request_log_by_request_and_session(tmp_path):
 
 
 def test_build_tables_arrays():
-    recs, _ = check_consistency([parse_record(r, f"x:{k}") for k, r in enumerate(GOOD, 1)]
-                                + [parse_record({**GOOD[0], "benchmark": "c"})])
+    recs, _ = check_consistency(
+        [parse_record(r, f"x:{k}") for k, r in enumerate(GOOD, 1)]
+        + [parse_record({**GOOD[0], "benchmark": "c"})]
+    )
     tables = build_tables(recs)
     assert list(tables) == ["b", "c"]
     t = tables["b"]

@@ -32,7 +32,10 @@ def hand_table(**kw) -> EvalTable:
     W = 10 40 20 80 (an instance property)
     """
     return EvalTable.from_arrays(
-        "bench", ["A", "B"], ["i0", "i1", "i2", "i3"], np.ones((2, 4), bool),
+        "bench",
+        ["A", "B"],
+        ["i0", "i1", "i2", "i3"],
+        np.ones((2, 4), bool),
         correct=[[1, 0, 1, 0], [1, 1, 1, 0]],
         tokens=[[100, 200, 300, 400], [50, 150, 200, 100]],
         truncated=[[0, 0, 0, 1], [0, 0, 0, 0]],
@@ -130,8 +133,9 @@ def test_trace_layer_by_hand():
 
 def test_trace_view_without_workload_uses_signal_length():
     t = hand_table()
-    t = EvalTable.from_arrays(t.benchmark, t.models, t.instances, t.present, t.correct,
-                              t.tokens, t.truncated, sigma=t.sigma)
+    t = EvalTable.from_arrays(
+        t.benchmark, t.models, t.instances, t.present, t.correct, t.tokens, t.truncated, sigma=t.sigma
+    )
     r = analyze(t, "B", n_boot=0)
     assert set(r.views) == {"outcome", "trace"}
     assert r.views["trace"].terms == ("ctx", "logic", "q_trace", "length_sig")
@@ -142,8 +146,15 @@ def test_trace_view_without_workload_uses_signal_length():
 
 
 def test_truncated_answers_with_all_truncated_model_are_undefined_not_crashing():
-    t = EvalTable.from_arrays("b", ["A", "B"], ["0", "1"], np.ones((2, 2), bool),
-                              [[0, 0], [1, 0]], [[5, 5], [5, 5]], [[1, 1], [0, 0]])
+    t = EvalTable.from_arrays(
+        "b",
+        ["A", "B"],
+        ["0", "1"],
+        np.ones((2, 2), bool),
+        [[0, 0], [1, 0]],
+        [[5, 5], [5, 5]],
+        [[1, 1], [0, 0]],
+    )
     r = analyze(t, "B", n_boot=20)
     assert q(r, "outcome", "A", "r_ctx") == 0.0
     assert math.isnan(q(r, "outcome", "A", "r_logic"))  # 0/0: no completed answer
@@ -167,8 +178,17 @@ def random_table(seed=0, M=6, N=400, partial=True, trace=True, workload=True) ->
     sigma = rng.uniform(0.1, 1.0, (M, N)) if trace else None
     if trace:
         sigma[rng.random((M, N)) < 0.05] = np.nan
-    return EvalTable.from_arrays("rnd", [f"m{k}" for k in range(M)], [str(i) for i in range(N)],
-                                 present, correct, tokens, trunc, W, sigma)
+    return EvalTable.from_arrays(
+        "rnd",
+        [f"m{k}" for k in range(M)],
+        [str(i) for i in range(N)],
+        present,
+        correct,
+        tokens,
+        trunc,
+        W,
+        sigma,
+    )
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -185,14 +205,16 @@ def test_decomposition_identities_on_random_data(seed):
             qq = v.quantities[m]
             # E0 = 1000·r_ctx·r_logic/E[T]
             assert qq["e0"].value == pytest.approx(
-                1000 * qq["r_ctx"].value * qq["r_logic"].value / qq["mean_tokens"].value,
-                rel=1e-12)
+                1000 * qq["r_ctx"].value * qq["r_logic"].value / qq["mean_tokens"].value, rel=1e-12
+            )
     for m in t.models:  # E[T] = E[W]·V̄O·κ and E[T_sig] = E[W]·V̄O_sig·κ_sig
         w, tr = r.views["workload"].quantities[m], r.views["trace"].quantities[m]
         assert w["mean_tokens"].value == pytest.approx(
-            w["mean_workload"].value * w["vo"].value * w["kappa"].value, rel=1e-12)
+            w["mean_workload"].value * w["vo"].value * w["kappa"].value, rel=1e-12
+        )
         assert tr["mean_signal_tokens"].value == pytest.approx(
-            tr["mean_workload"].value * tr["vo_sig"].value * tr["kappa_sig"].value, rel=1e-12)
+            tr["mean_workload"].value * tr["vo_sig"].value * tr["kappa_sig"].value, rel=1e-12
+        )
 
 
 def test_identity_holds_in_every_bootstrap_resample():
@@ -251,8 +273,15 @@ def test_bootstrap_is_paired_across_models():
     rng = np.random.default_rng(0)
     S = (rng.random(100) < 0.5).astype(float)
     T = rng.integers(10, 1000, 100).astype(float)
-    t = EvalTable.from_arrays("p", ["C", "D", "R"], [str(i) for i in range(100)],
-                              np.ones((3, 100), bool), [S, S, S], [2 * T, T, T], np.zeros((3, 100)))
+    t = EvalTable.from_arrays(
+        "p",
+        ["C", "D", "R"],
+        [str(i) for i in range(100)],
+        np.ones((3, 100), bool),
+        [S, S, S],
+        [2 * T, T, T],
+        np.zeros((3, 100)),
+    )
     r = analyze(t, "R", n_boot=100)
     length = r.views["outcome"].decomposition["C"].terms["length"]
     assert length.low == pytest.approx(-log(2), abs=1e-12)
@@ -267,14 +296,16 @@ def test_bootstrap_is_paired_across_models():
 def solver_table() -> EvalTable:
     """Pool P, Q, R on five instances ('-' = P did not answer i2):
 
-        P: S = 1 0 - 0 1, T = 10 20 - 30 10   → ΣS 2, ΣT 70,  E0 28.6
-        Q: S = 1 1 0 0 1, T = 40 50 60 70 40  → ΣS 3, ΣT 260, E0 11.5
-        R: S = 0 0 1 0 0, T = 80 90 100 110 50 → ΣS 1, ΣT 430, E0 2.33
+    P: S = 1 0 - 0 1, T = 10 20 - 30 10   → ΣS 2, ΣT 70,  E0 28.6
+    Q: S = 1 1 0 0 1, T = 40 50 60 70 40  → ΣS 3, ΣT 260, E0 11.5
+    R: S = 0 0 1 0 0, T = 80 90 100 110 50 → ΣS 1, ΣT 430, E0 2.33
     """
     present = np.ones((3, 5), bool)
     present[0, 2] = False
     return EvalTable.from_arrays(
-        "s", ["Q", "R", "P"], [f"i{k}" for k in range(5)],
+        "s",
+        ["Q", "R", "P"],
+        [f"i{k}" for k in range(5)],
         present[[1, 2, 0]],
         [[1, 1, 0, 0, 1], [0, 0, 1, 0, 0], [1, 0, 0, 0, 1]],
         [[40, 50, 60, 70, 40], [80, 90, 100, 110, 50], [10, 20, 1, 30, 10]],
@@ -327,8 +358,15 @@ def planted_pool() -> EvalTable:
     x = np.array([[1, 10, 4, 2]]).T
     y = np.array([[10, 2, 10, 14]]).T
     tokens = np.tile(np.hstack([x, y]), 5)  # 10 instances: X Y X Y …
-    return EvalTable.from_arrays("planted", list("ABCD"), [str(i) for i in range(10)],
-                                 np.ones((4, 10), bool), np.ones((4, 10)), tokens, np.zeros((4, 10)))
+    return EvalTable.from_arrays(
+        "planted",
+        list("ABCD"),
+        [str(i) for i in range(10)],
+        np.ones((4, 10), bool),
+        np.ones((4, 10)),
+        tokens,
+        np.zeros((4, 10)),
+    )
 
 
 def test_audits_on_a_planted_pool():
@@ -371,8 +409,9 @@ def test_held_out_splits_match_a_naive_implementation():
             W.append(w)
         vo = []
         for m in range(len(t.models)):
-            ratios = [t.tokens[m, i] / W[i] for i in range(len(W))
-                      if t.present[m, i] and not math.isnan(W[i])]
+            ratios = [
+                t.tokens[m, i] / W[i] for i in range(len(W)) if t.present[m, i] and not math.isnan(W[i])
+            ]
             vo.append(sum(ratios) / len(ratios))
         return np.array(vo)
 
@@ -445,13 +484,26 @@ def signature_table() -> EvalTable:
     logic = np.zeros(n)
     logic[:20:2] = 1  # 10 correct
     rows = {  # model: (S, T, C, σ)
-        "R": (s_ref, 100, 0, 0.5), "ctx": (s_ref, 100, trunc, 0.5), "logic": (logic, 100, 0, 0.5),
-        "verb": (s_ref, 200, 0, 0.5), "redun": (s_ref, 200, 0, 0.25), "lean": (s_ref, 50, 0, 0.5),
+        "R": (s_ref, 100, 0, 0.5),
+        "ctx": (s_ref, 100, trunc, 0.5),
+        "logic": (logic, 100, 0, 0.5),
+        "verb": (s_ref, 200, 0, 0.5),
+        "redun": (s_ref, 200, 0, 0.25),
+        "lean": (s_ref, 50, 0, 0.5),
     }
     models = list(rows)
     full = lambda k: np.array([np.broadcast_to(rows[m][k], n) for m in models], float)  # noqa: E731
-    return EvalTable.from_arrays("sig", models, [str(i) for i in range(n)], np.ones((6, n), bool),
-                                 full(0), full(1), full(2), np.full(n, 10.0), full(3))
+    return EvalTable.from_arrays(
+        "sig",
+        models,
+        [str(i) for i in range(n)],
+        np.ones((6, n), bool),
+        full(0),
+        full(1),
+        full(2),
+        np.full(n, 10.0),
+        full(3),
+    )
 
 
 def test_diagnostic_signatures_on_planted_models():

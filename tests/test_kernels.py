@@ -143,8 +143,9 @@ def test_hand_computed_repeated_slot_and_step_sums() -> None:
     # Slot 2 twice in one step: (c=0, n=3, P=3) → prefill 3, first sample ctx 3, decode 1;
     # (c=3, n=2, P=3, H=3) → decode positions 3, 4 read 4 + 5 = 9, decode 2.
     # Slot 2 = prefill 3, decode 3, ctx 12; slot 0: (c=10, n=1, P=4, H=10) → ctx 11.
-    packed = np.array([[2, 2, 0], [0, 3, 10], [3, 2, 1], [3, 3, 4], [0, 3, 10],
-                       [0, 0, 0], [0, 0, 0]], dtype=np.int64)
+    packed = np.array(
+        [[2, 2, 0], [0, 3, 10], [3, 2, 1], [3, 3, 4], [0, 3, 10], [0, 0, 0], [0, 0, 0]], dtype=np.int64
+    )
     state, sums = reference_step(packed, ref.window_array((None,)), 4)
     np.testing.assert_array_equal(state[2], [3, 0, 3, 0, 0, 12])
     np.testing.assert_array_equal(state[0], [0, 0, 1, 0, 0, 11])
@@ -197,21 +198,22 @@ def test_served_pte() -> None:
 SIZES = [0, 1, 2, 7, 64, 513, 4096, 8192]
 
 
-def _torch_step(kernel, packed: np.ndarray, windows: np.ndarray, capacity: int,
-                device: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _torch_step(
+    kernel, packed: np.ndarray, windows: np.ndarray, capacity: int, device: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     ncol = ref.N_FIXED + len(windows)
     f64 = {"dtype": torch.float64, "device": device}
     state = torch.zeros((capacity, ncol), **f64)
     hist = torch.full((4, ncol), 7.0, **f64)  # garbage in the next row: must be zeroed
     hist[1] = 0
     totals = torch.ones(ncol, **f64)  # running totals add to what is there
-    kernel(state, hist, totals, 1, 2, torch.from_numpy(packed).to(device),
-           torch.from_numpy(windows).to(device))
+    kernel(
+        state, hist, totals, 1, 2, torch.from_numpy(packed).to(device), torch.from_numpy(windows).to(device)
+    )
     return state.cpu().numpy(), hist.cpu().numpy(), totals.cpu().numpy()
 
 
-def _check_against_reference(kernel, device: str, seed: int, sizes: list[int],
-                             zeroes_next_row: bool) -> None:
+def _check_against_reference(kernel, device: str, seed: int, sizes: list[int], zeroes_next_row: bool) -> None:
     rng = np.random.default_rng(seed)
     for windows in WINDOW_SETS:
         w = ref.window_array(windows)
@@ -241,8 +243,9 @@ def test_torch_contributions_match_reference_per_row(seed: int) -> None:
         for size in SIZES:
             packed = random_packed(rng, size, 16)
             got = step_contributions_torch(torch.from_numpy(packed), torch.from_numpy(w))
-            np.testing.assert_array_equal(got.numpy().T, ref.step_contributions(packed, w),
-                                          err_msg=f"seed={seed} size={size}")
+            np.testing.assert_array_equal(
+                got.numpy().T, ref.step_contributions(packed, w), err_msg=f"seed={seed} size={size}"
+            )
 
 
 @needs_torch
@@ -257,8 +260,7 @@ def test_triton_interpreter_matches_reference(seed: int) -> None:
     from pte_instrument.kernels.triton_backend import accumulate_triton
 
     # Interpreted Triton costs ~10 ms per 1024-row program: small sizes, one medium case.
-    _check_against_reference(accumulate_triton, "cpu", seed, [0, 1, 5, 300],
-                             zeroes_next_row=True)
+    _check_against_reference(accumulate_triton, "cpu", seed, [0, 1, 5, 300], zeroes_next_row=True)
 
 
 @needs_triton
@@ -303,8 +305,9 @@ def test_triton_with_env_interpret_in_subprocess(seed: int) -> None:
         print("ok")
     """)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-W", "ignore", "-c", code], env=env,
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0 and "ok" in r.stdout, f"seed={seed}\n{r.stdout}\n{r.stderr}"
 
 

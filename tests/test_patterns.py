@@ -33,13 +33,20 @@ def gamma_001() -> CostModel:
 
 
 def turn(prompt=100, out=0, cached=0, reasoning="", calls=(), **kw):
-    return {"prompt_tokens": prompt, "output_tokens": out, "cached_tokens": cached,
-            "reasoning": reasoning, "tool_calls": list(calls), **kw}
+    return {
+        "prompt_tokens": prompt,
+        "output_tokens": out,
+        "cached_tokens": cached,
+        "reasoning": reasoning,
+        "tool_calls": list(calls),
+        **kw,
+    }
 
 
 def traj(turns, correct=True, model="m", task="t", id="x", **kw):
-    return parse_trajectory({"model": model, "task": task, "id": id, "correct": correct,
-                             "turns": turns, **kw})
+    return parse_trajectory(
+        {"model": model, "task": task, "id": id, "correct": correct, "turns": turns, **kw}
+    )
 
 
 PY = {"type": "code", "name": "python", "code": "print(6*7)", "output": "42"}
@@ -69,32 +76,31 @@ def test_pricing_by_hand():
 
 
 def test_confirmatory_tool_use():
-    stated_then_checked = traj([
-        turn(reasoning="So the answer is 42. Let me verify with code.", calls=[PY]),
-        turn(reasoning="Confirmed: \\boxed{42}"),
-    ])
+    stated_then_checked = traj(
+        [
+            turn(reasoning="So the answer is 42. Let me verify with code.", calls=[PY]),
+            turn(reasoning="Confirmed: \\boxed{42}"),
+        ]
+    )
     assert final_answer(stated_then_checked) == "42"
     assert confirmatory_tool_use(stated_then_checked)
-    computed_first = traj([
-        turn(reasoning="Let me compute the product.", calls=[PY]),
-        turn(reasoning="The tool says 42, so \\boxed{42}"),
-    ])
+    computed_first = traj(
+        [
+            turn(reasoning="Let me compute the product.", calls=[PY]),
+            turn(reasoning="The tool says 42, so \\boxed{42}"),
+        ]
+    )
     assert not confirmatory_tool_use(computed_first)
     # the value appears earlier in free text (not a claim) before a code check: still counts
-    free_text = traj([turn(reasoning="6 times 7 gives 42; double-check.", calls=[PY])],
-                     answer="42")
+    free_text = traj([turn(reasoning="6 times 7 gives 42; double-check.", calls=[PY])], answer="42")
     assert confirmatory_tool_use(free_text)
     # a one-character answer must be stated ("= 7"), not just occur ("step 7")
-    assert not confirmatory_tool_use(traj([turn(reasoning="At step 7 we run it.", calls=[PY])],
-                                          answer="7"))
-    assert confirmatory_tool_use(traj([turn(reasoning="so x = 7, check it", calls=[PY])],
-                                      answer="7"))
+    assert not confirmatory_tool_use(traj([turn(reasoning="At step 7 we run it.", calls=[PY])], answer="7"))
+    assert confirmatory_tool_use(traj([turn(reasoning="so x = 7, check it", calls=[PY])], answer="7"))
     assert not confirmatory_tool_use(traj([turn(reasoning="no tools here, answer: 5")]))
     # "417" contains 7 but is not the token 7; "42.5" is not "42"
-    assert not confirmatory_tool_use(traj([turn(reasoning="so n = 417", calls=[PY])],
-                                          answer="7"))
-    assert not confirmatory_tool_use(traj([turn(reasoning="we got 42.5", calls=[PY])],
-                                          answer="42"))
+    assert not confirmatory_tool_use(traj([turn(reasoning="so n = 417", calls=[PY])], answer="7"))
+    assert not confirmatory_tool_use(traj([turn(reasoning="we got 42.5", calls=[PY])], answer="42"))
 
 
 def test_tool_mixing():
@@ -110,8 +116,11 @@ def test_lack_of_tool_priors():
 
     assert lack_of_tool_priors(with_output(output=""))  # forgot to print
     assert lack_of_tool_priors(with_output(output="   \n"))
-    assert lack_of_tool_priors(with_output(
-        output="Traceback (most recent call last):\n  File ...\nZeroDivisionError: division by zero"))
+    assert lack_of_tool_priors(
+        with_output(
+            output="Traceback (most recent call last):\n  File ...\nZeroDivisionError: division by zero"
+        )
+    )
     assert lack_of_tool_priors(with_output(output="NameError: name 'x' is not defined"))
     assert lack_of_tool_priors(with_output(output="1", error=True))
     assert not lack_of_tool_priors(with_output(output="42"))
@@ -134,8 +143,8 @@ def test_tool_format_collapse():
 
 def test_detect_patterns_on_a_clean_trajectory():
     assert detect_patterns(traj([turn(calls=[PY]), turn(reasoning="\\boxed{42}")])) == dict.fromkeys(
-        ["confirmatory_tool_use", "tool_mixing", "lack_of_tool_priors", "tool_format_collapse"],
-        False)
+        ["confirmatory_tool_use", "tool_mixing", "lack_of_tool_priors", "tool_format_collapse"], False
+    )
 
 
 # ----------------------------------------------------------------------------- report
@@ -179,8 +188,10 @@ def test_group_report_by_hand():
 
 def test_per_step_pte_and_escalation():
     m = gamma_001()
-    group = [price(traj([turn(10), turn(20), turn(30)], id="x"), m),
-             price(traj([turn(20), turn(40)], id="y"), m)]
+    group = [
+        price(traj([turn(10), turn(20), turn(30)], id="x"), m),
+        price(traj([turn(20), turn(40)], id="y"), m),
+    ]
     g = group_report(group, n_boot=0)
     # turn 1: (10 + 20)/2 = 15; turn 2: (20 + 40)/2 = 30; turn 3: 30 (one trajectory)
     assert [(s.turn, s.n, s.mean_pte) for s in g.per_step] == [(1, 2, 15), (2, 2, 30), (3, 1, 30)]
@@ -191,8 +202,10 @@ def test_per_step_pte_and_escalation():
 
 def test_trajectory_report_groups_by_model_and_task():
     m = gamma_001()
-    ts = [traj([turn(10)], model=mm, task=tt, id=i) for mm, tt, i in
-          [("b", "t1", "1"), ("a", "t2", "1"), ("a", "t1", "1"), ("a", "t1", "2")]]
+    ts = [
+        traj([turn(10)], model=mm, task=tt, id=i)
+        for mm, tt, i in [("b", "t1", "1"), ("a", "t2", "1"), ("a", "t1", "1"), ("a", "t1", "2")]
+    ]
     groups = trajectory_report(ts, m, n_boot=0)
     assert [(g.model, g.task, g.n) for g in groups] == [("a", "t1", 2), ("a", "t2", 1), ("b", "t1", 1)]
     with pytest.raises(ValueError, match="unknown PTE variant"):

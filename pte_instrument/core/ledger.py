@@ -30,6 +30,7 @@ class FinishedRequest:
     turn: int | None = None
     reusable_tokens: int = 0  # context the session's previous turn already paid for
     pause_s: float | None = None  # tool pause between the previous turn's end and this arrival
+    engine_totals: dict[str, float] | None = None  # exact step-level totals from the engine hook
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,14 @@ class RequestRecord:
     e2e_s: float
     pause_s: float | None
     finished_at: float
+    # Exact engine-side accounting (None without the scheduler hook).
+    engine_pte_served: float | None = None
+    engine_pte_roofline: float | None = None
+    engine_prefill_tokens: float | None = None
+    engine_recompute_tokens: float | None = None
+    engine_decode_tokens: float | None = None
+    engine_spec_tokens: float | None = None
+    engine_rejected_tokens: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -109,4 +118,19 @@ def price_request(model: CostModel, req: FinishedRequest, finished_at: float) ->
         e2e_s=req.e2e_s,
         pause_s=req.pause_s,
         finished_at=finished_at,
+        **_engine_fields(req.engine_totals),
     )
+
+
+def _engine_fields(totals: dict[str, float] | None) -> dict[str, float | None]:
+    if totals is None:
+        return {}
+    return {
+        "engine_pte_served": totals["pte_served"],
+        "engine_pte_roofline": totals["pte_roofline"],
+        "engine_prefill_tokens": totals["prefill"],
+        "engine_recompute_tokens": totals["recompute"],
+        "engine_decode_tokens": totals["decode_tokens"],
+        "engine_spec_tokens": totals["spec_tokens"],
+        "engine_rejected_tokens": totals["rejected_tokens"],
+    }

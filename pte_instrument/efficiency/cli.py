@@ -33,8 +33,10 @@ def _warn_problems(command: str, problems: list[Any]) -> None:
     for p in problems[:MAX_WARNINGS]:
         print(f"pte {command}: warning: {p.describe()}", file=sys.stderr)
     if len(problems) > MAX_WARNINGS:
-        print(f"pte {command}: warning: … and {len(problems) - MAX_WARNINGS} more "
-              "(listed in the report)", file=sys.stderr)
+        print(
+            f"pte {command}: warning: … and {len(problems) - MAX_WARNINGS} more (listed in the report)",
+            file=sys.stderr,
+        )
 
 
 def _run(command: str, fn: Any, args: argparse.Namespace) -> int:
@@ -44,8 +46,7 @@ def _run(command: str, fn: Any, args: argparse.Namespace) -> int:
         print(f"pte {command}: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except OSError as e:
-        print(f"pte {command}: error: {e.strerror or e}: {e.filename or ''}".rstrip(": "),
-              file=sys.stderr)
+        print(f"pte {command}: error: {e.strerror or e}: {e.filename or ''}".rstrip(": "), file=sys.stderr)
         return EXIT_BAD_INPUT
 
 
@@ -73,19 +74,34 @@ def add_efficiency_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("records", nargs="+", help="evaluation record file(s): .jsonl, .csv or .parquet")
     p.add_argument("--reference", required=True, help="the reference model for Δlog terms")
     p.add_argument("--benchmark", help="analyse only this benchmark (default: every benchmark)")
-    p.add_argument("--workload", choices=("native", "solver"), default=None,
-                   help="workload source (default: native where the records carry it)")
-    p.add_argument("--pool", help="comma-separated reference pool for --workload solver "
-                   "(default: every model)")
-    p.add_argument("--bootstrap", type=_non_negative, default=DEFAULT_BOOTSTRAP,
-                   help=f"bootstrap resamples over instances (default {DEFAULT_BOOTSTRAP}; 0: none)")
-    p.add_argument("--splits", type=_non_negative, default=DEFAULT_SPLITS,
-                   help=f"held-out pool splits for the solver audit (default {DEFAULT_SPLITS})")
+    p.add_argument(
+        "--workload",
+        choices=("native", "solver"),
+        default=None,
+        help="workload source (default: native where the records carry it)",
+    )
+    p.add_argument(
+        "--pool", help="comma-separated reference pool for --workload solver (default: every model)"
+    )
+    p.add_argument(
+        "--bootstrap",
+        type=_non_negative,
+        default=DEFAULT_BOOTSTRAP,
+        help=f"bootstrap resamples over instances (default {DEFAULT_BOOTSTRAP}; 0: none)",
+    )
+    p.add_argument(
+        "--splits",
+        type=_non_negative,
+        default=DEFAULT_SPLITS,
+        help=f"held-out pool splits for the solver audit (default {DEFAULT_SPLITS})",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--request-log", help="join PTE from the plugin's request log (JSONL) by "
-                   "request_id or session_id")
-    p.add_argument("--strict", action="store_true", help="fail on any bad record instead of "
-                   "dropping and listing it")
+    p.add_argument(
+        "--request-log", help="join PTE from the plugin's request log (JSONL) by request_id or session_id"
+    )
+    p.add_argument(
+        "--strict", action="store_true", help="fail on any bad record instead of dropping and listing it"
+    )
     p.add_argument("--json", action="store_true", help="stable JSON on stdout")
     p.add_argument("--plots", metavar="DIR", help="write PNG plots to DIR")
     p.set_defaults(func=run_efficiency)
@@ -109,13 +125,15 @@ def _efficiency(args: argparse.Namespace) -> int:
     tables = build_tables(records)
     if args.benchmark is not None:
         if args.benchmark not in tables:
-            raise _InputError(f"benchmark {args.benchmark!r} not in the records "
-                              f"(benchmarks: {', '.join(tables)})")
+            raise _InputError(
+                f"benchmark {args.benchmark!r} not in the records (benchmarks: {', '.join(tables)})"
+            )
         tables = {args.benchmark: tables[args.benchmark]}
     missing = [b for b, t in tables.items() if args.reference not in t.models]
     if missing:
-        raise _InputError(f"reference model {args.reference!r} has no records in benchmark(s) "
-                          f"{', '.join(missing)}")
+        raise _InputError(
+            f"reference model {args.reference!r} has no records in benchmark(s) {', '.join(missing)}"
+        )
     if pool is not None:
         for b, t in tables.items():
             unknown = [m for m in pool if m not in t.models]
@@ -123,8 +141,15 @@ def _efficiency(args: argparse.Namespace) -> int:
                 raise _InputError(f"pool model(s) {', '.join(unknown)} not in benchmark {b!r}")
     _warn_problems("efficiency", loaded.problems)
     results = [
-        analyze(t, args.reference, workload=args.workload, pool=pool, n_boot=args.bootstrap,
-                n_splits=args.splits, seed=args.seed)
+        analyze(
+            t,
+            args.reference,
+            workload=args.workload,
+            pool=pool,
+            n_boot=args.bootstrap,
+            n_splits=args.splits,
+            seed=args.seed,
+        )
         for t in tables.values()
     ]
     from .report import efficiency_json, efficiency_markdown
@@ -140,9 +165,16 @@ def _efficiency(args: argparse.Namespace) -> int:
             print(f"pte efficiency: wrote {path}", file=sys.stderr)
     summary = loaded.summary()
     if args.json:
-        settings = {"reference": args.reference, "workload": args.workload, "pool": pool,
-                    "bootstrap": args.bootstrap, "splits": args.splits, "seed": args.seed,
-                    "benchmark": args.benchmark, "interval_percentiles": [2.5, 97.5]}
+        settings = {
+            "reference": args.reference,
+            "workload": args.workload,
+            "pool": pool,
+            "bootstrap": args.bootstrap,
+            "splits": args.splits,
+            "seed": args.seed,
+            "benchmark": args.benchmark,
+            "interval_percentiles": [2.5, 97.5],
+        }
         _print_json(efficiency_json(results, summary, settings))
     else:
         sys.stdout.write(efficiency_markdown(results, summary))
@@ -167,10 +199,17 @@ def cost_model_for_gamma(gamma: float) -> CostModel:
     token, N_active = 1, HOI = 1 (γ = bytes · HOI / (2 · N_active)). Pricing then goes
     through the same core formula as a model read from its config."""
     shape = ModelShape(
-        model_type="gamma-override", n_layers=1, hidden_size=1, n_heads=1, n_kv_heads=1,
-        head_dim=1, attention="mha", kv_dtype_bytes=2,
+        model_type="gamma-override",
+        n_layers=1,
+        hidden_size=1,
+        n_heads=1,
+        n_kv_heads=1,
+        head_dim=1,
+        attention="mha",
+        kv_dtype_bytes=2,
         kv_groups=(KVGroup(layers=1, bytes_per_token=2.0 * gamma, window=None),),
-        n_active=1.0, n_total=1.0,
+        n_active=1.0,
+        n_total=1.0,
     )
     device = DeviceProfile(f"gamma={gamma:g}", 1.0, 1.0, "γ given on the command line")
     return CostModel(shape, device)
@@ -189,8 +228,12 @@ def add_report_parser(subparsers: Any) -> argparse.ArgumentParser:
     cost.add_argument("--model-dir", help="model directory or config.json (γ from its shape)")
     cost.add_argument("--gamma", type=_positive_float, help="use this γ directly")
     p.add_argument("--device", default="auto", help="device profile with --model-dir (default auto)")
-    p.add_argument("--variant", choices=("served", "reference", "ideal"), default="served",
-                   help="PTE variant for patterns, steps and correct-vs-incorrect (default served)")
+    p.add_argument(
+        "--variant",
+        choices=("served", "reference", "ideal"),
+        default="served",
+        help="PTE variant for patterns, steps and correct-vs-incorrect (default served)",
+    )
     p.add_argument("--bootstrap", type=_non_negative, default=DEFAULT_BOOTSTRAP)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--strict", action="store_true", help="fail on any bad trajectory")
@@ -216,8 +259,12 @@ def _report(args: argparse.Namespace) -> int:
     _warn_problems("report", loaded.problems)
     groups = trajectory_report(loaded.trajectories, model, args.variant, args.bootstrap, args.seed)
     info = model.describe()
-    cost = {"gamma": info["gamma"], "device": info["device"], "hoi": info["hoi"],
-            "source": "--gamma" if args.gamma is not None else str(args.model_dir)}
+    cost = {
+        "gamma": info["gamma"],
+        "device": info["device"],
+        "hoi": info["hoi"],
+        "source": "--gamma" if args.gamma is not None else str(args.model_dir),
+    }
     if args.plots:
         from .plots import PlotError, trajectory_plots
 

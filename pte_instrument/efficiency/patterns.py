@@ -47,9 +47,7 @@ _EXEC_ERROR = re.compile(
     r"Traceback \(most recent call last\)|^\s*\w*(?:Error|Exception)\b\s*:", re.MULTILINE
 )
 # Stated answers: \boxed{v}, "answer is v", "answer: v", "answer = v".
-_CLAIM = re.compile(
-    r"\\boxed\{([^{}]*)\}|\banswer\b\s*(?:is|:|=)\s*\$?\s*([^\s$,;]+)", re.IGNORECASE
-)
+_CLAIM = re.compile(r"\\boxed\{([^{}]*)\}|\banswer\b\s*(?:is|:|=)\s*\$?\s*([^\s$,;]+)", re.IGNORECASE)
 
 
 class TrajectoryError(ValueError):
@@ -166,9 +164,13 @@ def parse_trajectory(raw: Mapping[str, Any], where: str = "") -> Trajectory:
         raise TrajectoryError("turns must be a non-empty list")
     answer = raw.get("answer")
     return Trajectory(
-        model=str(raw["model"]), task=str(task), id=str(raw["id"]), correct=bool(correct),
+        model=str(raw["model"]),
+        task=str(task),
+        id=str(raw["id"]),
+        correct=bool(correct),
         turns=tuple(_turn(t, k) for k, t in enumerate(turns, 1)),
-        answer=None if answer is None else str(answer), where=where,
+        answer=None if answer is None else str(answer),
+        where=where,
     )
 
 
@@ -181,8 +183,10 @@ class TrajectoryLoad:
 
     def summary(self) -> dict[str, Any]:
         return {
-            "sources": [self.source], "rows_read": self.rows_read,
-            "rows_used": len(self.trajectories), "rows_dropped": len(self.problems),
+            "sources": [self.source],
+            "rows_read": self.rows_read,
+            "rows_used": len(self.trajectories),
+            "rows_dropped": len(self.problems),
             "problems": [p.to_dict() for p in self.problems],
         }
 
@@ -211,10 +215,15 @@ def load_trajectories(path: str | Path, strict: bool = False) -> TrajectoryLoad:
             problems.append(Problem(where, f"invalid JSON ({e.msg})"))
         except TrajectoryError as e:
             soft = raw if isinstance(raw, dict) else {}
-            problems.append(Problem(
-                where, str(e), _s(soft.get("model")), _s(soft.get("task", soft.get("benchmark"))),
-                _s(soft.get("id")),
-            ))
+            problems.append(
+                Problem(
+                    where,
+                    str(e),
+                    _s(soft.get("model")),
+                    _s(soft.get("task", soft.get("benchmark"))),
+                    _s(soft.get("id")),
+                )
+            )
     copies: dict[tuple[str, str, str], list[Trajectory]] = defaultdict(list)
     for t in trajs:
         copies[(t.model, t.task, t.id)].append(t)
@@ -222,13 +231,18 @@ def load_trajectories(path: str | Path, strict: bool = False) -> TrajectoryLoad:
     for k in sorted(dup):
         for t in copies[k]:
             others = ", ".join(o.where for o in copies[k] if o is not t)
-            problems.append(Problem(t.where, f"duplicate trajectory id within model+task (also at {others})",
-                                    t.model, t.task, t.id))
+            problems.append(
+                Problem(
+                    t.where,
+                    f"duplicate trajectory id within model+task (also at {others})",
+                    t.model,
+                    t.task,
+                    t.id,
+                )
+            )
     trajs = [t for t in trajs if (t.model, t.task, t.id) not in dup]
     if strict and problems:
-        raise RecordError(
-            f"{len(problems)} bad trajectory record(s); first: {problems[0].describe(False)}"
-        )
+        raise RecordError(f"{len(problems)} bad trajectory record(s); first: {problems[0].describe(False)}")
     if not trajs:
         first = f"; first problem: {problems[0].describe(False)}" if problems else ""
         raise RecordError(f"no valid trajectories in {p}{first}")
@@ -269,8 +283,12 @@ def _mentions(text: str, value: str) -> bool:
     v = re.escape(value)
     if len(value) > 1:
         return re.search(rf"(?<![\w.]){v}(?![\w]|\.\d)", text, re.IGNORECASE) is not None
-    return re.search(rf"(?:=|\bis|\banswer\b[^\n]{{0,20}}?|\\boxed\{{)\s*\$?{v}(?![\w]|\.\d)",
-                     text, re.IGNORECASE) is not None
+    return (
+        re.search(
+            rf"(?:=|\bis|\banswer\b[^\n]{{0,20}}?|\\boxed\{{)\s*\$?{v}(?![\w]|\.\d)", text, re.IGNORECASE
+        )
+        is not None
+    )
 
 
 def confirmatory_tool_use(traj: Trajectory) -> bool:
@@ -358,8 +376,10 @@ class PricedTrajectory:
 def price(traj: Trajectory, model: CostModel) -> PricedTrajectory:
     ts = traj.turns
     tokens = session_turns(
-        [t.prompt_tokens for t in ts], [t.output_tokens for t in ts],
-        [t.cached_tokens for t in ts], [t.recomputed_tokens for t in ts],
+        [t.prompt_tokens for t in ts],
+        [t.output_tokens for t in ts],
+        [t.cached_tokens for t in ts],
+        [t.recomputed_tokens for t in ts],
     )
     return PricedTrajectory(traj, tuple(price_turn(model, t) for t in tokens), detect_patterns(traj))
 
@@ -422,7 +442,9 @@ def _boot_means(x: np.ndarray, n_boot: int, rng: np.random.Generator) -> np.ndar
 
 
 def group_report(
-    priced: Sequence[PricedTrajectory], variant: str = "served", n_boot: int = DEFAULT_BOOTSTRAP,
+    priced: Sequence[PricedTrajectory],
+    variant: str = "served",
+    n_boot: int = DEFAULT_BOOTSTRAP,
     seed: int = 0,
 ) -> GroupReport:
     """Statistics of one model × task group (all trajectories must share them)."""
@@ -462,7 +484,9 @@ def group_report(
 
     ratio = mi / mc if mc > 0 else math.nan
     return GroupReport(
-        model=first.model, task=first.task, n=len(priced),
+        model=first.model,
+        task=first.task,
+        n=len(priced),
         accuracy=float(correct.mean()),
         avg_uncached_tokens=float(np.mean([p.uncached_tokens for p in priced])),
         tool_calls_per_trajectory=float(np.mean([p.tool_calls for p in priced])),
@@ -473,14 +497,21 @@ def group_report(
         per_step=steps,
         step_rho=rho,
         correct_vs_incorrect=CorrectnessStat(
-            int(correct.sum()), int((~correct).sum()), est(mc, bc), est(mi, bi), est(ratio, br),
+            int(correct.sum()),
+            int((~correct).sum()),
+            est(mc, bc),
+            est(mi, bi),
+            est(ratio, br),
         ),
     )
 
 
 def trajectory_report(
-    trajectories: Iterable[Trajectory], model: CostModel, variant: str = "served",
-    n_boot: int = DEFAULT_BOOTSTRAP, seed: int = 0,
+    trajectories: Iterable[Trajectory],
+    model: CostModel,
+    variant: str = "served",
+    n_boot: int = DEFAULT_BOOTSTRAP,
+    seed: int = 0,
 ) -> list[GroupReport]:
     """Price every trajectory and report each model × task group, sorted by (model, task)."""
     if variant not in VARIANTS:

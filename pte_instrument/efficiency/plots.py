@@ -54,8 +54,12 @@ def efficiency_plots(results: Sequence[BenchmarkResult], out_dir: str | Path) ->
         fig, ax = plt.subplots(figsize=(6.4, 4.8))
         et = [q[m]["mean_tokens"].value for m in models]
         top = max((x for x in et if math.isfinite(x)), default=1.0) or 1.0
-        ax.scatter([q[m]["e0"].value for m in models], [q[m]["accuracy"].value for m in models],
-                   s=[30 + 400 * x / top for x in et], alpha=0.6)
+        ax.scatter(
+            [q[m]["e0"].value for m in models],
+            [q[m]["accuracy"].value for m in models],
+            s=[30 + 400 * x / top for x in et],
+            alpha=0.6,
+        )
         for m in models:
             ax.annotate(m, (q[m]["e0"].value, q[m]["accuracy"].value), fontsize=7)
         ax.set_xlabel("E0 (correct answers per 1k output tokens)")
@@ -76,8 +80,15 @@ def efficiency_plots(results: Sequence[BenchmarkResult], out_dir: str | Path) ->
             ax.bar(range(len(others)), vals, bottom=bottoms, label=TERM_LABELS[t])
             pos = [p + max(v, 0) for p, v in zip(pos, vals, strict=True)]
             neg = [n + min(v, 0) for n, v in zip(neg, vals, strict=True)]
-        ax.scatter(range(len(others)), [view.decomposition[m].dlog_e0.value for m in others],
-                   marker="_", s=300, color="black", label="Δlog E0", zorder=3)
+        ax.scatter(
+            range(len(others)),
+            [view.decomposition[m].dlog_e0.value for m in others],
+            marker="_",
+            s=300,
+            color="black",
+            label="Δlog E0",
+            zorder=3,
+        )
         ax.axhline(0, color="grey", lw=0.8)
         ax.set_xticks(range(len(others)), others, rotation=45, ha="right", fontsize=7)
         ax.set_ylabel(f"Δlog vs {r.reference}")
@@ -108,8 +119,12 @@ def trajectory_plots(groups: Sequence[GroupReport], out_dir: str | Path) -> list
     out.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(6.4, 4.8))
     for g in groups:
-        ax.plot([s.turn for s in g.per_step], [s.mean_pte for s in g.per_step], marker="o",
-                label=f"{g.model} / {g.task}")
+        ax.plot(
+            [s.turn for s in g.per_step],
+            [s.mean_pte for s in g.per_step],
+            marker="o",
+            label=f"{g.model} / {g.task}",
+        )
     ax.set_xlabel("turn")
     ax.set_ylabel("mean PTE of the turn")
     ax.set_title("PTE per step")

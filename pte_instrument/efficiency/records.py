@@ -89,8 +89,12 @@ class Problem:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "where": self.where, "reason": self.reason, "model": self.model,
-            "benchmark": self.benchmark, "instance_id": self.instance_id, "action": self.action,
+            "where": self.where,
+            "reason": self.reason,
+            "model": self.model,
+            "benchmark": self.benchmark,
+            "instance_id": self.instance_id,
+            "action": self.action,
         }
 
 
@@ -335,16 +339,19 @@ def load_records(paths: str | Path | Sequence[str | Path], strict: bool = False)
             try:
                 records.append(parse_record(row, where))
             except _RowError as e:
-                problems.append(Problem(
-                    where, str(e), _soft(row, "model"), _soft(row, "benchmark"),
-                    _soft(row, "instance_id"),
-                ))
+                problems.append(
+                    Problem(
+                        where,
+                        str(e),
+                        _soft(row, "model"),
+                        _soft(row, "benchmark"),
+                        _soft(row, "instance_id"),
+                    )
+                )
     records, more = check_consistency(records)
     problems += more
     if strict and problems:
-        raise RecordError(
-            f"{len(problems)} bad record(s); first: {problems[0].describe(action=False)}"
-        )
+        raise RecordError(f"{len(problems)} bad record(s); first: {problems[0].describe(action=False)}")
     if not records:
         first = f"; first problem: {problems[0].describe(False)}" if problems else ""
         raise RecordError(f"no valid evaluation records in {', '.join(map(str, paths))}{first}")
@@ -374,10 +381,15 @@ def check_consistency(records: Iterable[EvalRecord]) -> tuple[list[EvalRecord], 
             rows = copies[k]
             for r in rows:
                 others = ", ".join(o.where for o in rows if o is not r)
-                problems.append(Problem(
-                    r.where, f"duplicate instance id within model+benchmark (also at {others})",
-                    r.model, r.benchmark, r.instance_id,
-                ))
+                problems.append(
+                    Problem(
+                        r.where,
+                        f"duplicate instance id within model+benchmark (also at {others})",
+                        r.model,
+                        r.benchmark,
+                        r.instance_id,
+                    )
+                )
         records = [r for r in records if (r.model, r.benchmark, r.instance_id) not in dup]
 
     workloads: dict[tuple[str, str], set[float]] = defaultdict(set)
@@ -391,12 +403,17 @@ def check_consistency(records: Iterable[EvalRecord]) -> tuple[list[EvalRecord], 
         key = (r.benchmark, r.instance_id)
         if key in conflict:
             if r.workload is not None:
-                problems.append(Problem(
-                    r.where,
-                    f"workload {r.workload:g} disagrees with other rows of this instance "
-                    f"({', '.join(f'{w:g}' for w in sorted(workloads[key]))})",
-                    r.model, r.benchmark, r.instance_id, action="kept; instance workload unknown",
-                ))
+                problems.append(
+                    Problem(
+                        r.where,
+                        f"workload {r.workload:g} disagrees with other rows of this instance "
+                        f"({', '.join(f'{w:g}' for w in sorted(workloads[key]))})",
+                        r.model,
+                        r.benchmark,
+                        r.instance_id,
+                        action="kept; instance workload unknown",
+                    )
+                )
             r = replace(r, workload=None)
         elif key in known and r.workload is None:
             r = replace(r, workload=known[key])  # W belongs to the instance, not the row
@@ -440,8 +457,16 @@ def join_request_log(
             values = by_session.get(r.session_id)
         if values is None and (r.request_id or r.session_id):
             key = f"request_id {r.request_id}" if r.request_id else f"session_id {r.session_id}"
-            problems.append(Problem(r.where, f"{key} not in request log {path}",
-                                    r.model, r.benchmark, r.instance_id, "kept without PTE"))
+            problems.append(
+                Problem(
+                    r.where,
+                    f"{key} not in request log {path}",
+                    r.model,
+                    r.benchmark,
+                    r.instance_id,
+                    "kept without PTE",
+                )
+            )
         out.append(replace(r, **values) if values else r)
     return out, problems
 
@@ -449,9 +474,7 @@ def join_request_log(
 # --------------------------------------------------------------------------- arrays
 
 
-def build_tables(
-    records: Iterable[EvalRecord], window: int = LOOP_WINDOW
-) -> dict[str, EvalTable]:
+def build_tables(records: Iterable[EvalRecord], window: int = LOOP_WINDOW) -> dict[str, EvalTable]:
     """Arrange records per benchmark as (model × instance) arrays, models and instances
     sorted by name so results do not depend on row order. Trace features (σ_c and the
     truncation-loop audit) are computed here, once per record."""
@@ -487,10 +510,7 @@ def _table(benchmark: str, recs: list[EvalRecord], window: int) -> EvalTable:
                 )
             workload[c] = r.workload
     nan = float("nan")
-    loops = [
-        loop_audit(r.trace, r.prompt, window) if r.truncated and r.trace else (nan, nan)
-        for r in recs
-    ]
+    loops = [loop_audit(r.trace, r.prompt, window) if r.truncated and r.trace else (nan, nan) for r in recs]
     return EvalTable.from_arrays(
         benchmark=benchmark,
         models=models,

@@ -153,10 +153,18 @@ class EvalTable:
         if present.shape != (M, N) or w.shape != (N,):
             raise AnalysisError("present must be (models, instances) and workload (instances,)")
         table = cls(
-            benchmark, tuple(models), tuple(instances), present,
-            grid(correct, 0.0), grid(tokens, 0.0), grid(truncated, 0.0), w,
-            grid(sigma, np.nan), grid(pte, np.nan),
-            grid(loop_repeat, np.nan), grid(loop_overlap, np.nan),
+            benchmark,
+            tuple(models),
+            tuple(instances),
+            present,
+            grid(correct, 0.0),
+            grid(tokens, 0.0),
+            grid(truncated, 0.0),
+            w,
+            grid(sigma, np.nan),
+            grid(pte, np.nan),
+            grid(loop_repeat, np.nan),
+            grid(loop_overlap, np.nan),
         )
         t = table.tokens[present]
         if (t <= 0).any() or not np.isfinite(t).all():
@@ -170,8 +178,7 @@ class EvalTable:
             return self.models.index(model)
         except ValueError:
             raise AnalysisError(
-                f"model {model!r} not in benchmark {self.benchmark!r} "
-                f"(models: {', '.join(self.models)})"
+                f"model {model!r} not in benchmark {self.benchmark!r} (models: {', '.join(self.models)})"
             ) from None
 
 
@@ -276,28 +283,64 @@ class BenchmarkResult:
 
 # Per-instance values summed over a set of instances; every quantity is a ratio of these.
 SUMS = (
-    "n", "s", "t", "c", "w", "vo", "ts", "vos",
-    "pte", "pte_n", "loop_n", "loop_rep", "ovl_n", "ovl",
+    "n",
+    "s",
+    "t",
+    "c",
+    "w",
+    "vo",
+    "ts",
+    "vos",
+    "pte",
+    "pte_n",
+    "loop_n",
+    "loop_rep",
+    "ovl_n",
+    "ovl",
 )
 
 VIEW_QUANTITIES: dict[str, tuple[str, ...]] = {
     "outcome": (
-        "n", "accuracy", "e0", "mean_tokens", "r_ctx", "r_logic",
-        "pte_per_correct", "mean_pte", "loop_repeat", "loop_prompt_overlap", "n_truncated_traces",
+        "n",
+        "accuracy",
+        "e0",
+        "mean_tokens",
+        "r_ctx",
+        "r_logic",
+        "pte_per_correct",
+        "mean_pte",
+        "loop_repeat",
+        "loop_prompt_overlap",
+        "n_truncated_traces",
     ),
     "workload": (
-        "n", "accuracy", "e0", "mean_tokens", "r_ctx", "r_logic", "mean_workload", "vo", "kappa",
+        "n",
+        "accuracy",
+        "e0",
+        "mean_tokens",
+        "r_ctx",
+        "r_logic",
+        "mean_workload",
+        "vo",
+        "kappa",
     ),
     "trace": (
-        "n", "accuracy", "e0", "mean_tokens", "r_ctx", "r_logic", "q_trace",
-        "mean_signal_tokens", "mean_workload", "vo_sig", "kappa_sig",
+        "n",
+        "accuracy",
+        "e0",
+        "mean_tokens",
+        "r_ctx",
+        "r_logic",
+        "q_trace",
+        "mean_signal_tokens",
+        "mean_workload",
+        "vo_sig",
+        "kappa_sig",
     ),
 }
 
 
-def _value_stack(
-    table: EvalTable, W: np.ndarray, rows: np.ndarray, mask: np.ndarray
-) -> np.ndarray:
+def _value_stack(table: EvalTable, W: np.ndarray, rows: np.ndarray, mask: np.ndarray) -> np.ndarray:
     """(len(SUMS), M, N): for output column m, the per-instance values of model ``rows[m]``
     on the instances ``mask[m]`` keeps (0 elsewhere)."""
     S, T, C = table.correct[rows], table.tokens[rows], table.truncated[rows]
@@ -312,12 +355,24 @@ def _value_stack(
         vos = np.where(known_w & known_s, tsig / np.where(known_w, Wm, 1.0), 0.0)
     m = mask.astype(np.float64)
     has_pte, has_rep, has_ovl = mask & np.isfinite(pte), mask & np.isfinite(rep), mask & np.isfinite(ovl)
-    return np.stack([
-        m, m * S, m * T, m * C, np.where(known_w, Wm, 0.0), vo, tsig, vos,
-        np.where(has_pte, pte, 0.0), has_pte.astype(np.float64),
-        has_rep.astype(np.float64), np.where(has_rep, rep, 0.0),
-        has_ovl.astype(np.float64), np.where(has_ovl, ovl, 0.0),
-    ])
+    return np.stack(
+        [
+            m,
+            m * S,
+            m * T,
+            m * C,
+            np.where(known_w, Wm, 0.0),
+            vo,
+            tsig,
+            vos,
+            np.where(has_pte, pte, 0.0),
+            has_pte.astype(np.float64),
+            has_rep.astype(np.float64),
+            np.where(has_rep, rep, 0.0),
+            has_ovl.astype(np.float64),
+            np.where(has_ovl, ovl, 0.0),
+        ]
+    )
 
 
 def _sums(weights: np.ndarray, stack: np.ndarray) -> dict[str, np.ndarray]:
@@ -364,8 +419,11 @@ def view_terms(view: str, with_workload: bool) -> tuple[str, ...]:
         return ("ctx", "logic", "length")
     if view == "workload":
         return ("ctx", "logic", "overhead", "coupling")
-    return ("ctx", "logic", "q_trace", "overhead_sig", "coupling_sig") if with_workload else (
-        "ctx", "logic", "q_trace", "length_sig")
+    return (
+        ("ctx", "logic", "q_trace", "overhead_sig", "coupling_sig")
+        if with_workload
+        else ("ctx", "logic", "q_trace", "length_sig")
+    )
 
 
 # name -> (quantity, sign): term = sign · (log q_model − log q_reference)
@@ -387,6 +445,7 @@ def dlog_terms(
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """(Δlog E0, {term: contribution}) of model quantities ``qm`` against reference ``qr``."""
     with np.errstate(invalid="ignore", divide="ignore"):
+
         def d(k: str) -> np.ndarray:
             return np.log(qm[k]) - np.log(qr[k])
 
@@ -474,9 +533,7 @@ def overhead_coupling(table: EvalTable, W: np.ndarray) -> tuple[np.ndarray, np.n
         return vo_sum / n, t_sum * n / (Wq.sum(axis=1) * vo_sum)
 
 
-def _solver_shares(
-    K: np.ndarray, solver: np.ndarray, pool: Sequence[int]
-) -> tuple[np.ndarray, np.ndarray]:
+def _solver_shares(K: np.ndarray, solver: np.ndarray, pool: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     """(covered count (B,), solver counts (B, P)) under count weights K."""
     onehot = (solver[:, None] == np.asarray(pool)[None, :]).astype(np.float64)  # (N, P)
     counts = K @ onehot
@@ -499,7 +556,10 @@ def _share_stats(covered: np.ndarray, counts: np.ndarray) -> dict[str, np.ndarra
 
 
 def solver_audits(
-    table: EvalTable, order: Sequence[int], shares: np.ndarray, n_splits: int,
+    table: EvalTable,
+    order: Sequence[int],
+    shares: np.ndarray,
+    n_splits: int,
     rng: np.random.Generator,
 ) -> SolverAudits:
     """Spearman ρ of V̄O and κ model rankings under perturbed pools against the full pool.
@@ -564,9 +624,7 @@ LENGTH_TERMS = ("length", "overhead", "coupling")
 TRACE_LENGTH_TERMS = ("q_trace", "overhead_sig", "coupling_sig", "length_sig")
 
 
-def diagnose(
-    model: str, reference: str, views: dict[str, ViewResult]
-) -> Signature:
+def diagnose(model: str, reference: str, views: dict[str, ViewResult]) -> Signature:
     """Signature from the dominant (most negative) Δlog term.
 
     Step 1, on the workload view (else the outcome view): ``ctx`` → context-limited,
@@ -593,8 +651,7 @@ def diagnose(
     trace = views.get("trace")
     if term in LENGTH_TERMS and trace is not None and model in trace.decomposition:
         tdec = trace.decomposition[model]
-        split = {t: e for t, e in tdec.terms.items()
-                 if t in TRACE_LENGTH_TERMS and math.isfinite(e.value)}
+        split = {t: e for t, e in tdec.terms.items() if t in TRACE_LENGTH_TERMS and math.isfinite(e.value)}
         if split:
             worst = min(split, key=lambda t: split[t].value)
             if worst == "q_trace" and split[worst].value < 0:
@@ -640,9 +697,7 @@ def analyze(
         W = table.workload
         source = "native" if np.isfinite(W).any() else None
         if workload == "native" and source is None:
-            raise AnalysisError(
-                f"benchmark {table.benchmark!r} has no workload field; use --workload solver"
-            )
+            raise AnalysisError(f"benchmark {table.benchmark!r} has no workload field; use --workload solver")
         if source is None:
             notes.append("no workload in the data: workload view omitted (see --workload solver)")
         elif not np.isfinite(W).all():
@@ -651,8 +706,10 @@ def analyze(
         raise AnalysisError(f"unknown workload source {workload!r} (native or solver)")
 
     if not (table.present == table.present[ref][None, :]).all():
-        notes.append("models answered different instance sets: Δlog terms use the instances "
-                     "each model shares with the reference")
+        notes.append(
+            "models answered different instance sets: Δlog terms use the instances "
+            "each model shares with the reference"
+        )
 
     K = bootstrap_weights(N, n_boot, _rng(seed, table.benchmark, 0))
     ones = np.ones((1, N))
@@ -674,11 +731,14 @@ def analyze(
             req &= np.isfinite(table.sigma)
         shared = req & req[ref][None, :]
         # own set (tables), shared set for the model and, on the same set, the reference
-        stack = np.concatenate([
-            _value_stack(table, W, rows_self, req),
-            _value_stack(table, W, rows_self, shared),
-            _value_stack(table, W, rows_ref, shared),
-        ], axis=1)
+        stack = np.concatenate(
+            [
+                _value_stack(table, W, rows_self, req),
+                _value_stack(table, W, rows_self, shared),
+                _value_stack(table, W, rows_ref, shared),
+            ],
+            axis=1,
+        )
         point = _sums(ones, stack)
         boot = _sums(K, stack) if n_boot else None
         del stack
@@ -696,8 +756,17 @@ def analyze(
         )
     signatures = {m: diagnose(m, reference, views) for m in table.models}
     return BenchmarkResult(
-        table.benchmark, reference, table.models, N, source, views, solver_result, signatures,
-        n_boot, seed, notes,
+        table.benchmark,
+        reference,
+        table.models,
+        N,
+        source,
+        views,
+        solver_result,
+        signatures,
+        n_boot,
+        seed,
+        notes,
     )
 
 
@@ -706,8 +775,12 @@ def _split(s: dict[str, np.ndarray], part: int, M: int) -> dict[str, np.ndarray]
 
 
 def _view_result(
-    table: EvalTable, name: str, with_w: bool, point: dict[str, np.ndarray],
-    boot: dict[str, np.ndarray] | None, M: int,
+    table: EvalTable,
+    name: str,
+    with_w: bool,
+    point: dict[str, np.ndarray],
+    boot: dict[str, np.ndarray] | None,
+    M: int,
 ) -> ViewResult:
     terms = view_terms(name, with_w)
 
@@ -725,24 +798,25 @@ def _view_result(
     qnames = VIEW_QUANTITIES[name]
     if name == "trace" and not with_w:
         qnames = tuple(q for q in qnames if q not in ("mean_workload", "vo_sig", "kappa_sig"))
-    q_est = {
-        q: _estimates(p_own[q][0], None if b_own is None else b_own[q]) for q in qnames
-    }
+    q_est = {q: _estimates(p_own[q][0], None if b_own is None else b_own[q]) for q in qnames}
     d_est = _estimates(p_dlog[0], b_dlog)
     t_est = {t: _estimates(p_parts[t][0], None if b_parts is None else b_parts[t]) for t in terms}
     with np.errstate(invalid="ignore"):
         residual = p_dlog[0] - sum(p_parts[t][0] for t in terms)
     quant = {m: {q: q_est[q][k] for q in qnames} for k, m in enumerate(table.models)}
     decomp = {
-        m: Decomposition(int(p_n[0, k]), d_est[k], {t: t_est[t][k] for t in terms},
-                         float(residual[k]))
+        m: Decomposition(int(p_n[0, k]), d_est[k], {t: t_est[t][k] for t in terms}, float(residual[k]))
         for k, m in enumerate(table.models)
     }
     return ViewResult(name, terms, quant, decomp)
 
 
 def _solver_result(
-    table: EvalTable, order: list[int], solver: np.ndarray, K: np.ndarray, n_splits: int,
+    table: EvalTable,
+    order: list[int],
+    solver: np.ndarray,
+    K: np.ndarray,
+    n_splits: int,
     seed: int,
 ) -> SolverResult:
     N = len(table.instances)

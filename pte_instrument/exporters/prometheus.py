@@ -8,6 +8,7 @@ PTE (prefill token equivalents) is the unit of every ``pte_*_pte`` series.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Iterator
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
@@ -100,6 +101,40 @@ class PteMetrics:
             req,
             registry=registry,
         )
+        # --- exact engine-side accounting (scheduler hook) ---
+        self.engine_served = Counter(
+            "pte_engine_served_pte",
+            "Served PTE priced step by step in the engine (exact).",
+            req,
+            registry=registry,
+        )
+        self.engine_recompute = Counter(
+            "pte_engine_recompute_tax_pte",
+            "PTE of tokens recomputed after preemption or KV loss, seen by the engine.",
+            req,
+            registry=registry,
+        )
+        self.engine_roofline = Counter(
+            "pte_engine_roofline_pte",
+            "Roofline-attributed cost (SPEC-PTE §5), in prefill-token units.",
+            req,
+            registry=registry,
+        )
+        self.spec_drafts = Counter(
+            "pte_spec_draft_tokens", "Speculative draft tokens scheduled.", req, registry=registry
+        )
+        self.spec_rejected = Counter(
+            "pte_spec_rejected_tokens",
+            "Speculative draft tokens rejected: wasted work.",
+            req,
+            registry=registry,
+        )
+        self.engine_gap = Gauge(
+            "pte_engine_estimate_gap_pte",
+            "Σ (engine exact served PTE − stat-logger estimate) over finished requests.",
+            req,
+            registry=registry,
+        )
         # --- sessions (observed when a session closes: idle TTL or the live-session cap) ---
         self.session_turns = Histogram(
             "pte_session_turns",
@@ -184,16 +219,16 @@ class SessionLedgerCollector:
         )
 
 
-_metrics: dict[int, PteMetrics] = {}
+_metrics: weakref.WeakKeyDictionary[CollectorRegistry, PteMetrics] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
 def metrics_for(registry: CollectorRegistry = REGISTRY) -> PteMetrics:
     """One ``PteMetrics`` per registry: several loggers (one per engine) share it."""
     with _lock:
-        if id(registry) not in _metrics:
-            _metrics[id(registry)] = PteMetrics(registry)
-        return _metrics[id(registry)]
+        if registry not in _metrics:
+            _metrics[registry] = PteMetrics(registry)
+        return _metrics[registry]
 
 
 class PrometheusExporter:
@@ -224,3 +259,10 @@ class PrometheusExporter:
         m.request_pte.labels(*lab).observe(r.pte_served)
         if r.pause_s is not None:
             m.tool_pause.labels(r.model).observe(r.pause_s)
+        if r.engine_pte_served is not None:
+            m.engine_served.labels(*lab).inc(r.engine_pte_served)
+            m.engine_recompute.labels(*lab).inc(r.engine_recompute_tokens)
+            m.engine_roofline.labels(*lab).inc(r.engine_pte_roofline)
+            m.spec_drafts.labels(*lab).inc(r.engine_spec_tokens)
+            m.spec_rejected.labels(*lab).inc(r.engine_rejected_tokens)
+            m.engine_gap.labels(*lab).inc(r.engine_pte_served - r.pte_served)

@@ -89,9 +89,7 @@ def context_sum_int(L: np.ndarray, D: np.ndarray, W: int) -> np.ndarray:
     return m * L + m * (m - 1) // 2 + (D - m) * W
 
 
-def step_contributions(
-    packed: np.ndarray, windows: np.ndarray, out: np.ndarray | None = None
-) -> np.ndarray:
+def step_contributions(packed: np.ndarray, windows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """What each row of one step adds to its slot: a ``(n_columns, B)`` float64 array
     (column-major, so each column is written contiguously; every value is an integer).
 

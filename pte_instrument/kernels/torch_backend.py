@@ -40,8 +40,9 @@ def step_contributions_torch(packed: torch.Tensor, windows: torch.Tensor) -> tor
     # nd-m read W each (the form of reference.step_contributions); plus the first sample.
     m = (torch.minimum(end, W) - a).clamp_(min=0)
     ctx = m * (2 * a + m + 1) // 2 + (nd - m) * W + first * torch.minimum(P, W)
-    out = torch.empty((packed.shape[1], N_FIXED + windows.shape[0]), dtype=torch.float64,
-                      device=packed.device)
+    out = torch.empty(
+        (packed.shape[1], N_FIXED + windows.shape[0]), dtype=torch.float64, device=packed.device
+    )
     out[:, PREFILL] = prefill
     out[:, RECOMPUTE] = recompute
     out[:, DECODE_TOKENS] = nd + first

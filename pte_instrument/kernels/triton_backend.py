@@ -167,8 +167,18 @@ def accumulate_triton(
     block = BLOCK_INTERPRET if interpret else BLOCK_CUDA
     grid = (max(1, triton.cdiv(B, block)),)
     _kernel(interpret)[grid](
-        packed, B, state, hist, totals, windows, hist_row, next_row,
-        NCOL=ncol, NCOL_P2=triton.next_power_of_2(ncol), G=windows.shape[0], BLOCK=block,
+        packed,
+        B,
+        state,
+        hist,
+        totals,
+        windows,
+        hist_row,
+        next_row,
+        NCOL=ncol,
+        NCOL_P2=triton.next_power_of_2(ncol),
+        G=windows.shape[0],
+        BLOCK=block,
     )
 
 
@@ -181,11 +191,19 @@ def compile_for_target(n_groups: int = 1, arch: int = 90, block: int = BLOCK_CUD
 
     ncol = 5 + n_groups
     signature = {
-        "packed_ptr": "*i64", "B": "i32", "state_ptr": "*fp64", "hist_ptr": "*fp64",
-        "totals_ptr": "*fp64", "win_ptr": "*i64", "hist_row": "i32", "next_row": "i32",
-        "NCOL": "constexpr", "NCOL_P2": "constexpr", "G": "constexpr", "BLOCK": "constexpr",
+        "packed_ptr": "*i64",
+        "B": "i32",
+        "state_ptr": "*fp64",
+        "hist_ptr": "*fp64",
+        "totals_ptr": "*fp64",
+        "win_ptr": "*i64",
+        "hist_row": "i32",
+        "next_row": "i32",
+        "NCOL": "constexpr",
+        "NCOL_P2": "constexpr",
+        "G": "constexpr",
+        "BLOCK": "constexpr",
     }
-    constexprs = {"NCOL": ncol, "NCOL_P2": triton.next_power_of_2(ncol), "G": n_groups,
-                  "BLOCK": block}
+    constexprs = {"NCOL": ncol, "NCOL_P2": triton.next_power_of_2(ncol), "G": n_groups, "BLOCK": block}
     src = ASTSource(fn=triton.jit(_step_kernel), signature=signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32))

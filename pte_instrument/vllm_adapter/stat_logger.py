@@ -25,6 +25,8 @@ from ..runtime import get_runtime
 from ..settings import Settings
 
 log = logging.getLogger("pte_instrument")
+ENGINE_JOIN_TIMEOUT_S = 2.0
+ORPHAN_AFTER_S = 5.0  # engine results unclaimed this long are requests the stat logger never saw
 if not log.handlers:  # vLLM configures only its own loggers
     _handler = logging.StreamHandler()
     _handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [pte-instrument] %(message)s"))
@@ -69,6 +71,22 @@ def finished_request(stats: FinishedRequestStats, model: str, engine: int) -> Fi
     )
 
 
+def orphan_request(totals: dict[str, Any], model: str) -> FinishedRequest:
+    """A request known only from the engine hook (vLLM reports no stats for aborts)."""
+    return FinishedRequest(
+        request_id=str(totals["external_id"]),
+        model=model,
+        engine=int(totals["engine"]),
+        prompt_tokens=int(totals["prompt_tokens"]),
+        cached_tokens=int(totals["cached_tokens"]),
+        output_tokens=int(totals["output_tokens"]),
+        finish_reason=str(totals["finish_reason"]),
+        num_preemptions=int(totals["num_preemptions"]),
+        recomputed_tokens=int(totals["recompute"]),
+        engine_totals=totals,
+    )
+
+
 def request_keys(request_id: str) -> tuple[str, ...]:
     """Spellings of the X-Request-Id the session middleware registered: vLLM names a
     request ``<kind>-<X-Request-Id>`` (``chatcmpl-…``) and the completions API appends
@@ -89,6 +107,7 @@ class PteStatLogger(StatLoggerBase):
         self.accountant: Accountant | None = None
         self.runtime = get_runtime()
         self._next_expiry = 0.0
+        self._waiting: list[tuple[FinishedRequest, float]] = []
         settings = self.runtime.settings
         if not settings.enabled:
             log.info("pte-instrument disabled (PTE_ENABLED=0)")
@@ -111,6 +130,7 @@ class PteStatLogger(StatLoggerBase):
     ) -> None:
         if self.accountant is None or iteration_stats is None:
             return
+        now = time.monotonic()
         for stats in iteration_stats.finished_requests:
             try:
                 request = finished_request(stats, self.model, engine_idx)
@@ -120,14 +140,52 @@ class PteStatLogger(StatLoggerBase):
             except Exception as e:
                 self.runtime.faults.record("adapter", e)
                 continue
-            self.accountant.on_finished(request)
-        now = time.monotonic()
+            self._waiting.append((request, now + ENGINE_JOIN_TIMEOUT_S))
+        self._price_ready(now)
         if now >= self._next_expiry:  # close idle sessions even when no turn arrives
             self._next_expiry = now + 1.0
             try:
                 self.runtime.sessions.expire()
             except Exception as e:
                 self.runtime.faults.record("sessions", e)
+
+    def _price_ready(self, now: float) -> None:
+        """Price finished requests, joined with the engine hook's exact totals. Those
+        usually arrive first (sent before the engine returns its outputs); a request
+        waits for them at most ENGINE_JOIN_TIMEOUT_S, and only when a hook is running."""
+        waiting, self._waiting = self._waiting, []
+        for request, deadline in waiting:
+            try:
+                totals = self.runtime.take_engine_result(*request_keys(request.request_id))
+                if totals is None and self.runtime.engine_hooks and now < deadline:
+                    self._waiting.append((request, deadline))
+                    continue
+                if totals is None and self.runtime.engine_hooks:
+                    self.runtime.faults.record(
+                        "engine_join", TimeoutError(f"no engine totals for {request.request_id}")
+                    )
+                if totals is not None:
+                    request = replace(
+                        request, recomputed_tokens=int(totals["recompute"]), engine_totals=totals
+                    )
+            except Exception as e:
+                self.runtime.faults.record("engine_join", e)
+            self.accountant.on_finished(request)  # type: ignore[union-attr]
+
+        for totals in self.runtime.take_orphans(ORPHAN_AFTER_S):
+            try:
+                request = orphan_request(totals, self.model)
+                session_id = self.runtime.pending.pop(*request_keys(request.request_id))
+                if session_id is not None:
+                    request = replace(request, session_id=session_id)
+            except Exception as e:
+                self.runtime.faults.record("engine_join", e)
+                continue
+            self.accountant.on_finished(request)  # type: ignore[union-attr]
+
+    def log(self) -> None:
+        if self.accountant is not None:
+            self._price_ready(time.monotonic())
 
     def log_engine_initialized(self) -> None:
         if self.accountant is None:

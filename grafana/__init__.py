@@ -1,0 +1,1 @@
+"""The Grafana dashboard of pte-instrument, generated in code (``python -m grafana.generate``)."""

@@ -1,0 +1,265 @@
+"""What the dashboard shows, as plain data: rows of panels, each with its PromQL queries.
+
+No Grafana import here, so the tests can check every query (metric names, a real
+Prometheus evaluating it) without the SDK; ``generate.py`` turns this into the dashboard.
+
+Queries use Grafana's template variables ``$model`` and ``$engine`` (regexes: "All" is
+``.*``) and the range ``$__rate_interval``. A query marked *optional* reads a metric the
+plugin does not export yet; its panel stays empty until the metric lands.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+RATE = "$__rate_interval"
+# Series with model and engine labels (request-level metrics and the cost model).
+SEL = 'model=~"$model", engine=~"$engine"'
+# Session-level series carry the model only (a session may span engines).
+SEL_MODEL = 'model=~"$model"'
+
+
+@dataclass(frozen=True)
+class Query:
+    expr: str
+    legend: str
+    optional: bool = False  # the metric does not exist yet: the panel may stay empty
+    heatmap: bool = False  # Prometheus "heatmap" format (buckets as a heatmap)
+
+
+@dataclass(frozen=True)
+class Panel:
+    title: str
+    description: str
+    queries: tuple[Query, ...]
+    unit: str = "short"
+    kind: str = "timeseries"  # or "heatmap"
+    min_zero: bool = True
+
+
+@dataclass(frozen=True)
+class Row:
+    title: str
+    panels: tuple[Panel, ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True)
+class Variable:
+    name: str
+    label: str
+    query: str  # Grafana's label_values(<series selector>, <label>)
+    metric: str  # the series it reads (checked like the panel queries)
+    label_name: str
+
+
+def _rate(metric: str, by: str, sel: str = SEL) -> str:
+    return f"sum by ({by}) (rate({metric}{{{sel}}}[{RATE}]))"
+
+
+def _quantile(q: float, metric: str, by: str, sel: str = SEL) -> str:
+    return f"histogram_quantile({q}, sum by ({by}, le) (rate({metric}_bucket{{{sel}}}[{RATE}])))"
+
+
+def _quantiles(metric: str, by: str, qs: tuple[float, ...], sel: str = SEL) -> tuple[Query, ...]:
+    return tuple(Query(_quantile(q, metric, by, sel), f"p{round(q * 100)} {{{{{by}}}}}") for q in qs)
+
+
+VARIABLES: tuple[Variable, ...] = (
+    Variable("model", "Model", "label_values(pte_requests_total, model)", "pte_requests_total", "model"),
+    Variable(
+        "engine",
+        "Engine",
+        'label_values(pte_requests_total{model=~"$model"}, engine)',
+        "pte_requests_total",
+        "engine",
+    ),
+)
+
+ROWS: tuple[Row, ...] = (
+    Row(
+        "Cost (PTE)",
+        (
+            Panel(
+                "PTE rate by model and phase",
+                "Served PTE per second (prefix-cache hits free, recompute included), prefill vs decode.",
+                (Query(_rate("pte_served_pte_total", "model, phase"), "{{model}} {{phase}}"),),
+            ),
+            Panel(
+                "Per-request served PTE (p50 / p95 / p99)",
+                "Quantiles of served PTE per finished request.",
+                _quantiles("pte_request_served_pte", "model", (0.5, 0.95, 0.99)),
+            ),
+            Panel(
+                "Prefill vs decode share of served PTE",
+                "Each phase's fraction of the served PTE rate.",
+                (
+                    Query(
+                        f"{_rate('pte_served_pte_total', 'model, phase')}"
+                        f" / ignoring (phase) group_left () {_rate('pte_served_pte_total', 'model')}",
+                        "{{model}} {{phase}}",
+                    ),
+                ),
+                unit="percentunit",
+            ),
+            Panel(
+                "Reference vs served vs ideal PTE rate",
+                "Reference: the published definition (full prompt every turn). Served: what the "
+                "server did. Ideal: had the KV cache survived every tool pause.",
+                (
+                    Query(_rate("pte_reference_pte_total", "model"), "reference {{model}}"),
+                    Query(_rate("pte_served_pte_total", "model"), "served {{model}}"),
+                    Query(_rate("pte_ideal_pte_total", "model"), "ideal {{model}}"),
+                ),
+            ),
+            Panel(
+                "Eviction tax and recompute tax",
+                "PTE per second spent prefilling again: context a session's previous turn had "
+                "paid for (eviction), tokens lost to preemption or KV loss (recompute).",
+                (
+                    Query(_rate("pte_eviction_tax_pte_total", "model"), "eviction {{model}}"),
+                    Query(_rate("pte_recompute_tax_pte_total", "model"), "recompute {{model}}"),
+                ),
+            ),
+            Panel(
+                "Prefix-cache hit ratio",
+                "Prompt tokens served from the prefix cache over all prompt tokens.",
+                (
+                    Query(
+                        f"{_rate('pte_cached_tokens_total', 'model')} / {_rate('pte_prompt_tokens_total', 'model')}",
+                        "{{model}}",
+                    ),
+                ),
+                unit="percentunit",
+            ),
+        ),
+    ),
+    Row(
+        "Cost model",
+        (
+            Panel(
+                "γ: theory vs measured",
+                "Decode price of one context token in prefill-token units. Theory from the "
+                "architecture and the device profile; measured from step timings (when exported).",
+                (
+                    Query(f"pte_gamma{{{SEL}}}", "theory {{model}} e{{engine}} {{device}}"),
+                    Query(
+                        f"pte_gamma_measured{{{SEL}}}",
+                        "measured {{model}} e{{engine}}",
+                        optional=True,
+                    ),
+                ),
+                min_zero=False,
+            ),
+            Panel(
+                "Hardware operational intensity (HOI)",
+                "Peak FLOP/s over memory bandwidth of the device profile (FLOP per byte).",
+                (Query(f"pte_hardware_operational_intensity{{{SEL}}}", "{{model}} e{{engine}} {{device}}"),),
+            ),
+        ),
+    ),
+    Row(
+        "Agent sessions",
+        (
+            Panel(
+                "Session served PTE distribution",
+                "Served PTE per closed session (observed when a session closes).",
+                (
+                    Query(
+                        f"sum by (le) (increase(pte_session_served_pte_bucket{{{SEL_MODEL}}}[{RATE}]))",
+                        "{{le}}",
+                        heatmap=True,
+                    ),
+                ),
+                kind="heatmap",
+            ),
+            Panel(
+                "Turns per session (p50 / p95)",
+                "Turns of closed sessions.",
+                _quantiles("pte_session_turns", "model", (0.5, 0.95), SEL_MODEL),
+            ),
+            Panel(
+                "Tool pause (p50 / p95)",
+                "Time between a session's turn ending and its next turn arriving.",
+                _quantiles("pte_tool_pause_seconds", "model", (0.5, 0.95), SEL_MODEL),
+                unit="s",
+            ),
+            Panel(
+                "Eviction tax per session (p50 / p95)",
+                "Eviction tax (PTE) of closed sessions.",
+                _quantiles("pte_session_eviction_tax_pte", "model", (0.5, 0.95), SEL_MODEL),
+            ),
+            Panel(
+                "Sessions live and closed",
+                "Sessions tracked now (all models), and sessions closed per interval by reason "
+                "(idle: TTL, evicted: live-session cap).",
+                (
+                    Query("pte_sessions_live", "live"),
+                    Query(
+                        f"sum by (model, reason) (increase(pte_sessions_closed_total{{{SEL_MODEL}}}[{RATE}]))",
+                        "closed {{reason}} {{model}}",
+                    ),
+                ),
+            ),
+            Panel(
+                "Session tracking losses",
+                "Requests served without session tracking (bad id) and ledger rows dropped past "
+                "their caps, per interval.",
+                (
+                    Query(
+                        f"sum by (reason) (increase(pte_session_ids_rejected_total[{RATE}]))",
+                        "id rejected: {{reason}}",
+                    ),
+                    Query(f"increase(pte_session_turn_rows_dropped_total[{RATE}])", "turn rows dropped"),
+                    Query(f"increase(pte_session_tags_dropped_total[{RATE}])", "session tags dropped"),
+                ),
+            ),
+        ),
+    ),
+    Row(
+        "Quality and health",
+        (
+            Panel(
+                "Truncation rate (finish_reason=length)",
+                "Share of finished requests cut by max_tokens or the context length.",
+                (
+                    Query(
+                        # `or … * 0` keeps a 0 line when no request was truncated.
+                        f'(sum by (model) (rate(pte_requests_total{{{SEL}, finish_reason="length"}}[{RATE}]))'
+                        f" or 0 * {_rate('pte_requests_total', 'model')})"
+                        f" / {_rate('pte_requests_total', 'model')}",
+                        "{{model}}",
+                    ),
+                ),
+                unit="percentunit",
+            ),
+            Panel(
+                "Efficiency E0 (correct answers per 1,000 generated tokens)",
+                "Pooled ratio of sums, SPEC-EFFICIENCY.md; needs a correct-answer counter, not exported yet.",
+                (
+                    Query(
+                        f"1000 * {_rate('pte_correct_answers_total', 'model')}"
+                        f" / {_rate('pte_output_tokens_total', 'model')}",
+                        "{{model}}",
+                        optional=True,
+                    ),
+                ),
+            ),
+            Panel(
+                "Plugin faults by stage",
+                "Faults inside pte-instrument per interval; serving continued.",
+                (
+                    Query(
+                        f"sum by (stage) (increase(pte_plugin_faults_total[{RATE}]))",
+                        "{{stage}}",
+                    ),
+                ),
+            ),
+        ),
+    ),
+)
+
+PANELS: tuple[Panel, ...] = tuple(p for row in ROWS for p in row.panels)
+
+# Every panel query, machine-readable: (panel title, PromQL, optional).
+QUERIES: list[tuple[str, str, bool]] = [(p.title, q.expr, q.optional) for p in PANELS for q in p.queries]
+OPTIONAL_QUERIES: list[tuple[str, str]] = [(t, e) for t, e, opt in QUERIES if opt]

@@ -1,0 +1,200 @@
+"""Exact step-level accounting in the engine process (SPEC-PTE §4–5), vLLM-free: the
+scheduler adapter hands it plain numbers; it keeps per-request totals in the batched
+accumulator and reports each finished request once, through a transport.
+
+Per step the host does O(batch) Python work to build one packed int array; everything
+else is one accumulator call (numpy, or an asynchronous GPU kernel) and, when the step
+log or roofline attribution is on, a few vectorized numpy calls.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .accumulator import StepAccumulator
+from .core.cost import CostModel
+from .kernels import reference as ref
+
+WEIGHT_BYTES = 2.0  # bf16 weights read once per step
+
+
+@dataclass
+class _Live:
+    slot: int
+    prompt: int
+    cached: int = 0  # computed tokens at first schedule: prefix-cache hits
+    high_water: int = 0  # most tokens ever validly computed (survives preemption)
+    rejected: int = 0  # rejected drafts not yet sent to the accumulator
+    sched_end: int = 0  # c + n of the latest step (to infer rejected drafts)
+    spec: int = 0  # drafts in the latest step
+
+
+def _settle_drafts(st: _Live, num_computed: int) -> None:
+    """vLLM rolls ``num_computed_tokens`` back over rejected drafts; those positions were
+    computed (wasted work) but hold no valid KV, so the high-water mark drops to match."""
+    if st.spec:
+        st.rejected += max(0, st.sched_end - num_computed)
+        st.high_water = num_computed
+        st.spec = 0
+
+
+@dataclass
+class EngineAccounting:
+    cost_model: CostModel
+    send: Callable[[list[dict[str, Any]]], None]
+    engine: int = 0
+    backend: str = "numpy"
+    step_log: str | None = None
+    clock: Callable[[], float] = time.perf_counter
+    external_id: Callable[[str], str] = lambda rid: rid  # the id the API server knows
+    acc: StepAccumulator = field(init=False)
+    live: dict[str, _Live] = field(default_factory=dict, init=False)
+    finished: list[tuple[str, str, _Live, dict[str, int]]] = field(default_factory=list, init=False)
+    steps: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        self.acc = StepAccumulator.from_cost_model(self.cost_model, backend=self.backend)
+        self.gammas = np.array([g.gamma for g in self.cost_model.groups])
+        shape = self.cost_model.shape
+        # Weight read per step in prefill-token units (SPEC §5): W_bytes·HOI/(2·N_active).
+        self.weights_pte = shape.n_total * WEIGHT_BYTES * self.cost_model.device.hoi / (2 * shape.n_active)
+        self.roofline = np.zeros(self.acc.capacity)
+        self._log = None
+        self._pending_step: dict[str, Any] | None = None
+        if self.step_log:
+            path = Path(f"{self.step_log}.engine{self.engine}" if self.engine else self.step_log)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._log = path.open("a", buffering=1 << 16)
+            header = {"header": True, "engine": self.engine, "gammas": self.gammas.tolist(),
+                      "windows": [g.window for g in self.cost_model.groups], "n_active": shape.n_active,
+                      "n_total": shape.n_total, "hoi": self.cost_model.device.hoi,
+                      "device": self.cost_model.device.name, "weights_pte": self.weights_pte}  # fmt: skip
+            self._log.write(json.dumps(header) + "\n")
+
+    # --- per step -----------------------------------------------------------------------
+
+    def on_schedule(self, rows: list[tuple[str, int, int, int, int]]) -> None:
+        """One scheduled step: (request id, tokens computed before, scheduled, prompt
+        length, speculative drafts) per request."""
+        t_start = self.clock()
+        self._close_step(t_start)
+        b = len(rows)
+        packed = np.empty((ref.N_FIELDS, b), dtype=np.int64)
+        for j, (rid, c, n, prompt, spec) in enumerate(rows):
+            st = self.live.get(rid)
+            if st is None:
+                st = self.live[rid] = _Live(self.acc.allocate(), prompt, cached=c)
+                if st.slot >= len(self.roofline):
+                    self.roofline = np.concatenate(
+                        [self.roofline, np.zeros(self.acc.capacity - len(self.roofline))]
+                    )
+            packed[:, j] = (st.slot, c, n, prompt, st.high_water, spec, st.rejected)
+            st.rejected = 0
+            st.sched_end, st.spec = c + n, spec
+            st.high_water = max(st.high_water, c + n)
+        self.acc.update(packed)
+        self.steps += 1
+        if b:
+            self._attribute(packed, t_start)
+
+    def _attribute(self, packed: np.ndarray, t_start: float) -> None:
+        """Roofline attribution (SPEC §5) of this step, and its step-log line."""
+        contrib = ref.step_contributions(packed, self.acc.windows)
+        tokens = packed[ref.N]
+        kv_pte = self.gammas @ contrib[ref.CTX0 :]
+        total_tokens = float(tokens.sum())
+        memory = self.weights_pte + float(kv_pte.sum())
+        if total_tokens >= memory:  # compute-bound: each request pays for its tokens
+            share = tokens.astype(np.float64)
+        else:  # memory-bound: weights split evenly, each request's own KV reads
+            share = self.weights_pte / max(len(tokens), 1) + kv_pte
+        np.add.at(self.roofline, packed[ref.SLOT], share)
+        if self._log is not None:
+            sums = contrib.sum(axis=1)
+            self._pending_step = {
+                "engine": self.engine, "step": self.steps - 1, "t": time.time(), "n_reqs": int(packed.shape[1]),
+                "tokens": int(total_tokens), "prefill": int(sums[ref.PREFILL]), "recompute": int(sums[ref.RECOMPUTE]),
+                "decode_tokens": int(sums[ref.DECODE_TOKENS]), "spec_tokens": int(sums[ref.SPEC_TOKENS]),
+                "ctx": sums[ref.CTX0 :].tolist(), "pte": float(sums[ref.PREFILL] + float(self.gammas @ sums[ref.CTX0 :])),
+                "roofline_pte": max(total_tokens, memory), "weights_pte": self.weights_pte,
+            }  # fmt: skip
+            now = self.clock()
+            self._pending_step["hook_s"] = now - t_start  # the plugin's own time this step
+            self._pending_step["_t0"] = now
+
+    def on_step_done(self) -> None:
+        """The model ran: the step's wall time is schedule end → outputs back."""
+        self._close_step(self.clock())
+
+    def _close_step(self, now: float) -> None:
+        step = self._pending_step
+        if step is None or self._log is None:
+            return
+        self._pending_step = None
+        step["dt_s"] = now - step.pop("_t0")
+        self._log.write(json.dumps(step) + "\n")
+
+    def accepted(self, rid: str, num_computed: int) -> None:
+        """After the step's outputs: drafts beyond ``num_computed`` were rejected."""
+        st = self.live.get(rid)
+        if st is not None:
+            _settle_drafts(st, num_computed)
+
+    # --- finish -------------------------------------------------------------------------
+
+    def on_finished(self, rid: str, reason: str, num_computed: int, counts: dict[str, int]) -> None:
+        """``counts``: prompt_tokens, cached_tokens, output_tokens as the engine saw them, so
+        the API server can still account a request its stat logger never reports (aborts)."""
+        st = self.live.pop(rid, None)
+        if st is None:  # never scheduled (aborted while waiting): nothing was computed
+            st = _Live(-1, 0)
+        else:
+            _settle_drafts(st, num_computed)
+        self.finished.append((rid, reason, st, counts))
+
+    def flush(self) -> None:
+        """Read the finished requests' rows in one transfer, send them, free the slots."""
+        if not self.finished:
+            return
+        done, self.finished = self.finished, []
+        slots = np.array([st.slot for _, _, st, _ in done if st.slot >= 0], dtype=np.int64)
+        rows = self.acc.read(slots) if len(slots) else np.zeros((0, self.acc.n_columns))
+        cols = self.acc.columns
+        messages, k = [], 0
+        for rid, reason, st, counts in done:
+            msg: dict[str, Any] = {"request_id": rid, "external_id": self.external_id(rid), "engine": self.engine,
+                                   "finish_reason": reason, "cached_tokens": st.cached, **counts}  # fmt: skip
+            if st.slot >= 0:
+                row = rows[k]
+                k += 1
+                msg.update({c: float(v) for c, v in zip(cols, row, strict=True)})
+                msg["rejected_tokens"] += st.rejected  # drafts rejected in the final step
+                msg["pte_served"] = float(row[ref.PREFILL] + self.gammas @ row[ref.CTX0 :])
+                msg["pte_recompute"] = float(row[ref.RECOMPUTE])
+                msg["pte_roofline"] = float(self.roofline[st.slot])
+                self.roofline[st.slot] = 0.0
+            else:
+                msg.update(dict.fromkeys(cols, 0.0))
+                msg.update(pte_served=0.0, pte_recompute=0.0, pte_roofline=0.0)
+            messages.append(msg)
+        if len(slots):
+            self.acc.release(slots)
+        self.send(messages)
+        if self._log is not None:
+            self._log.flush()  # step lines reach the file at least as often as requests finish
+
+    def conservation(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.acc.conservation()
+
+    def close(self) -> None:
+        self._close_step(self.clock())
+        if self._log is not None:
+            self._log.close()
+            self._log = None

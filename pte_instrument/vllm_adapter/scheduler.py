@@ -1,0 +1,144 @@
+"""Engine-side step hook: a scheduler subclass selected with
+``--scheduler-cls pte_instrument.vllm_adapter.scheduler.PteScheduler``
+(``PteAsyncScheduler`` with ``--async-scheduling``).
+
+Every step it turns the scheduler output into a step batch for the accumulator; when a
+request finishes (stopped, length, aborted) its exact totals go to the API server through
+the transport. A fault inside the hook is counted and logged, never raised into vLLM; a
+hook that keeps failing switches itself off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from ..engine_accounting import EngineAccounting
+from ..faults import FaultTracker
+from ..settings import Settings
+from ..transport import ADDRESS_ENV, Sender
+from .stat_logger import cost_model_from_vllm
+
+log = logging.getLogger("pte_instrument")
+MAX_FAULTS = 100  # then the hook turns itself off, with one log line
+
+
+def external_request_id(internal: str) -> str:
+    """vLLM's engine names a request ``<external id>-<8 random hex>``."""
+    head, dash, tail = internal.rpartition("-")
+    return head if dash and len(tail) == 8 and all(ch in "0123456789abcdef" for ch in tail) else internal
+
+
+class _PteHook:
+    """Mixed into vLLM's schedulers; the only code that reads their internals."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._pte: EngineAccounting | None = None
+        self._pte_faults = FaultTracker()
+        try:
+            settings = Settings.from_env()
+            address = os.environ.get(ADDRESS_ENV)
+            if not settings.enabled or not address:
+                log.warning(
+                    "pte-instrument engine hook inactive (%s)",
+                    "disabled" if address else f"{ADDRESS_ENV} unset",
+                )
+                return
+            cfg = self.vllm_config  # type: ignore[attr-defined]
+            engine = int(getattr(cfg.parallel_config, "data_parallel_rank", 0) or 0)
+            sender = Sender(address)
+            self._pte = EngineAccounting(
+                cost_model_from_vllm(cfg, settings),
+                sender.send,
+                engine=engine,
+                backend=settings.accumulator_backend,
+                step_log=settings.step_log,
+                external_id=external_request_id,
+            )
+            sender.send([{"hello": True, "engine": engine}])
+            log.info(
+                "pte-instrument engine hook active (engine %d, %s accumulator)", engine, self._pte.acc.backend
+            )
+        except Exception as e:
+            self._pte_fault("setup", e)
+
+    def _pte_fault(self, stage: str, e: Exception) -> None:
+        self._pte_faults.record(f"engine_{stage}", e)
+        if sum(self._pte_faults.counts.values()) >= MAX_FAULTS and self._pte is not None:
+            log.error("pte-instrument engine hook switched off after %d faults", MAX_FAULTS)
+            self._pte = None
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        if self._pte is not None:
+            try:
+                requests = self.requests  # type: ignore[attr-defined]
+                spec = out.scheduled_spec_decode_tokens
+                rows = []
+                for rid, n in out.num_scheduled_tokens.items():
+                    r = requests[rid]
+                    # num_computed_tokens was already advanced by this step's n.
+                    rows.append(
+                        (rid, r.num_computed_tokens - n, n, r.num_prompt_tokens, len(spec.get(rid, ())))
+                    )
+                self._pte.on_schedule(rows)
+            except Exception as e:
+                self._pte_fault("step", e)
+        return out
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        if self._pte is not None:
+            self._pte.on_step_done()
+        outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+        if self._pte is not None:
+            try:
+                if scheduler_output.scheduled_spec_decode_tokens:
+                    requests = self.requests  # type: ignore[attr-defined]
+                    for rid in scheduler_output.scheduled_spec_decode_tokens:
+                        if rid in requests:
+                            self._pte.accepted(rid, requests[rid].num_computed_tokens)
+                self._pte.flush()
+            except Exception as e:
+                self._pte_fault("finish", e)
+        return outputs
+
+    def finish_requests(self, *args: Any, **kwargs: Any) -> Any:
+        result = super().finish_requests(*args, **kwargs)  # type: ignore[misc]
+        if self._pte is not None:
+            try:
+                self._pte.flush()  # aborts arrive here, outside update_from_output
+            except Exception as e:
+                self._pte_fault("finish", e)
+        return result
+
+    def _free_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._pte is not None:
+            try:
+                reason = request.get_finished_reason()
+                counts = {
+                    "prompt_tokens": request.num_prompt_tokens,
+                    "output_tokens": request.num_output_tokens,
+                    "num_preemptions": request.num_preemptions,
+                }
+                self._pte.on_finished(request.request_id, str(reason), request.num_computed_tokens, counts)
+            except Exception as e:
+                self._pte_fault("finish", e)
+        return super()._free_request(request, *args, **kwargs)  # type: ignore[misc]
+
+    def shutdown(self) -> None:
+        if self._pte is not None:
+            self._pte.close()
+        super().shutdown()  # type: ignore[misc]
+
+
+class PteScheduler(_PteHook, Scheduler):
+    pass
+
+
+class PteAsyncScheduler(_PteHook, AsyncScheduler):
+    pass

@@ -1,0 +1,109 @@
+"""The Grafana dashboard: the committed JSON is what the generator makes, and every query
+reads metrics (and labels) the plugin really exports. ``test_prometheus_e2e.py`` then has
+a real Prometheus evaluate the same queries."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from grafana.panels import PANELS, QUERIES, VARIABLES
+from pte_instrument.exporters.catalog import Family, families
+
+from .conftest import ROOT
+
+DASHBOARD = ROOT / "grafana" / "dashboards" / "pte-instrument.json"
+METRIC = re.compile(r"\bpte_[a-z0-9_]+\b")
+SELECTOR = re.compile(r"\b(pte_[a-z0-9_]+)\{([^}]*)\}")
+MATCHER_LABEL = re.compile(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=~|!~|!=|=)")
+
+
+def by_sample() -> dict[str, Family]:
+    return {s: f for f in families() for s in f.samples}
+
+
+def metric_names(expr: str) -> set[str]:
+    return set(METRIC.findall(expr))
+
+
+def selector_labels(expr: str) -> list[tuple[str, set[str]]]:
+    return [(m, set(MATCHER_LABEL.findall(body))) for m, body in SELECTOR.findall(expr)]
+
+
+def test_committed_dashboard_is_what_the_generator_makes():
+    pytest.importorskip("grafana_foundation_sdk", reason="pip install grafana-foundation-sdk")
+    from grafana.generate import render
+
+    assert DASHBOARD.read_text(encoding="utf-8") == render(), (
+        "grafana/dashboards/pte-instrument.json is stale: run python -m grafana.generate"
+    )
+    assert render() == render()  # deterministic within a run too
+
+
+def test_every_required_query_reads_exported_metrics_and_labels():
+    known = by_sample()
+    for title, expr, optional in QUERIES:
+        names = metric_names(expr)
+        assert names, f"{title}: no pte_* metric in {expr!r}"
+        missing = names - known.keys()
+        if optional:
+            # An optional query whose metrics now exist should become a required one.
+            assert missing, f"{title}: {expr!r} is marked optional but every metric exists now"
+            continue
+        assert not missing, f"{title}: unknown metrics {sorted(missing)} in {expr!r}"
+        for metric, labels in selector_labels(expr):
+            fam = known[metric]
+            allowed = set(fam.labels) | ({"le"} if metric.endswith("_bucket") else set())
+            assert labels <= allowed, f"{title}: {metric} has no label(s) {sorted(labels - allowed)}"
+
+
+def test_template_variables_read_exported_series():
+    known = by_sample()
+    for v in VARIABLES:
+        assert v.metric in known, v
+        assert v.label_name in known[v.metric].labels, v
+        assert v.query.startswith(f"label_values({v.metric}") and v.query.endswith(f", {v.label_name})")
+
+
+def test_dashboard_json_has_every_panel_query_and_variable():
+    d = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    assert d["uid"] == "pte-instrument"
+    variables = {v["name"]: v for v in d["templating"]["list"]}
+    assert {"datasource", "model", "engine"} <= variables.keys()
+    assert variables["model"]["allValue"] == ".*" and variables["model"]["multi"] is True
+    panels = [p for p in d["panels"] if p["type"] != "row"]
+    ids = [p["id"] for p in d["panels"]]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    assert [p["title"] for p in panels] == [p.title for p in PANELS]
+    exprs = [(p["title"], t["expr"]) for p in panels for t in p["targets"]]
+    assert exprs == [(title, expr) for title, expr, _ in QUERIES]
+    for p in panels:
+        assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, p["title"]
+        assert p["gridPos"]["w"] > 0 and p["gridPos"]["h"] > 0
+
+
+def test_the_issue_s_panels_are_there():
+    """The panels the dashboard promises (issue 7), by what they query."""
+    required = {
+        "pte_served_pte_total",
+        "pte_request_served_pte_bucket",
+        "pte_reference_pte_total",
+        "pte_ideal_pte_total",
+        "pte_eviction_tax_pte_total",
+        "pte_recompute_tax_pte_total",
+        "pte_gamma",
+        "pte_hardware_operational_intensity",
+        "pte_session_served_pte_bucket",
+        "pte_session_turns_bucket",
+        "pte_tool_pause_seconds_bucket",
+        "pte_sessions_live",
+        "pte_sessions_closed_total",
+        "pte_requests_total",
+        "pte_plugin_faults_total",
+    }
+    queried = set().union(*(metric_names(e) for _, e, opt in QUERIES if not opt))
+    assert required <= queried, sorted(required - queried)
+    assert any('finish_reason="length"' in e for _, e, _ in QUERIES)
+    assert any("pte_gamma_measured" in e and opt for _, e, opt in QUERIES)

@@ -1,0 +1,33 @@
+"""docs/metrics.md is generated from the metric definitions: it must match them."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from pte_instrument.exporters.catalog import families
+
+from .conftest import ROOT
+
+
+def load_generator():
+    spec = importlib.util.spec_from_file_location("gen_metrics_doc", ROOT / "scripts" / "gen_metrics_doc.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_committed_metrics_doc_matches_the_code():
+    gen = load_generator()
+    committed = (ROOT / "docs" / "metrics.md").read_text(encoding="utf-8")
+    assert committed == gen.render(), "docs/metrics.md is stale: run python scripts/gen_metrics_doc.py"
+
+
+def test_every_family_is_documented_with_its_exposed_name():
+    text = (ROOT / "docs" / "metrics.md").read_text(encoding="utf-8")
+    fams = families()
+    assert fams and all(f.name.startswith("pte_") for f in fams)
+    for f in fams:
+        assert f"| `{f.exposed}` | {f.type} |" in text, f.exposed
+        assert f.help, f"{f.name} has no help text"
+    assert any(f.exposed == "pte_requests_total" for f in fams)  # counters carry _total
