@@ -234,13 +234,12 @@ ROWS: tuple[Row, ...] = (
             ),
             Panel(
                 "Efficiency E0 (correct answers per 1,000 generated tokens)",
-                "Pooled ratio of sums, SPEC-EFFICIENCY.md; needs a correct-answer counter, not exported yet.",
+                "Pooled ratio of sums over requests labeled through POST /pte/feedback (SPEC-EFFICIENCY.md §1).",
                 (
                     Query(
-                        f"1000 * {_rate('pte_correct_answers_total', 'model')}"
-                        f" / {_rate('pte_output_tokens_total', 'model')}",
-                        "{{model}}",
-                        optional=True,
+                        '1000 * sum by (model, benchmark) (rate(pte_correct_answers_total{model=~"$model"}[$__rate_interval]))'
+                        ' / sum by (model, benchmark) (rate(pte_eval_labeled_output_tokens_total{model=~"$model"}[$__rate_interval]))',
+                        "{{model}} {{benchmark}}",
                     ),
                 ),
             ),

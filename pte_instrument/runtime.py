@@ -13,12 +13,13 @@ from typing import Any
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from .core.cost import CostModel
+from .core.live_efficiency import LiveEfficiency
 from .core.sessions import SessionLedger, SessionState
 from .exporters.prometheus import PrometheusExporter, SessionLedgerCollector, metrics_for
 from .exporters.request_log import RequestLogWriter
-from .exporters.summary import ModelTotals
+from .exporters.summary import EfficiencyExporter, ModelTotals
 from .faults import FaultTracker
-from .session_ids import PendingSessions
+from .session_ids import PendingTags
 from .settings import Settings
 from .transport import ADDRESS_ENV, Receiver
 
@@ -35,6 +36,9 @@ STAGES = (
     "summary",
     "middleware",
     "routes",
+    "transport",
+    "engine_join",
+    "efficiency",
 )
 
 
@@ -45,7 +49,7 @@ class Runtime:
         self.faults = FaultTracker(on_fault=lambda stage: self.metrics.faults.labels(stage).inc())
         for stage in STAGES:  # expose every stage's fault counter at 0
             self.metrics.faults.labels(stage)
-        self.pending = PendingSessions()
+        self.pending = PendingTags()
         self.sessions = SessionLedger(
             max_sessions=settings.max_sessions,
             idle_ttl_s=settings.session_idle_ttl_s,
@@ -54,6 +58,7 @@ class Runtime:
         )
         registry.register(SessionLedgerCollector(self.sessions, self.pending))
         self.totals = ModelTotals()
+        self.efficiency = LiveEfficiency()
         self.cost_models: dict[tuple[str, int], CostModel] = {}
         self.api_keys: list[str] = []
         self.request_log = RequestLogWriter(settings.request_log) if settings.request_log else None
@@ -121,7 +126,11 @@ class Runtime:
         prometheus = PrometheusExporter(model, engine, self.metrics)
         prometheus.publish_cost_model(cost_model)
         self.cost_models[(model, engine)] = cost_model
-        exporters: list[tuple[str, Any]] = [("prometheus", prometheus), ("summary", self.totals)]
+        exporters: list[tuple[str, Any]] = [
+            ("prometheus", prometheus),
+            ("summary", self.totals),
+            ("efficiency", EfficiencyExporter(self.efficiency, self.metrics)),
+        ]
         if self.request_log is not None:
             exporters.append(("request_log", self.request_log))
         if self.otel is not None:
@@ -148,6 +157,7 @@ class Runtime:
                 "pending_requests": len(self.pending),
                 "pending_dropped": self.pending.dropped,
             },
+            "efficiency": self.efficiency.snapshot(),
             "faults": dict(self.faults.counts),
         }
 

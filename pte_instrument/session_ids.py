@@ -1,10 +1,11 @@
-"""Session identity: validating client-supplied session ids, and remembering which session
-a request belongs to until the server reports it finished. Both bounded."""
+"""Request tags: validating client-supplied session ids, and remembering which session and
+benchmark label a request carries until the server reports it finished. Both bounded."""
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 
 MAX_SESSION_ID_LEN = 128
 
@@ -26,32 +27,38 @@ def validate_session_id(raw: bytes | str) -> tuple[str | None, str | None]:
     return raw.decode("ascii"), None
 
 
-class PendingSessions:
-    """request key → session id, for requests not yet finished. Least recently added
-    entries are dropped past ``capacity`` (requests that never reach the engine)."""
+@dataclass(frozen=True)
+class RequestTag:
+    session_id: str | None
+    benchmark: str  # an allow-listed label, "other", or "none"
+
+
+class PendingTags:
+    """request key → tag, for requests not yet finished. Least recently added entries are
+    dropped past ``capacity`` (requests that never reach the engine)."""
 
     def __init__(self, capacity: int = 20000) -> None:
         self.capacity = capacity
         self.dropped = 0
-        self._map: OrderedDict[str, str] = OrderedDict()
+        self._map: OrderedDict[str, RequestTag] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._map)
 
-    def put(self, key: str, session_id: str) -> None:
+    def put(self, key: str, tag: RequestTag) -> None:
         with self._lock:
-            self._map[key] = session_id
+            self._map[key] = tag
             self._map.move_to_end(key)
             while len(self._map) > self.capacity:
                 self._map.popitem(last=False)
                 self.dropped += 1
 
-    def pop(self, *keys: str) -> str | None:
-        """The session of the first key present (callers try several spellings of an id)."""
+    def pop(self, *keys: str) -> RequestTag | None:
+        """The tag of the first key present (callers try several spellings of an id)."""
         with self._lock:
             for key in keys:
-                sid = self._map.pop(key, None)
-                if sid is not None:
-                    return sid
+                tag = self._map.pop(key, None)
+                if tag is not None:
+                    return tag
         return None

@@ -29,6 +29,8 @@ class Settings:
     otel: bool = False
     accumulator_backend: str = "auto"
     step_log: str | None = None
+    benchmark_header: str = "X-PTE-Benchmark"
+    benchmark_labels: frozenset[str] = frozenset()
     errors: tuple[str, ...] = field(default_factory=tuple)
 
     @classmethod
@@ -94,5 +96,8 @@ class Settings:
             otel=flag("PTE_OTEL", otel_default) and not flag("OTEL_SDK_DISABLED", False),
             accumulator_backend=backend,
             step_log=(env.get("PTE_STEP_LOG") or "").strip() or None,
+            benchmark_labels=frozenset(
+                label.strip() for label in (env.get("PTE_BENCHMARK_LABELS") or "").split(",") if label.strip()
+            ),
             errors=tuple(errors),
         )

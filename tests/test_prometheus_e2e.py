@@ -199,6 +199,9 @@ def scraped(stack: Stack) -> Stack:
     closed_before = plugin_sum(stack.client, "pte_sessions_closed_total")
     results = run_workload(url, model, WorkloadConfig(sessions=2, turns=3, session_header="X-Session-Id"))
     assert len(results) == 6 and all(r.output_tokens > 0 for r in results)
+    for r, correct in zip(results[:2], (True, False), strict=True):  # labels for the E0 panel
+        reply = stack.client.post("/pte/feedback", json={"request_id": r.request_id, "correct": correct})
+        assert reply.status_code == 200, reply.text
     close_idle_sessions(stack, closed_before, sessions=2)
     n_after = plugin_sum(stack.client, "pte_requests_total")
     closed = plugin_sum(stack.client, "pte_sessions_closed_total")

@@ -10,7 +10,7 @@ from pte_instrument.core.cost import CostModel
 from pte_instrument.core.devices import PROFILES
 from pte_instrument.core.ledger import FinishedRequest, price_request
 from pte_instrument.core.sessions import SessionLedger
-from pte_instrument.session_ids import PendingSessions, validate_session_id
+from pte_instrument.session_ids import PendingTags, RequestTag, validate_session_id
 
 from .test_architecture import FIX
 
@@ -100,14 +100,14 @@ def test_top_sessions_sorted_and_paginated():
 def test_hundred_thousand_session_ids_stay_bounded():
     cap = 1000
     ledger = SessionLedger(max_sessions=cap, max_turns=4)
-    pending = PendingSessions(capacity=cap)
+    pending = PendingTags(capacity=cap)
     tracemalloc.start()
     for i in range(1000):
         turn(ledger, f"warm-{i}", 50, 2, 0, 1000.0)
     base, _ = tracemalloc.get_traced_memory()
     template = turn(ledger, "template", 50, 2, 0, 1000.0)
     for i in range(100_000):
-        pending.put(f"req-{i}", f"sid-{i}")
+        pending.put(f"req-{i}", RequestTag(f"sid-{i}", "none"))
         ledger.add(replace(template, session_id=f"sid-{i}"))
     now, _ = tracemalloc.get_traced_memory()
     tracemalloc.stop()
@@ -134,8 +134,8 @@ def test_validate_session_id(raw, expected):
     assert validate_session_id(raw) == expected
 
 
-def test_pending_sessions_pop_tries_each_spelling():
-    p = PendingSessions(capacity=2)
-    p.put("abc", "s1")
-    assert p.pop("chatcmpl-abc", "abc") == "s1"
+def test_pending_tags_pop_tries_each_spelling():
+    p = PendingTags(capacity=2)
+    p.put("abc", RequestTag("s1", "gsm8k"))
+    assert p.pop("chatcmpl-abc", "abc") == RequestTag("s1", "gsm8k")
     assert p.pop("abc") is None

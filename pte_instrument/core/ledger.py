@@ -31,6 +31,7 @@ class FinishedRequest:
     reusable_tokens: int = 0  # context the session's previous turn already paid for
     pause_s: float | None = None  # tool pause between the previous turn's end and this arrival
     engine_totals: dict[str, float] | None = None  # exact step-level totals from the engine hook
+    benchmark: str = "none"  # allow-listed evaluation label (X-PTE-Benchmark)
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ class RequestRecord:
     e2e_s: float
     pause_s: float | None
     finished_at: float
+    benchmark: str = "none"
     # Exact engine-side accounting (None without the scheduler hook).
     engine_pte_served: float | None = None
     engine_pte_roofline: float | None = None
@@ -118,6 +120,7 @@ def price_request(model: CostModel, req: FinishedRequest, finished_at: float) ->
         e2e_s=req.e2e_s,
         pause_s=req.pause_s,
         finished_at=finished_at,
+        benchmark=req.benchmark,
         **_engine_fields(req.engine_totals),
     )
 

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
 
 from ..core.sessions import SessionLedger
-from ..session_ids import PendingSessions
+from ..session_ids import PendingTags
 from .prometheus import PteMetrics, SessionLedgerCollector
 
 # Sample suffixes each type adds to its family name in the text exposition.
@@ -62,7 +62,7 @@ def families() -> list[Family]:
                     tuple(getattr(metric, "_upper_bounds", ())),
                 )
             )
-    ledger = SessionLedgerCollector(SessionLedger(), PendingSessions())
+    ledger = SessionLedgerCollector(SessionLedger(), PendingTags())
     for fam in ledger.collect():
         labels = sorted({k for s in fam.samples for k in s.labels})
         out.append(Family(fam.name, fam.type, tuple(labels), fam.documentation, "ledger"))

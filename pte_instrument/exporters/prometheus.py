@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from ..core.cost import CostModel
 from ..core.ledger import RequestRecord
 from ..core.sessions import SessionLedger
-from ..session_ids import PendingSessions
+from ..session_ids import PendingTags
 
 # 1 PTE … 100M PTE, a factor ~3.16 apart: a short chat to a 100k-token agent turn.
 PTE_BUCKETS = (*(float(f"{m}e{e}") for e in range(8) for m in (1, 3.16)), 1e8)
@@ -135,6 +135,44 @@ class PteMetrics:
             req,
             registry=registry,
         )
+        # --- live efficiency (SPEC-EFFICIENCY §1), by model and allow-listed benchmark label ---
+        ev = ["model", "benchmark"]
+        self.eval_requests = Counter(
+            "pte_eval_requests", "Finished requests by benchmark label.", ev, registry=registry
+        )
+        self.eval_truncated = Counter(
+            "pte_eval_truncated",
+            "Requests that hit their output budget (finish_reason length).",
+            ev,
+            registry=registry,
+        )
+        self.eval_output_tokens = Counter(
+            "pte_eval_output_tokens",
+            "Generated tokens by benchmark label (E[T] = this / requests).",
+            ev,
+            registry=registry,
+        )
+        self.eval_labeled = Counter(
+            "pte_eval_labeled",
+            "Instances (requests or sessions) with a correctness label (POST /pte/feedback).",
+            ev,
+            registry=registry,
+        )
+        self.eval_labeled_truncated = Counter(
+            "pte_eval_labeled_truncated", "Labeled instances that were truncated.", ev, registry=registry
+        )
+        self.eval_labeled_output_tokens = Counter(
+            "pte_eval_labeled_output_tokens",
+            "Generated tokens of labeled instances (E0's denominator).",
+            ev,
+            registry=registry,
+        )
+        self.correct_answers = Counter(
+            "pte_correct_answers",
+            "Labeled instances answered correctly (never a truncated one).",
+            ev,
+            registry=registry,
+        )
         # --- sessions (observed when a session closes: idle TTL or the live-session cap) ---
         self.session_turns = Histogram(
             "pte_session_turns",
@@ -183,6 +221,19 @@ class PteMetrics:
             registry=registry,
         )
 
+    def evaluated(self, model: str, benchmark: str, output_tokens: int, truncated: bool) -> None:
+        self.eval_requests.labels(model, benchmark).inc()
+        self.eval_output_tokens.labels(model, benchmark).inc(output_tokens)
+        if truncated:
+            self.eval_truncated.labels(model, benchmark).inc()
+
+    def feedback(self, outcome: dict) -> None:
+        lab = (outcome["model"], outcome["benchmark"])
+        self.eval_labeled.labels(*lab).inc()
+        self.eval_labeled_output_tokens.labels(*lab).inc(outcome["output_tokens"])
+        self.eval_labeled_truncated.labels(*lab).inc(int(outcome["truncated"]))
+        self.correct_answers.labels(*lab).inc(int(outcome["correct"]))
+
     def session_closed(self, summary: dict, reason: str) -> None:
         model = summary["model"]
         self.session_turns.labels(model).observe(summary["turns"])
@@ -194,7 +245,7 @@ class PteMetrics:
 class SessionLedgerCollector:
     """Ledger state read at scrape time (no bookkeeping on the hot path)."""
 
-    def __init__(self, sessions: SessionLedger, pending: PendingSessions) -> None:
+    def __init__(self, sessions: SessionLedger, pending: PendingTags) -> None:
         self.sessions = sessions
         self.pending = pending
 

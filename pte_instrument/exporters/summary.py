@@ -1,4 +1,4 @@
-"""Per-model running totals for ``GET /pte/summary``."""
+"""Per-model running totals and live efficiency, for ``GET /pte/summary`` and Prometheus."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from collections import defaultdict
 from typing import Any
 
 from ..core.ledger import RequestRecord
+from ..core.live_efficiency import LiveEfficiency
+from .prometheus import PteMetrics
 
 SUMMED = ("prompt_tokens", "cached_tokens", "computed_prefill_tokens", "recomputed_tokens", "output_tokens",
           "pte_reference", "pte_served", "pte_ideal", "pte_prefill", "pte_decode", "pte_recompute",
@@ -30,3 +32,17 @@ class ModelTotals:
     def snapshot(self) -> dict[str, dict[str, Any]]:
         with self._lock:
             return {model: dict(t) for model, t in self._totals.items()}
+
+
+class EfficiencyExporter:
+    """Feeds every finished request to the live efficiency counters."""
+
+    def __init__(self, efficiency: LiveEfficiency, metrics: PteMetrics) -> None:
+        self.efficiency = efficiency
+        self.metrics = metrics
+
+    def export(self, r: RequestRecord) -> None:
+        self.efficiency.observe(
+            r.request_id, r.session_id, r.model, r.benchmark, r.output_tokens, r.finish_reason
+        )
+        self.metrics.evaluated(r.model, r.benchmark, r.output_tokens, r.finish_reason == "length")

@@ -21,8 +21,9 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ..core.live_efficiency import FeedbackError
 from ..runtime import Runtime, get_runtime
-from ..session_ids import validate_session_id
+from ..session_ids import RequestTag, validate_session_id
 
 # Paths whose requests reach the engine and so finish in the stat logger.
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
@@ -30,12 +31,14 @@ MAX_PAGE = 1000
 
 
 class SessionMiddleware:
-    """Pure ASGI (no per-request task or body copy unless the ``user`` field is wanted)."""
+    """Tags generation requests with their session and benchmark label. Pure ASGI (no
+    per-request task, no body copy unless the ``user`` field is wanted)."""
 
     def __init__(self, app: ASGIApp, runtime: Runtime | None = None) -> None:
         self.app = app
         self.runtime = runtime or get_runtime()
         self.header = self.runtime.settings.session_header.lower().encode("ascii")
+        self.benchmark_header = self.runtime.settings.benchmark_header.lower().encode("ascii")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and scope["path"].endswith(GENERATION_PATHS):
@@ -50,17 +53,23 @@ class SessionMiddleware:
         raw = next((v for k, v in headers if k == self.header), None)
         if raw is None and self.runtime.settings.session_from_user:
             raw, receive = await _user_field(receive)
-        if raw is None:
-            return receive
-        session_id, reason = validate_session_id(raw)
-        if session_id is None:
-            self.runtime.metrics.session_ids_rejected.labels(reason).inc()
+        session_id = None
+        if raw is not None:
+            session_id, reason = validate_session_id(raw)
+            if session_id is None:
+                self.runtime.metrics.session_ids_rejected.labels(reason).inc()
+        label = next((v for k, v in headers if k == self.benchmark_header), None)
+        benchmark = "none"
+        if label is not None:  # only allow-listed labels: they become metric labels
+            text = label.decode("latin-1")
+            benchmark = text if text in self.runtime.settings.benchmark_labels else "other"
+        if session_id is None and benchmark == "none":
             return receive
         request_id = next((v.decode("latin-1") for k, v in headers if k == b"x-request-id"), None)
         if request_id is None:
             request_id = uuid.uuid4().hex
             scope["headers"] = [*headers, (b"x-request-id", request_id.encode("ascii"))]
-        self.runtime.pending.put(request_id, session_id)
+        self.runtime.pending.put(request_id, RequestTag(session_id, benchmark))
         return receive
 
 
@@ -132,6 +141,35 @@ def build_router(runtime: Runtime) -> APIRouter:
     @router.get("/summary")
     async def summary(request: Request) -> JSONResponse:
         return await guarded(request, lambda: JSONResponse(runtime.summary()))
+
+    @router.post("/feedback")
+    async def feedback(request: Request) -> JSONResponse:
+        """A correctness label from an evaluation harness:
+        ``{"request_id": "…", "correct": true}`` or ``{"session_id": "…", "correct": false}``."""
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+
+        def handler() -> JSONResponse:
+            if not isinstance(body, dict):
+                raise ValueError("body must be a JSON object")
+            correct = body.get("correct")
+            if not isinstance(correct, bool):
+                raise ValueError("'correct' must be true or false")
+            rid, sid = body.get("request_id"), body.get("session_id")
+            if (rid is None) == (sid is None) or not isinstance(rid or sid, str):
+                raise ValueError("give exactly one of 'request_id' or 'session_id', as a string")
+            try:
+                # the completions API's response id lacks the "-<prompt index>" vLLM appends
+                ids = (rid, f"{rid}-0") if rid is not None else ()
+                outcome = runtime.efficiency.label(correct, request_ids=ids, session_id=sid)
+            except FeedbackError as e:
+                return _error(e.status, str(e))
+            runtime.metrics.feedback(outcome)
+            return JSONResponse(outcome)
+
+        return await guarded(request, handler)
 
     @router.get("/sessions")
     async def sessions(request: Request) -> JSONResponse:

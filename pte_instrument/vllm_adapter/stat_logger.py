@@ -134,9 +134,7 @@ class PteStatLogger(StatLoggerBase):
         for stats in iteration_stats.finished_requests:
             try:
                 request = finished_request(stats, self.model, engine_idx)
-                session_id = self.runtime.pending.pop(*request_keys(request.request_id))
-                if session_id is not None:
-                    request = replace(request, session_id=session_id)
+                request = self._tagged(request)
             except Exception as e:
                 self.runtime.faults.record("adapter", e)
                 continue
@@ -148,6 +146,12 @@ class PteStatLogger(StatLoggerBase):
                 self.runtime.sessions.expire()
             except Exception as e:
                 self.runtime.faults.record("sessions", e)
+
+    def _tagged(self, request: FinishedRequest) -> FinishedRequest:
+        tag = self.runtime.pending.pop(*request_keys(request.request_id))
+        return (
+            request if tag is None else replace(request, session_id=tag.session_id, benchmark=tag.benchmark)
+        )
 
     def _price_ready(self, now: float) -> None:
         """Price finished requests, joined with the engine hook's exact totals. Those
@@ -174,10 +178,7 @@ class PteStatLogger(StatLoggerBase):
 
         for totals in self.runtime.take_orphans(ORPHAN_AFTER_S):
             try:
-                request = orphan_request(totals, self.model)
-                session_id = self.runtime.pending.pop(*request_keys(request.request_id))
-                if session_id is not None:
-                    request = replace(request, session_id=session_id)
+                request = self._tagged(orphan_request(totals, self.model))
             except Exception as e:
                 self.runtime.faults.record("engine_join", e)
                 continue

@@ -1,0 +1,135 @@
+"""What the plugin costs the server: output-token throughput with and without it, from
+servers started side by side and loaded in alternation (one at a time, so they never
+compete), plus the engine hook's own time per scheduler step from its step log.
+
+    python -m bench.overhead_bench [--rounds 6] [--requests 48] [--concurrency 8]
+
+Writes bench/results/overhead-<host>-<date>.json and prints a table. A benchmark, not a
+test: it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import socket
+import statistics
+import subprocess
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from pte_instrument.serving import VllmServer
+from pte_instrument.tinymodel import build_model
+
+ROOT = Path(__file__).resolve().parent.parent
+HOOK = ["--scheduler-cls", "pte_instrument.vllm_adapter.scheduler.PteScheduler"]
+CONFIGS = {
+    # name: (environment, extra vLLM args)
+    "off": ({"PTE_ENABLED": "0"}, []),
+    "stat_logger": ({}, []),
+    "stat_logger+hook": ({}, HOOK),
+}
+
+
+def load(url: str, model: str, n: int, concurrency: int, max_tokens: int, seed: int) -> tuple[int, float]:
+    rng = random.Random(seed)
+    prompts = [" ".join(rng.choice("agent tool call result value".split()) for _ in range(rng.randint(50, 400)))
+               for _ in range(n)]  # fmt: skip
+    client = httpx.Client(base_url=url, timeout=300)
+
+    def one(p: str) -> int:
+        r = client.post("/v1/completions", json={"model": model, "prompt": p, "max_tokens": max_tokens,
+                                                  "ignore_eos": True, "temperature": 0.0})  # fmt: skip
+        r.raise_for_status()
+        return r.json()["usage"]["completion_tokens"]
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        tokens = sum(pool.map(one, prompts))
+    return tokens, time.perf_counter() - t0
+
+
+def hook_fractions(step_log: Path) -> dict[str, float]:
+    rows = [json.loads(line) for line in step_log.read_text().splitlines()]
+    steps = [r for r in rows if not r.get("header") and r.get("dt_s")]
+    hook = np.array([s["hook_s"] for s in steps])
+    dt = np.array([s["dt_s"] for s in steps])
+    frac = hook / (hook + dt)
+    return {
+        "steps": len(steps),
+        "hook_us_median": float(np.median(hook) * 1e6),
+        "hook_us_p99": float(np.percentile(hook, 99) * 1e6),
+        "step_ms_median": float(np.median(dt) * 1e3),
+        "hook_fraction_median": float(np.median(frac)),
+        "hook_fraction_of_total_time": float(hook.sum() / (hook.sum() + dt.sum())),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    args = ap.parse_args()
+    model = build_model(ROOT / "models" / "tiny", "tiny", seed=0)
+    work = Path(tempfile.mkdtemp(prefix="pte-overhead-"))
+    step_log = work / "steps.jsonl"
+    servers = {}
+    try:
+        for name, (env, extra) in CONFIGS.items():
+            env = {**env, "PTE_STEP_LOG": str(step_log)} if extra else env
+            servers[name] = VllmServer(model, env=env, extra_args=["--enable-prefix-caching", *extra],
+                                       log_path=work / f"{name}.log").start()  # fmt: skip
+            print(f"started {name} at {servers[name].url}")
+        for s in servers.values():  # warm-up
+            load(s.url, s.served_name, 8, args.concurrency, 8, seed=-1)
+        results: dict[str, list[float]] = {name: [] for name in servers}
+        order = list(servers)
+        for r in range(args.rounds):
+            for name in order if r % 2 == 0 else order[::-1]:  # alternate the order: no drift bias
+                tokens, secs = load(servers[name].url, servers[name].served_name, args.requests, args.concurrency,
+                                    args.max_tokens, seed=r)  # fmt: skip
+                results[name].append(tokens / secs)
+                print(f"round {r} {name:>18}: {tokens / secs:8.1f} output tokens/s")
+    finally:
+        for s in servers.values():
+            s.stop()
+    base = statistics.mean(results["off"])
+    summary = {
+        name: {
+            "tokens_per_s_mean": statistics.mean(v),
+            "tokens_per_s_stdev": statistics.stdev(v),
+            "rounds": v,
+            "cost_vs_off": 1 - statistics.mean(v) / base,
+        }
+        for name, v in results.items()
+    }
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    report = {
+        "machine": {"host": socket.gethostname(), "platform": platform.platform(), "cpus": __import__("os").cpu_count()},
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "commit": commit or "uncommitted",
+        "config": vars(args) | {"model": "tiny", "configs": {k: v[1] for k, v in CONFIGS.items()}},
+        "throughput": summary,
+        "hook_per_step": hook_fractions(step_log),
+    }
+    out = Path(args.out) / f"overhead-{socket.gethostname()}-{time.strftime('%Y-%m-%d')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(json.dumps({k: {"tokens/s": round(v["tokens_per_s_mean"], 1), "cost": f"{v['cost_vs_off']:+.2%}"}
+                      for k, v in summary.items()}, indent=1))  # fmt: skip
+    print("hook per step:", json.dumps(report["hook_per_step"], indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
