@@ -178,6 +178,7 @@ EOF
 
 # 5. >>> HOOK: later latency bench — append its line below this marker, e.g.
 #    step gpu_latency 120 "$PY" -m bench.gpu_latency ...
+step gpu_latency 300 "$PY" -m bench.gpu_latency --out "$OUT"  # γ measured vs theory, Llama-3.1-8B shapes (~2–4 min)
 # <<< HOOK
 
 cat "$OUT/summary.txt"

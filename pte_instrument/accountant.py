@@ -1,6 +1,7 @@
 """Prices finished requests, files them under their session, and fans the records out to
 the exporters, each isolated: a failing stage is counted as a fault and the others still
-receive the record."""
+receive the record. An exporter that fails ``MAX_CONSECUTIVE_FAULTS`` times in a row is
+switched off, with one log line, instead of failing (and logging) forever."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from typing import Protocol
 from .core.cost import CostModel
 from .core.ledger import FinishedRequest, RequestRecord, price_request
 from .core.sessions import SessionLedger
-from .faults import FaultTracker
+from .faults import FaultTracker, log
+
+MAX_CONSECUTIVE_FAULTS = 100
 
 
 class Exporter(Protocol):
@@ -33,6 +36,8 @@ class Accountant:
         self.faults = faults
         self.sessions = sessions
         self.clock = clock
+        self.disabled: list[str] = []
+        self._streak: dict[str, int] = {}
 
     def on_finished(self, request: FinishedRequest) -> RequestRecord | None:
         now = self.clock()
@@ -58,4 +63,20 @@ class Accountant:
                 exporter.export(record)
             except Exception as e:
                 self.faults.record(stage, e)
+                self._streak[stage] = self._streak.get(stage, 0) + 1
+                if self._streak[stage] >= MAX_CONSECUTIVE_FAULTS:
+                    self._switch_off(stage)
+            else:
+                if self._streak.get(stage):
+                    self._streak[stage] = 0
         return record
+
+    def _switch_off(self, stage: str) -> None:
+        self.exporters = [(s, e) for s, e in self.exporters if s != stage]
+        self.disabled.append(stage)
+        log.error(
+            "pte-instrument: exporter %r failed %d times in a row and is switched off until restart; "
+            "the other exporters continue",
+            stage,
+            MAX_CONSECUTIVE_FAULTS,
+        )

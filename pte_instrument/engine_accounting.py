@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,24 +25,9 @@ from .kernels import reference as ref
 WEIGHT_BYTES = 2.0  # bf16 weights read once per step
 
 
-@dataclass
-class _Live:
-    slot: int
-    prompt: int
-    cached: int = 0  # computed tokens at first schedule: prefix-cache hits
-    high_water: int = 0  # most tokens ever validly computed (survives preemption)
-    rejected: int = 0  # rejected drafts not yet sent to the accumulator
-    sched_end: int = 0  # c + n of the latest step (to infer rejected drafts)
-    spec: int = 0  # drafts in the latest step
-
-
-def _settle_drafts(st: _Live, num_computed: int) -> None:
-    """vLLM rolls ``num_computed_tokens`` back over rejected drafts; those positions were
-    computed (wasted work) but hold no valid KV, so the high-water mark drops to match."""
-    if st.spec:
-        st.rejected += max(0, st.sched_end - num_computed)
-        st.high_water = num_computed
-        st.spec = 0
+# Per-slot host state, one int64 array row each (slot-indexed, so a step is vectorized).
+HIGH_WATER, REJECTED, SCHED_END, SPEC, CACHED, PROMPT = range(6)
+N_STATE = 6
 
 
 @dataclass
@@ -55,9 +40,10 @@ class EngineAccounting:
     clock: Callable[[], float] = time.perf_counter
     external_id: Callable[[str], str] = lambda rid: rid  # the id the API server knows
     acc: StepAccumulator = field(init=False)
-    live: dict[str, _Live] = field(default_factory=dict, init=False)
-    finished: list[tuple[str, str, _Live, dict[str, int]]] = field(default_factory=list, init=False)
+    slot_of: dict[str, int] = field(default_factory=dict, init=False)  # live requests
+    finished: list[tuple[str, str, int, dict[str, int]]] = field(default_factory=list, init=False)
     steps: int = field(default=0, init=False)
+    fault_counts: Mapping[str, int] = field(default_factory=dict, init=False)  # the hook's own faults
 
     def __post_init__(self) -> None:
         self.acc = StepAccumulator.from_cost_model(self.cost_model, backend=self.backend)
@@ -65,7 +51,12 @@ class EngineAccounting:
         shape = self.cost_model.shape
         # Weight read per step in prefill-token units (SPEC §5): W_bytes·HOI/(2·N_active).
         self.weights_pte = shape.n_total * WEIGHT_BYTES * self.cost_model.device.hoi / (2 * shape.n_active)
+        # high-water mark: most tokens ever validly computed (survives preemption);
+        # rejected drafts not yet sent; c+n and drafts of the latest step; prefix-cache hits
+        # (computed tokens at first schedule); prompt length.
+        self.state = np.zeros((N_STATE, self.acc.capacity), dtype=np.int64)
         self.roofline = np.zeros(self.acc.capacity)
+        self._workspace = ref.Workspace()  # reused buffers: fresh large arrays cost page faults
         self._log = None
         self._pending_step: dict[str, Any] | None = None
         if self.step_log:
@@ -78,35 +69,53 @@ class EngineAccounting:
                       "device": self.cost_model.device.name, "weights_pte": self.weights_pte}  # fmt: skip
             self._log.write(json.dumps(header) + "\n")
 
+    @property
+    def live(self) -> int:
+        return len(self.slot_of)
+
+    def _slots(self, rids: list[str], first_c: np.ndarray, prompts: np.ndarray) -> np.ndarray:
+        slot_of = self.slot_of
+        new = [j for j, rid in enumerate(rids) if rid not in slot_of]
+        if new:
+            for j in new:
+                slot_of[rids[j]] = self.acc.allocate()
+            if self.acc.capacity > self.state.shape[1]:  # the accumulator grew
+                grow = self.acc.capacity - self.state.shape[1]
+                self.state = np.concatenate([self.state, np.zeros((N_STATE, grow), dtype=np.int64)], axis=1)
+                self.roofline = np.concatenate([self.roofline, np.zeros(grow)])
+            fresh = np.fromiter((slot_of[rids[j]] for j in new), np.int64, len(new))
+            self.state[:, fresh] = 0
+            self.state[CACHED, fresh] = first_c[new]
+            self.state[PROMPT, fresh] = prompts[new]
+        return np.fromiter((slot_of[r] for r in rids), np.int64, len(rids))
+
     # --- per step -----------------------------------------------------------------------
 
-    def on_schedule(self, rows: list[tuple[str, int, int, int, int]]) -> None:
-        """One scheduled step: (request id, tokens computed before, scheduled, prompt
-        length, speculative drafts) per request."""
+    def on_schedule(self, rids: list[str], columns: list[list[int]]) -> None:
+        """One scheduled step. ``columns``: per request, in the order of ``rids``: tokens
+        computed before the step, tokens scheduled, prompt length, speculative drafts."""
         t_start = self.clock()
         self._close_step(t_start)
-        b = len(rows)
-        packed = np.empty((ref.N_FIELDS, b), dtype=np.int64)
-        for j, (rid, c, n, prompt, spec) in enumerate(rows):
-            st = self.live.get(rid)
-            if st is None:
-                st = self.live[rid] = _Live(self.acc.allocate(), prompt, cached=c)
-                if st.slot >= len(self.roofline):
-                    self.roofline = np.concatenate(
-                        [self.roofline, np.zeros(self.acc.capacity - len(self.roofline))]
-                    )
-            packed[:, j] = (st.slot, c, n, prompt, st.high_water, spec, st.rejected)
-            st.rejected = 0
-            st.sched_end, st.spec = c + n, spec
-            st.high_water = max(st.high_water, c + n)
+        b = len(rids)
+        if not b:
+            return
+        c, n, prompt, spec = np.array(columns, dtype=np.int64).reshape(4, b)
+        slots = self._slots(rids, c, prompt)
+        st = self.state
+        end = c + n
+        packed = np.stack([slots, c, n, prompt, st[HIGH_WATER, slots], spec, st[REJECTED, slots]])
+        st[REJECTED, slots] = 0
+        st[SCHED_END, slots] = end
+        st[SPEC, slots] = spec
+        st[HIGH_WATER, slots] = np.maximum(st[HIGH_WATER, slots], end)
         self.acc.update(packed)
         self.steps += 1
-        if b:
-            self._attribute(packed, t_start)
+        self._attribute(packed, t_start)
 
     def _attribute(self, packed: np.ndarray, t_start: float) -> None:
         """Roofline attribution (SPEC §5) of this step, and its step-log line."""
-        contrib = ref.step_contributions(packed, self.acc.windows)
+        values, _, _ = self._workspace.buffers(self.acc.n_columns, packed.shape[1])
+        contrib = ref.step_contributions(packed, self.acc.windows, out=values)
         tokens = packed[ref.N]
         kv_pte = self.gammas @ contrib[ref.CTX0 :]
         total_tokens = float(tokens.sum())
@@ -115,7 +124,7 @@ class EngineAccounting:
             share = tokens.astype(np.float64)
         else:  # memory-bound: weights split evenly, each request's own KV reads
             share = self.weights_pte / max(len(tokens), 1) + kv_pte
-        np.add.at(self.roofline, packed[ref.SLOT], share)
+        self.roofline[packed[ref.SLOT]] += share  # a request appears once per vLLM step
         if self._log is not None:
             sums = contrib.sum(axis=1)
             self._pending_step = {
@@ -143,46 +152,58 @@ class EngineAccounting:
 
     def accepted(self, rid: str, num_computed: int) -> None:
         """After the step's outputs: drafts beyond ``num_computed`` were rejected."""
-        st = self.live.get(rid)
-        if st is not None:
-            _settle_drafts(st, num_computed)
+        slot = self.slot_of.get(rid)
+        if slot is not None:
+            self._settle_drafts(slot, num_computed)
+
+    def _settle_drafts(self, slot: int, num_computed: int) -> None:
+        """vLLM rolls ``num_computed_tokens`` back over rejected drafts; those positions were
+        computed (wasted work) but hold no valid KV, so the high-water mark drops to match."""
+        st = self.state
+        if st[SPEC, slot]:
+            st[REJECTED, slot] += max(0, int(st[SCHED_END, slot]) - num_computed)
+            st[HIGH_WATER, slot] = num_computed
+            st[SPEC, slot] = 0
 
     # --- finish -------------------------------------------------------------------------
 
     def on_finished(self, rid: str, reason: str, num_computed: int, counts: dict[str, int]) -> None:
-        """``counts``: prompt_tokens, cached_tokens, output_tokens as the engine saw them, so
-        the API server can still account a request its stat logger never reports (aborts)."""
-        st = self.live.pop(rid, None)
-        if st is None:  # never scheduled (aborted while waiting): nothing was computed
-            st = _Live(-1, 0)
-        else:
-            _settle_drafts(st, num_computed)
-        self.finished.append((rid, reason, st, counts))
+        """``counts``: prompt_tokens, output_tokens, num_preemptions as the engine saw them,
+        so the API server can still account a request its stat logger never reports."""
+        slot = self.slot_of.pop(rid, -1)  # -1: never scheduled (aborted while waiting)
+        if slot >= 0:
+            self._settle_drafts(slot, num_computed)
+        self.finished.append((rid, reason, slot, counts))
 
     def flush(self) -> None:
         """Read the finished requests' rows in one transfer, send them, free the slots."""
         if not self.finished:
             return
         done, self.finished = self.finished, []
-        slots = np.array([st.slot for _, _, st, _ in done if st.slot >= 0], dtype=np.int64)
+        slots = np.array([slot for _, _, slot, _ in done if slot >= 0], dtype=np.int64)
         rows = self.acc.read(slots) if len(slots) else np.zeros((0, self.acc.n_columns))
         cols = self.acc.columns
+        faults = dict(self.fault_counts)
         messages, k = [], 0
-        for rid, reason, st, counts in done:
+        for rid, reason, slot, counts in done:
             msg: dict[str, Any] = {"request_id": rid, "external_id": self.external_id(rid), "engine": self.engine,
-                                   "finish_reason": reason, "cached_tokens": st.cached, **counts}  # fmt: skip
-            if st.slot >= 0:
+                                   "finish_reason": reason, **counts, "engine_live": self.live,
+                                   "engine_faults": faults}  # fmt: skip
+            if slot >= 0:
                 row = rows[k]
                 k += 1
                 msg.update({c: float(v) for c, v in zip(cols, row, strict=True)})
-                msg["rejected_tokens"] += st.rejected  # drafts rejected in the final step
+                msg["rejected_tokens"] += float(
+                    self.state[REJECTED, slot]
+                )  # drafts rejected in the final step
+                msg["cached_tokens"] = int(self.state[CACHED, slot])
                 msg["pte_served"] = float(row[ref.PREFILL] + self.gammas @ row[ref.CTX0 :])
                 msg["pte_recompute"] = float(row[ref.RECOMPUTE])
-                msg["pte_roofline"] = float(self.roofline[st.slot])
-                self.roofline[st.slot] = 0.0
+                msg["pte_roofline"] = float(self.roofline[slot])
+                self.roofline[slot] = 0.0
             else:
                 msg.update(dict.fromkeys(cols, 0.0))
-                msg.update(pte_served=0.0, pte_recompute=0.0, pte_roofline=0.0)
+                msg.update(cached_tokens=0, pte_served=0.0, pte_recompute=0.0, pte_roofline=0.0)
             messages.append(msg)
         if len(slots):
             self.acc.release(slots)

@@ -39,6 +39,11 @@ STAGES = (
     "transport",
     "engine_join",
     "efficiency",
+    # reported by the engine hook (another process) with its results
+    "engine_setup",
+    "engine_step",
+    "engine_finish",
+    "engine_transport",
 )
 
 
@@ -63,6 +68,9 @@ class Runtime:
         self.api_keys: list[str] = []
         self.request_log = RequestLogWriter(settings.request_log) if settings.request_log else None
         self.engine_hooks: set[int] = set()  # engines whose scheduler hook said hello
+        self.engine_live: dict[int, int] = {}  # requests each engine's hook still tracks
+        self.join_waiting: dict[int, int] = {}  # finished requests waiting for engine totals
+        self._engine_faults_seen: dict[int, dict[str, int]] = {}
         self._engine_results: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._engine_lock = threading.Lock()
         self.engine_results_dropped = 0
@@ -87,11 +95,23 @@ class Runtime:
                 if m.get("hello"):
                     self.engine_hooks.add(int(m["engine"]))
                     continue
+                engine = int(m["engine"])
+                self.engine_live[engine] = int(m.get("engine_live", 0))
+                self._count_engine_faults(engine, m.get("engine_faults") or {})
                 m["received_at"] = time.monotonic()
                 self._engine_results[m["external_id"]] = m
                 while len(self._engine_results) > MAX_ENGINE_RESULTS:  # never joined: bounded
                     self._engine_results.popitem(last=False)
                     self.engine_results_dropped += 1
+
+    def _count_engine_faults(self, engine: int, counts: dict[str, int]) -> None:
+        """The engine hook's cumulative fault counts, turned into counter increments."""
+        seen = self._engine_faults_seen.setdefault(engine, {})
+        for stage, n in counts.items():
+            if n > seen.get(stage, 0):
+                self.metrics.faults.labels(stage).inc(n - seen.get(stage, 0))
+                self.faults.counts[stage] = self.faults.counts.get(stage, 0) + n - seen.get(stage, 0)
+                seen[stage] = n
 
     def take_engine_result(self, *keys: str) -> dict[str, Any] | None:
         with self._engine_lock:
@@ -156,6 +176,13 @@ class Runtime:
                 "turn_rows_dropped": s.stats.turns_dropped,
                 "pending_requests": len(self.pending),
                 "pending_dropped": self.pending.dropped,
+            },
+            "engine_hook": {
+                "engines": sorted(self.engine_hooks),
+                "live_requests": {str(k): v for k, v in self.engine_live.items()},
+                "results_unjoined": len(self._engine_results),
+                "results_dropped": self.engine_results_dropped,
+                "requests_waiting": sum(self.join_waiting.values()),
             },
             "efficiency": self.efficiency.snapshot(),
             "faults": dict(self.faults.counts),

@@ -5,7 +5,7 @@ import json
 import pytest
 from prometheus_client import CollectorRegistry
 
-from pte_instrument.accountant import Accountant
+from pte_instrument.accountant import MAX_CONSECUTIVE_FAULTS, Accountant
 from pte_instrument.core.architecture import load_config, parse_shape
 from pte_instrument.core.cost import CostModel
 from pte_instrument.core.devices import PROFILES
@@ -87,3 +87,37 @@ def test_fault_log_is_rate_limited(caplog):
             f.record("x", RuntimeError("again"))
     assert f.counts["x"] == 50
     assert len(caplog.records) == 1
+
+
+def test_an_exporter_that_keeps_failing_is_switched_off_once(tmp_path, caplog):
+    calls = []
+
+    class Flaky:
+        def export(self, record):
+            calls.append(record.request_id)
+            raise RuntimeError("still down")
+
+    acc, registry, log = make(tmp_path, extra=[("flaky", Flaky())])
+    with caplog.at_level("ERROR", logger="pte_instrument"):
+        for i in range(MAX_CONSECUTIVE_FAULTS + 50):
+            acc.on_finished(req(i))
+    assert len(calls) == MAX_CONSECUTIVE_FAULTS  # not called after the switch-off
+    assert acc.disabled == ["flaky"]
+    assert sum("switched off" in r.getMessage() for r in caplog.records) == 1
+    assert len(log.read_text().splitlines()) == MAX_CONSECUTIVE_FAULTS + 50  # others kept going
+    assert registry.get_sample_value("pte_plugin_faults_total", {"stage": "flaky"}) == MAX_CONSECUTIVE_FAULTS
+
+
+def test_a_recovering_exporter_stays_on(tmp_path):
+    state = {"n": 0}
+
+    class Sometimes:
+        def export(self, record):
+            state["n"] += 1
+            if state["n"] % 2:
+                raise RuntimeError("every other time")
+
+    acc, *_ = make(tmp_path, extra=[("sometimes", Sometimes())])
+    for i in range(3 * MAX_CONSECUTIVE_FAULTS):
+        acc.on_finished(req(i))
+    assert acc.disabled == []

@@ -126,3 +126,32 @@ def test_routes_paginate_validate_and_require_the_key(server):
         assert httpx.get(server.url + path).status_code == 401
         assert httpx.get(server.url + path, headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert httpx.get(server.url + path, headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
+
+
+def test_feedback_labels_feed_live_efficiency(server):
+    c = server.client
+    before = server.metrics()
+    sid = f"feedback-{random.getrandbits(32):x}"
+    results = run_session(server, sid, turns=2)
+    loose = server.chat("a question without a session", max_tokens=5)
+    server.log_records({loose["id"], *(r.request_id for r in results)})
+    r = c.post("/pte/feedback", json={"session_id": sid, "correct": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["requests"] == 2 and r.json()["output_tokens"] == sum(t.output_tokens for t in results)
+    # max_tokens was hit: the session's last turn is truncated, so it cannot count as correct
+    assert r.json()["correct"] is False and r.json()["truncated"] is True
+    assert c.post("/pte/feedback", json={"request_id": loose["id"], "correct": False}).status_code == 200
+    assert c.post("/pte/feedback", json={"request_id": loose["id"], "correct": True}).status_code == 409
+    assert c.post("/pte/feedback", json={"request_id": "nope", "correct": True}).status_code == 404
+    for bad in ({"request_id": loose["id"]}, {"correct": True}, [1], {"request_id": 5, "correct": True}):
+        assert c.post("/pte/feedback", json=bad).status_code == 400, bad
+    assert c.post("/pte/feedback", content=b"{not json").status_code == 400
+    after = server.metrics()
+
+    def delta(name):
+        return metric_sum(after, name, model=server.model) - metric_sum(before, name, model=server.model)
+
+    assert delta("pte_eval_labeled_total") == 2
+    assert delta("pte_correct_answers_total") == 0
+    assert delta("pte_eval_labeled_output_tokens_total") == sum(t.output_tokens for t in results) + 5
+    assert delta("pte_eval_requests_total") == 3 and delta("pte_eval_truncated_total") == 3

@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from ..core.cost import CostModel
 from ..core.ledger import RequestRecord
 from ..core.sessions import SessionLedger
+from ..failpoints import failpoint
 from ..session_ids import PendingTags
 
 # 1 PTE … 100M PTE, a factor ~3.16 apart: a short chat to a 100k-token agent turn.
@@ -295,6 +296,7 @@ class PrometheusExporter:
         m.kv_bytes.labels(*lab).set(cost.shape.kv_bytes_per_token)
 
     def export(self, r: RequestRecord) -> None:
+        failpoint("prometheus")
         m, lab = self.m, self.labels
         m.requests.labels(*lab, r.finish_reason).inc()
         m.served.labels(*lab, "prefill").inc(r.pte_prefill)

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..core.live_efficiency import FeedbackError
+from ..failpoints import failpoint
 from ..runtime import Runtime, get_runtime
 from ..session_ids import RequestTag, validate_session_id
 
@@ -131,6 +132,7 @@ def build_router(runtime: Runtime) -> APIRouter:
         if not _authorized(request, runtime):
             return _error(401, "Unauthorized: send Authorization: Bearer <api key>")
         try:
+            failpoint("routes")
             return handler()
         except ValueError as e:
             return _error(400, str(e))

@@ -18,6 +18,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from ..engine_accounting import EngineAccounting
+from ..failpoints import failpoint
 from ..faults import FaultTracker
 from ..settings import Settings
 from ..transport import ADDRESS_ENV, Sender
@@ -51,21 +52,29 @@ class _PteHook:
                 return
             cfg = self.vllm_config  # type: ignore[attr-defined]
             engine = int(getattr(cfg.parallel_config, "data_parallel_rank", 0) or 0)
-            sender = Sender(address)
+            self._pte_sender = Sender(address)
             self._pte = EngineAccounting(
                 cost_model_from_vllm(cfg, settings),
-                sender.send,
+                self._pte_send,
                 engine=engine,
                 backend=settings.accumulator_backend,
                 step_log=settings.step_log,
                 external_id=external_request_id,
             )
-            sender.send([{"hello": True, "engine": engine}])
+            self._pte.fault_counts = self._pte_faults.counts  # reported with every batch
+            self._pte_send([{"hello": True, "engine": engine}])
             log.info(
                 "pte-instrument engine hook active (engine %d, %s accumulator)", engine, self._pte.acc.backend
             )
         except Exception as e:
             self._pte_fault("setup", e)
+
+    def _pte_send(self, messages: list[dict[str, Any]]) -> None:
+        try:
+            failpoint("transport")
+            self._pte_sender.send(messages)
+        except Exception as e:  # those totals are lost; the API server prices without them
+            self._pte_fault("transport", e)
 
     def _pte_fault(self, stage: str, e: Exception) -> None:
         self._pte_faults.record(f"engine_{stage}", e)
@@ -78,15 +87,20 @@ class _PteHook:
         if self._pte is not None:
             try:
                 requests = self.requests  # type: ignore[attr-defined]
+                scheduled = out.num_scheduled_tokens
+                rids = list(scheduled)
+                reqs = [requests[rid] for rid in rids]
+                n = list(scheduled.values())
                 spec = out.scheduled_spec_decode_tokens
-                rows = []
-                for rid, n in out.num_scheduled_tokens.items():
-                    r = requests[rid]
-                    # num_computed_tokens was already advanced by this step's n.
-                    rows.append(
-                        (rid, r.num_computed_tokens - n, n, r.num_prompt_tokens, len(spec.get(rid, ())))
-                    )
-                self._pte.on_schedule(rows)
+                columns = [
+                    # num_computed_tokens was already advanced by this step's n
+                    [r.num_computed_tokens - k for r, k in zip(reqs, n, strict=True)],
+                    n,
+                    [r.num_prompt_tokens for r in reqs],
+                    [len(spec.get(rid, ())) for rid in rids] if spec else [0] * len(rids),
+                ]
+                failpoint("engine_step")
+                self._pte.on_schedule(rids, columns)
             except Exception as e:
                 self._pte_fault("step", e)
         return out

@@ -176,6 +176,7 @@ class PteStatLogger(StatLoggerBase):
                 self.runtime.faults.record("engine_join", e)
             self.accountant.on_finished(request)  # type: ignore[union-attr]
 
+        self.runtime.join_waiting[self.engine_index] = len(self._waiting)
         for totals in self.runtime.take_orphans(ORPHAN_AFTER_S):
             try:
                 request = self._tagged(orphan_request(totals, self.model))
