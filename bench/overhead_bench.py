@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import socket
@@ -80,6 +81,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
+    load_start = os.getloadavg()[0]
     model = build_model(ROOT / "models" / "tiny", "tiny", seed=0)
     work = Path(tempfile.mkdtemp(prefix="pte-overhead-"))
     step_log = work / "steps.jsonl"
@@ -88,7 +90,7 @@ def main() -> None:
         for name, (env, extra) in CONFIGS.items():
             env = {**env, "PTE_STEP_LOG": str(step_log)} if extra else env
             servers[name] = VllmServer(model, env=env, extra_args=["--enable-prefix-caching", *extra],
-                                       log_path=work / f"{name}.log").start()  # fmt: skip
+                                       log_path=work / f"{name}.log", startup_timeout_s=900).start()  # fmt: skip
             print(f"started {name} at {servers[name].url}")
         for s in servers.values():  # warm-up
             load(s.url, s.served_name, 8, args.concurrency, 8, seed=-1)
@@ -113,14 +115,17 @@ def main() -> None:
         }
         for name, v in results.items()
     }
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT
+    ).stdout.strip()
     report = {
-        "machine": {"host": socket.gethostname(), "platform": platform.platform(), "cpus": __import__("os").cpu_count()},
+        "machine": {"host": socket.gethostname(), "platform": platform.platform(), "cpus": os.cpu_count()},
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "commit": commit or "uncommitted",
         "config": vars(args) | {"model": "tiny", "configs": {k: v[1] for k, v in CONFIGS.items()}},
         "throughput": summary,
         "hook_per_step": hook_fractions(step_log),
+        "load_avg_1m": {"start": load_start, "end": os.getloadavg()[0]},  # other work on the host
     }
     out = Path(args.out) / f"overhead-{socket.gethostname()}-{time.strftime('%Y-%m-%d')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -153,6 +153,12 @@ def _optional_subcommands() -> list[Callable[[Any], None]]:
         pass
     else:
         hooks += [add_efficiency_parser, add_report_parser]
+    try:
+        from .bench_cli import add_bench_parser
+    except ImportError:
+        pass
+    else:
+        hooks.append(add_bench_parser)
     return hooks
 
 

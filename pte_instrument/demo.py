@@ -29,6 +29,7 @@ def _request_table(records: list[dict]) -> Table:
         "output",
         "PTE reference",
         "PTE served",
+        "engine exact",
         "PTE ideal",
         "eviction tax",
         "inference s",
@@ -44,6 +45,7 @@ def _request_table(records: list[dict]) -> Table:
             str(r["output_tokens"]),
             f"{r['pte_reference']:.1f}",
             f"{r['pte_served']:.1f}",
+            "-" if r.get("engine_pte_served") is None else f"{r['engine_pte_served']:.1f}",
             f"{r['pte_ideal']:.1f}",
             f"{r['pte_eviction_tax']:.1f}",
             f"{r['inference_s']:.3f}",
@@ -60,6 +62,7 @@ def _session_table(sessions: list[dict]) -> Table:
         "cached",
         "output",
         "PTE served",
+        "engine exact",
         "PTE ideal",
         "eviction tax",
         "tool pause s",
@@ -95,7 +98,12 @@ def run_demo(model_dir: str = "models/tiny", port: int = 0, sessions: int = 3, t
             model_dir,
             port=port,
             log_path=Path(tmp) / "vllm.log",
-            extra_args=["--enable-prefix-caching"],
+            extra_args=[
+                "--enable-prefix-caching",
+                # the engine-side step hook: exact per-step accounting beside the estimate
+                "--scheduler-cls",
+                "pte_instrument.vllm_adapter.scheduler.PteScheduler",
+            ],
             # VLLM_PLUGINS=pte opts in to the session routes; dev mode exposes the cache reset.
             env={"PTE_REQUEST_LOG": str(log_path), "VLLM_PLUGINS": "pte", "VLLM_SERVER_DEV_MODE": "1"},
         )

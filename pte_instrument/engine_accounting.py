@@ -22,9 +22,6 @@ from .accumulator import StepAccumulator
 from .core.cost import CostModel
 from .kernels import reference as ref
 
-WEIGHT_BYTES = 2.0  # bf16 weights read once per step
-
-
 # Per-slot host state, one int64 array row each (slot-indexed, so a step is vectorized).
 HIGH_WATER, REJECTED, SCHED_END, SPEC, CACHED, PROMPT = range(6)
 N_STATE = 6
@@ -39,6 +36,7 @@ class EngineAccounting:
     step_log: str | None = None
     clock: Callable[[], float] = time.perf_counter
     external_id: Callable[[str], str] = lambda rid: rid  # the id the API server knows
+    weight_bytes: float = 2.0  # bytes per weight as served (bf16: 2); read once per step
     acc: StepAccumulator = field(init=False)
     slot_of: dict[str, int] = field(default_factory=dict, init=False)  # live requests
     finished: list[tuple[str, str, int, dict[str, int]]] = field(default_factory=list, init=False)
@@ -50,7 +48,9 @@ class EngineAccounting:
         self.gammas = np.array([g.gamma for g in self.cost_model.groups])
         shape = self.cost_model.shape
         # Weight read per step in prefill-token units (SPEC §5): W_bytes·HOI/(2·N_active).
-        self.weights_pte = shape.n_total * WEIGHT_BYTES * self.cost_model.device.hoi / (2 * shape.n_active)
+        self.weights_pte = (
+            shape.n_total * self.weight_bytes * self.cost_model.device.hoi / (2 * shape.n_active)
+        )
         # high-water mark: most tokens ever validly computed (survives preemption);
         # rejected drafts not yet sent; c+n and drafts of the latest step; prefix-cache hits
         # (computed tokens at first schedule); prompt length.

@@ -139,15 +139,17 @@ def detect_local_gpu() -> DeviceProfile | None:
 
 
 def measure_profile(device: str | None = None, size: int = 4096, repeats: int = 5) -> DeviceProfile:
-    """Time a large bf16 matmul and a large copy on ``device`` (default: cuda if present,
-    else cpu) and derive the measured HOI. Best of ``repeats`` runs."""
+    """Time a large matmul and a large copy on ``device`` (default: cuda if present, else
+    cpu) and derive the measured HOI. Best of ``repeats`` runs. bf16 on a GPU; fp32 on a
+    CPU, where bf16 is often emulated (minutes per matmul) and vLLM's CPU build serves fp32."""
     import torch
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     if dev.type == "cpu":
         size = min(size, 2048)
-    a = torch.randn(size, size, device=dev, dtype=torch.bfloat16)
-    b = torch.randn(size, size, device=dev, dtype=torch.bfloat16)
+    a = torch.randn(size, size, device=dev, dtype=dtype)
+    b = torch.randn(size, size, device=dev, dtype=dtype)
     n_bytes = (256 << 20) if dev.type == "cuda" else (64 << 20)
     src = torch.empty(n_bytes, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
@@ -174,7 +176,7 @@ def measure_profile(device: str | None = None, size: int = 4096, repeats: int = 
         name=f"measured:{name}",
         peak_flops=flops,
         mem_bandwidth=bandwidth,
-        source=f"measured {time.strftime('%Y-%m-%d')}: bf16 {size}^3 matmul, {n_bytes >> 20} MiB copy",
+        source=f"measured {time.strftime('%Y-%m-%d')}: {str(dtype).removeprefix('torch.')} {size}^3 matmul, {n_bytes >> 20} MiB copy",
         measured=True,
     )
 

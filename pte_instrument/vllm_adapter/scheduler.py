@@ -60,6 +60,7 @@ class _PteHook:
                 backend=settings.accumulator_backend,
                 step_log=settings.step_log,
                 external_id=external_request_id,
+                weight_bytes=float(cfg.model_config.dtype.itemsize),
             )
             self._pte.fault_counts = self._pte_faults.counts  # reported with every batch
             self._pte_send([{"hello": True, "engine": engine}])

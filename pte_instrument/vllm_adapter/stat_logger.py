@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import replace
 from typing import Any
 
@@ -108,6 +109,7 @@ class PteStatLogger(StatLoggerBase):
         self.runtime = get_runtime()
         self._next_expiry = 0.0
         self._waiting: list[tuple[FinishedRequest, float]] = []
+        self._priced_without_engine: OrderedDict[str, None] = OrderedDict()
         settings = self.runtime.settings
         if not settings.enabled:
             log.info("pte-instrument disabled (PTE_ENABLED=0)")
@@ -168,6 +170,9 @@ class PteStatLogger(StatLoggerBase):
                     self.runtime.faults.record(
                         "engine_join", TimeoutError(f"no engine totals for {request.request_id}")
                     )
+                    self._priced_without_engine[request.request_id] = None  # their late totals: no 2nd entry
+                    while len(self._priced_without_engine) > 10_000:
+                        self._priced_without_engine.popitem(last=False)
                 if totals is not None:
                     request = replace(
                         request, recomputed_tokens=int(totals["recompute"]), engine_totals=totals
@@ -179,6 +184,10 @@ class PteStatLogger(StatLoggerBase):
         self.runtime.join_waiting[self.engine_index] = len(self._waiting)
         for totals in self.runtime.take_orphans(ORPHAN_AFTER_S):
             try:
+                late = str(totals["external_id"])
+                if late in self._priced_without_engine:  # already priced: one entry per request
+                    del self._priced_without_engine[late]
+                    continue
                 request = self._tagged(orphan_request(totals, self.model))
             except Exception as e:
                 self.runtime.faults.record("engine_join", e)

@@ -1,0 +1,797 @@
+"""Does PTE track wall-clock time? Correlations of predicted cost with measured time at three
+levels (SPEC-PTE §6), with bootstrap intervals, against token-count baselines on the same data.
+
+Pure numpy; no vLLM, no plotting. Inputs are the plugin's request log (``PTE_REQUEST_LOG``)
+and the engine's step log (``PTE_STEP_LOG``), both JSONL.
+
+- step level: each scheduler step's predicted cost vs its measured ``dt_s``
+- request level: each request's cost vs its ``inference_s`` (scheduled → last token)
+- turn level (the published style): per-turn-index averages over sessions, then r over turns
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# ---------------------------------------------------------------------------------------
+# Correlation statistics (vectorized over bootstrap rows)
+# ---------------------------------------------------------------------------------------
+
+
+def rankdata(a: np.ndarray) -> np.ndarray:
+    """Average ranks (1-based, ties share the mean rank) along the last axis.
+
+    Works row-wise on 2-D input so a whole batch of bootstrap resamples is ranked in one
+    pass: sort, find the runs of equal values, give every member of a run (start+end)/2+1.
+    """
+    x = np.asarray(a, dtype=np.float64)
+    squeeze = x.ndim == 1
+    x = np.atleast_2d(x)
+    n = x.shape[1]
+    if n == 0:
+        return x[0] if squeeze else x
+    order = np.argsort(x, axis=1, kind="mergesort")
+    s = np.take_along_axis(x, order, axis=1)
+    pos = np.broadcast_to(np.arange(n), s.shape)
+    first = np.ones_like(s, dtype=bool)
+    first[:, 1:] = s[:, 1:] != s[:, :-1]
+    last = np.ones_like(s, dtype=bool)
+    last[:, :-1] = s[:, 1:] != s[:, :-1]
+    start = np.maximum.accumulate(np.where(first, pos, 0), axis=1)
+    end = np.minimum.accumulate(np.where(last, pos, n - 1)[:, ::-1], axis=1)[:, ::-1]
+    ranks = np.empty_like(s)
+    np.put_along_axis(ranks, order, (start + end) / 2.0 + 1.0, axis=1)
+    return ranks[0] if squeeze else ranks
+
+
+def pearson_rows(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Pearson r of each row of x with the same row of y (NaN where a row is constant)."""
+    x = np.atleast_2d(np.asarray(x, dtype=np.float64))
+    y = np.atleast_2d(np.asarray(y, dtype=np.float64))
+    xm = x - x.mean(axis=1, keepdims=True)
+    ym = y - y.mean(axis=1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        r = (xm * ym).sum(axis=1) / np.sqrt((xm * xm).sum(axis=1) * (ym * ym).sum(axis=1))
+    return np.clip(r, -1.0, 1.0)
+
+
+def pearson(x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarray) -> float:
+    x, y = _finite_pair(x, y)
+    return float(pearson_rows(x, y)[0]) if len(x) >= 2 else math.nan
+
+
+def spearman(x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarray) -> float:
+    x, y = _finite_pair(x, y)
+    return float(pearson_rows(rankdata(x), rankdata(y))[0]) if len(x) >= 2 else math.nan
+
+
+def _finite_pair(x: Any, y: Any) -> tuple[np.ndarray, np.ndarray]:
+    x = np.asarray(x, dtype=np.float64).ravel()
+    y = np.asarray(y, dtype=np.float64).ravel()
+    if x.shape != y.shape:
+        raise ValueError(f"length mismatch: {x.shape} vs {y.shape}")
+    ok = np.isfinite(x) & np.isfinite(y)
+    return x[ok], y[ok]
+
+
+@dataclass(frozen=True)
+class Corr:
+    """Pearson and Spearman with percentile bootstrap intervals."""
+
+    n: int
+    pearson: float
+    pearson_ci: tuple[float, float]
+    spearman: float
+    spearman_ci: tuple[float, float]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "n": self.n,
+            "pearson": _num(self.pearson),
+            "pearson_ci": [_num(v) for v in self.pearson_ci],
+            "spearman": _num(self.spearman),
+            "spearman_ci": [_num(v) for v in self.spearman_ci],
+        }
+
+
+def _num(v: float) -> float | None:
+    return None if v is None or not math.isfinite(v) else round(float(v), 6)
+
+
+def _interval(samples: np.ndarray, level: float) -> tuple[float, float]:
+    s = samples[np.isfinite(samples)]
+    if s.size < 10:
+        return (math.nan, math.nan)
+    lo, hi = np.percentile(s, [50 * (1 - level), 50 * (1 + level)])
+    return (float(lo), float(hi))
+
+
+def _resample_chunks(n: int, n_boot: int, seed: int, max_elems: int) -> Iterable[np.ndarray]:
+    """Bootstrap index rows in chunks (memory stays ~max_elems); the same seed gives the
+    same rows whatever is measured with them, so metrics compared on one level are paired."""
+    rng = np.random.default_rng(seed)
+    chunk = max(1, max_elems // max(n, 1))
+    done = 0
+    while done < n_boot:
+        b = min(chunk, n_boot - done)
+        yield rng.integers(0, n, size=(b, n))
+        done += b
+
+
+def _resample_weights(n: int, n_boot: int, seed: int, max_elems: int) -> Iterable[np.ndarray]:
+    """The same resamples as ``_resample_chunks``, as counts: W[b, i] = how often row i was
+    drawn in resample b. Statistics of a resample are then weighted sums over the original
+    rows — no gather, and no sort per resample for ranks (see ``_resample_ranks``)."""
+    for idx in _resample_chunks(n, n_boot, seed, max_elems):
+        b = idx.shape[0]
+        flat = (idx + np.arange(b)[:, None] * n).ravel()
+        yield np.bincount(flat, minlength=b * n).reshape(b, n).astype(np.float64)
+
+
+def _standardize(x: np.ndarray) -> np.ndarray:
+    sd = x.std()
+    return (x - x.mean()) / (sd if sd > 0 else 1.0)
+
+
+def _weighted_pearson(W: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Pearson r of (a, b) in each resample given by the count rows of W. a and b are
+    either original columns (n,) or per-resample values (B, n)."""
+    N = W.sum(axis=1)
+    if a.ndim == 1 and b.ndim == 1:
+        a, b = _standardize(a), _standardize(b)  # keeps E[x²] − E[x]² well conditioned
+        sa, sb = W @ a / N, W @ b / N
+        cov = W @ (a * b) / N - sa * sb
+        va = W @ (a * a) / N - sa * sa
+        vb = W @ (b * b) / N - sb * sb
+    else:
+        a = np.broadcast_to(a, W.shape)
+        b = np.broadcast_to(b, W.shape)
+        da = a - ((W * a).sum(axis=1) / N)[:, None]
+        db = b - ((W * b).sum(axis=1) / N)[:, None]
+        cov = (W * da * db).sum(axis=1)
+        va = (W * da * da).sum(axis=1)
+        vb = (W * db * db).sum(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        r = cov / np.sqrt(va * vb)
+    # A resample with (nearly) no spread in a column: undefined, like pearson_rows.
+    r[~(va > 1e-12 * np.maximum(np.abs(va).max(initial=0), 1e-300)) | ~(vb > 0)] = np.nan
+    return np.clip(r, -1.0, 1.0)
+
+
+def _resample_ranks(W: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Average rank (ties shared) that each original row's value has inside each resample.
+
+    In resample b, the copies of a tie group g (original rows with equal value) number
+    G = Σ_{i∈g} W[b, i] and come after the C copies of smaller values, so they share rank
+    C + (G + 1)/2 — rankdata of the resample, without sorting it."""
+    order = np.argsort(x, kind="mergesort")
+    xs = x[order]
+    new = np.ones(len(xs), dtype=bool)
+    new[1:] = xs[1:] != xs[:-1]
+    starts = np.flatnonzero(new)
+    gid = np.empty(len(x), dtype=np.int64)
+    gid[order] = np.cumsum(new) - 1
+    G = np.add.reduceat(W[:, order], starts, axis=1)
+    avg = np.cumsum(G, axis=1) - G + (G + 1) / 2
+    return avg[:, gid]
+
+
+@dataclass(frozen=True)
+class _Boot:
+    pearson: np.ndarray  # (B,) per metric
+    spearman: np.ndarray
+
+
+def _bootstrap_many(xs: Sequence[np.ndarray], y: np.ndarray, n_boot: int, seed: int,
+                    max_elems: int) -> list[_Boot]:  # fmt: skip
+    """Bootstrap rows of r and ρ for several metrics against one y, on shared resamples
+    (so differences between metrics are paired). Rows must be finite."""
+    n = len(y)
+    rs: list[list[np.ndarray]] = [[] for _ in xs]
+    rhos: list[list[np.ndarray]] = [[] for _ in xs]
+    for W in _resample_weights(n, n_boot, seed, max_elems):
+        ry = _resample_ranks(W, y)
+        for k, x in enumerate(xs):
+            rs[k].append(_weighted_pearson(W, x, y))
+            rhos[k].append(_weighted_pearson(W, _resample_ranks(W, x), ry))
+    return [_Boot(np.concatenate(a), np.concatenate(b)) for a, b in zip(rs, rhos, strict=True)]
+
+
+def bootstrap_corr(
+    x: Any, y: Any, n_boot: int = 1000, seed: int = 0, level: float = 0.95, max_elems: int = 4_000_000
+) -> Corr:
+    """Pearson and Spearman of (x, y) with percentile intervals from ``n_boot`` resamples
+    of the pairs (non-finite pairs dropped first)."""
+    x, y = _finite_pair(x, y)
+    n = len(x)
+    r = float(pearson_rows(x, y)[0]) if n >= 2 else math.nan
+    rho = float(pearson_rows(rankdata(x), rankdata(y))[0]) if n >= 2 else math.nan
+    if n < 3 or n_boot <= 0:
+        return Corr(n, r, (math.nan, math.nan), rho, (math.nan, math.nan))
+    (b,) = _bootstrap_many([x], y, n_boot, seed, max_elems)
+    return Corr(n, r, _interval(b.pearson, level), rho, _interval(b.spearman, level))
+
+
+def bootstrap_pearson_diff(
+    a: Any,
+    b: Any,
+    y: Any,
+    n_boot: int = 1000,
+    seed: int = 0,
+    level: float = 0.95,
+    max_elems: int = 4_000_000,
+) -> tuple[float, float, float]:
+    """r(a, y) − r(b, y) with a paired bootstrap interval: is metric a really better than b
+    on this data, or within noise? Rows where any of the three is non-finite are dropped."""  # fmt: skip
+    a, b, y = (np.asarray(v, dtype=np.float64).ravel() for v in (a, b, y))
+    ok = np.isfinite(a) & np.isfinite(b) & np.isfinite(y)
+    a, b, y = a[ok], b[ok], y[ok]
+    n = len(y)
+    if n < 3:
+        return (math.nan, math.nan, math.nan)
+    d = float(pearson_rows(a, y)[0] - pearson_rows(b, y)[0])
+    if n_boot <= 0:
+        return (d, math.nan, math.nan)
+    ba, bb = _bootstrap_many([a, b], y, n_boot, seed, max_elems)
+    lo, hi = _interval(ba.pearson - bb.pearson, level)
+    return (d, lo, hi)
+
+
+def bootstrap_metrics(
+    xs: Sequence[Any],
+    y: Any,
+    primary: int | None,
+    n_boot: int = 1000,
+    seed: int = 0,
+    level: float = 0.95,
+    max_elems: int = 4_000_000,
+) -> list[tuple[Corr, tuple[float, float, float] | None]]:
+    """Corr of every metric with y and r(primary) − r(metric), all on the same resamples.
+
+    Metrics finite wherever y and the primary are share one pass; any other is bootstrapped
+    on its own rows."""  # fmt: skip
+    y = np.asarray(y, dtype=np.float64).ravel()
+    xs = [np.asarray(x, dtype=np.float64).ravel() for x in xs]
+    base = np.isfinite(y) & (np.isfinite(xs[primary]) if primary is not None else True)
+    shared = [k for k, x in enumerate(xs) if np.isfinite(x[base]).all()]
+    out: list[tuple[Corr, tuple[float, float, float] | None]] = [None] * len(xs)  # type: ignore[list-item]
+    n = int(base.sum())
+    yb = y[base]
+    boots = (
+        _bootstrap_many([xs[k][base] for k in shared], yb, n_boot, seed, max_elems)
+        if n >= 3 and n_boot > 0
+        else []
+    )
+    by_k = dict(zip(shared, boots, strict=False))
+    pb = by_k.get(primary) if primary is not None else None
+    for k, x in enumerate(xs):
+        if k not in shared:
+            c = bootstrap_corr(x, y, n_boot, seed, level, max_elems)
+            d = (
+                bootstrap_pearson_diff(xs[primary], x, y, n_boot, seed, level, max_elems)
+                if primary is not None
+                else None
+            )
+            out[k] = (c, d)
+            continue
+        xb = xs[k][base]
+        r = float(pearson_rows(xb, yb)[0]) if n >= 2 else math.nan
+        rho = float(pearson_rows(rankdata(xb), rankdata(yb))[0]) if n >= 2 else math.nan
+        bk = by_k.get(k)
+        if bk is None:
+            c = Corr(n, r, (math.nan, math.nan), rho, (math.nan, math.nan))
+        else:
+            c = Corr(n, r, _interval(bk.pearson, level), rho, _interval(bk.spearman, level))
+        d = None
+        if primary is not None and k != primary:
+            rp = float(pearson_rows(xs[primary][base], yb)[0]) if n >= 2 else math.nan
+            ci = (
+                _interval(pb.pearson - bk.pearson, level)
+                if (pb is not None and bk is not None)
+                else (math.nan, math.nan)
+            )
+            d = (rp - r, *ci)
+        out[k] = (c, d)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Turn level: per-turn-index means over sessions, bootstrap over sessions
+# ---------------------------------------------------------------------------------------
+
+
+def turn_matrix(session_ids: Sequence[Any], turns: Any, values: Any) -> tuple[np.ndarray, list[Any]]:
+    """(sessions × turn index) matrix of values, NaN where a session has no such turn.
+    Turn numbers are 1-based; column j holds turn j+1."""
+    turns = np.asarray(turns, dtype=np.int64)
+    values = np.asarray(values, dtype=np.float64)
+    keys = sorted({s for s in session_ids}, key=str)
+    row = {s: i for i, s in enumerate(keys)}
+    n_turns = int(turns.max()) if turns.size else 0
+    m = np.full((len(keys), n_turns), np.nan)
+    for s, t, v in zip(session_ids, turns, values, strict=True):
+        if t >= 1:
+            m[row[s], t - 1] = v
+    return m, keys
+
+
+def turn_columns(present: np.ndarray, min_fraction: float = 0.5) -> np.ndarray:
+    """Turn indices present in at least ``min_fraction`` of sessions (and in ≥ 2): later
+    turns that only a few sessions reached would make a mean of one or two noisy values."""
+    counts = present.sum(axis=0)
+    need = max(2, math.ceil(min_fraction * present.shape[0])) if present.shape[0] >= 2 else 1
+    return counts >= need
+
+
+def _nanmean0(a: np.ndarray) -> np.ndarray:
+    """Mean over the session axis, NaN (silently) where a column has no value."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return np.nanmean(a, axis=-2)
+
+
+def bootstrap_turn_corr(
+    X: np.ndarray,
+    Y: np.ndarray,
+    n_boot: int = 1000,
+    seed: int = 0,
+    level: float = 0.95,
+    min_fraction: float = 0.5,
+) -> Corr:
+    """Published-style correlation: mean cost and mean time per turn index (over sessions),
+    then r across turn indices. Resamples whole sessions, so the interval reflects
+    session-to-session variation rather than treating turns as independent."""  # fmt: skip
+    present = np.isfinite(X) & np.isfinite(Y)
+    X = np.where(present, X, np.nan)
+    Y = np.where(present, Y, np.nan)
+    cols = turn_columns(present, min_fraction)
+    X, Y = X[:, cols], Y[:, cols]
+    n_cols = int(cols.sum())
+    mx, my = _nanmean0(X), _nanmean0(Y)
+    r = pearson(mx, my)
+    rho = spearman(mx, my)
+    S = X.shape[0]
+    if n_cols < 3 or S < 2 or n_boot <= 0:
+        return Corr(n_cols, r, (math.nan, math.nan), rho, (math.nan, math.nan))
+    rs, rhos = [], []
+    for idx in _resample_chunks(S, n_boot, seed, 4_000_000 // max(n_cols, 1)):
+        bx, by = _nanmean0(X[idx]), _nanmean0(Y[idx])  # (B, T)
+        ok = np.isfinite(bx).all(axis=1) & np.isfinite(by).all(axis=1)
+        rr = np.full(len(idx), np.nan)
+        rr[ok] = pearson_rows(bx[ok], by[ok])
+        rh = np.full(len(idx), np.nan)
+        rh[ok] = pearson_rows(rankdata(bx[ok]), rankdata(by[ok]))
+        rs.append(rr)
+        rhos.append(rh)
+    return Corr(n_cols, r, _interval(np.concatenate(rs), level), rho, _interval(np.concatenate(rhos), level))
+
+
+# ---------------------------------------------------------------------------------------
+# Logs
+# ---------------------------------------------------------------------------------------
+
+
+def load_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Objects of a JSONL file (or .jsonl.gz); a torn line (a writer killed mid-write) is skipped."""
+    out: list[dict[str, Any]] = []
+    p = Path(path)
+    if not p.exists():
+        return out
+    opener = gzip.open if p.suffix == ".gz" else open
+    with opener(p, "rt", encoding="utf-8") as fh:
+        for line in fh:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(obj, dict):
+                out.append(obj)
+    return out
+
+
+def _col(records: Sequence[Mapping[str, Any]], key: str, *aliases: str) -> np.ndarray:
+    vals = []
+    for r in records:
+        v = r.get(key)
+        for a in aliases:
+            if v is None:
+                v = r.get(a)
+        vals.append(np.nan if v is None else float(v))
+    return np.asarray(vals, dtype=np.float64)
+
+
+REQUEST_FIELDS = (
+    "prompt_tokens", "cached_tokens", "computed_prefill_tokens", "recomputed_tokens", "output_tokens",
+    "gamma", "hoi", "pte_reference", "pte_served", "pte_ideal", "pte_prefill", "pte_decode",
+    "queued_s", "prefill_s", "decode_s", "inference_s", "e2e_s", "finished_at", "num_preemptions",
+)  # fmt: skip
+# Engine-side fields exist only with the scheduler hook; two spellings of the roofline one
+# (the brief's and the ledger's) are accepted.
+ENGINE_FIELDS: dict[str, tuple[str, ...]] = {
+    "engine_pte_served": (),
+    "engine_recompute_tokens": (),
+    "engine_prefill_tokens": (),
+    "engine_roofline_pte": ("engine_pte_roofline",),
+}
+
+
+@dataclass
+class RequestTable:
+    """Finished requests as columns (float arrays; NaN where a field is missing)."""
+
+    request_id: list[str]
+    session_id: list[str | None]
+    turn: np.ndarray  # int, 0 where unknown
+    device: list[str]
+    finish_reason: list[str]
+    cols: dict[str, np.ndarray]
+
+    def __len__(self) -> int:
+        return len(self.request_id)
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        return self.cols[key]
+
+    def has(self, key: str) -> bool:
+        return key in self.cols and bool(np.isfinite(self.cols[key]).any())
+
+    def select(self, mask: np.ndarray) -> RequestTable:
+        idx = np.flatnonzero(mask)
+        return RequestTable(
+            [self.request_id[i] for i in idx],
+            [self.session_id[i] for i in idx],
+            self.turn[idx],
+            [self.device[i] for i in idx],
+            [self.finish_reason[i] for i in idx],
+            {k: v[idx] for k, v in self.cols.items()},
+        )
+
+    @property
+    def ctx_sum(self) -> np.ndarray:
+        """Σ context read while decoding, in γ-weighted tokens: pte_decode / γ (so sliding
+        windows are honoured exactly as the plugin priced them)."""
+        g = self.cols["gamma"]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(g > 0, self.cols["pte_decode"] / g, np.nan)
+
+
+def request_table(records: Sequence[Mapping[str, Any]]) -> RequestTable:
+    cols = {k: _col(records, k) for k in REQUEST_FIELDS}
+    for k, aliases in ENGINE_FIELDS.items():
+        cols[k] = _col(records, k, *aliases)
+    return RequestTable(
+        request_id=[str(r.get("request_id", "")) for r in records],
+        session_id=[r.get("session_id") for r in records],
+        turn=np.asarray([int(r.get("turn") or 0) for r in records], dtype=np.int64),
+        device=[str(r.get("device", "")) for r in records],
+        finish_reason=[str(r.get("finish_reason", "")) for r in records],
+        cols=cols,
+    )
+
+
+def usable_requests(t: RequestTable) -> RequestTable:
+    """Requests that ran to completion with a measured inference time: aborted or failed
+    ones have truncated timings that no cost model should be asked to explain."""
+    ok = np.array([fr not in ("abort", "error") for fr in t.finish_reason], dtype=bool)
+    ok &= np.isfinite(t["inference_s"]) & (t["inference_s"] > 0)
+    return t.select(ok)
+
+
+@dataclass
+class StepTable:
+    """Scheduler steps from the engine's step log (header first line, optional)."""
+
+    header: dict[str, Any] | None
+    cols: dict[str, np.ndarray]
+    ctx: np.ndarray  # (steps, KV groups): Σ context read by decode samples, per group
+
+    def __len__(self) -> int:
+        return len(self.cols["dt_s"])
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        return self.cols[key]
+
+    @property
+    def gammas(self) -> np.ndarray | None:
+        g = (self.header or {}).get("gammas")
+        return np.asarray(g, dtype=np.float64) if g else None
+
+    @property
+    def ctx_w(self) -> np.ndarray:
+        """Context read per step, γ-weighted over KV groups (Σ_g γ_g ctx_g / Σ_g γ_g), so a
+        single γ multiplies it; equals the plain context sum with one group."""
+        g = self.gammas
+        if g is None or g.shape[0] != self.ctx.shape[1] or g.sum() <= 0:
+            # No header: recover it from the logged PTE when a single group is in play.
+            return self.ctx.sum(axis=1)
+        return self.ctx @ g / g.sum()
+
+    @property
+    def gamma(self) -> float | None:
+        g = self.gammas
+        return float(g.sum()) if g is not None else None
+
+    def select(self, mask: np.ndarray) -> StepTable:
+        return StepTable(self.header, {k: v[mask] for k, v in self.cols.items()}, self.ctx[mask])
+
+
+STEP_FIELDS = ("engine", "step", "t", "dt_s", "n_reqs", "tokens", "prefill", "recompute", "decode_tokens",
+               "pte", "roofline_pte", "weights_pte", "hook_s")  # fmt: skip
+
+
+def step_table(records: Sequence[Mapping[str, Any]]) -> StepTable:
+    header = next((r for r in records if r.get("header")), None)
+    rows = [r for r in records if not r.get("header") and "dt_s" in r]
+    cols = {k: _col(rows, k) for k in STEP_FIELDS}
+    width = max((len(r.get("ctx") or []) for r in rows), default=1) or 1
+    ctx = np.zeros((len(rows), width))
+    for i, r in enumerate(rows):
+        c = r.get("ctx") or []
+        ctx[i, : len(c)] = c
+    return StepTable(header, cols, ctx)
+
+
+def load_steps(path: str | Path) -> StepTable | None:
+    """The step log of one engine (and ``<path>.engine<N>`` files of others, appended);
+    None when there is none or it holds no step."""
+    p = Path(path)
+    files = [p, *sorted(p.parent.glob(p.name + ".engine*"))] if p.parent.exists() else []
+    records: list[dict[str, Any]] = []
+    for f in files:
+        records += load_jsonl(f)
+    t = step_table(records)
+    return t if len(t) else None
+
+
+def usable_steps(s: StepTable) -> StepTable:
+    """Steps that computed something and have a positive measured duration."""
+    ok = np.isfinite(s["dt_s"]) & (s["dt_s"] > 0) & (s["tokens"] > 0)
+    return s.select(ok)
+
+
+# ---------------------------------------------------------------------------------------
+# Metrics: what each cost model predicts, on the same rows
+# ---------------------------------------------------------------------------------------
+
+PRICE_RATIOS = (1.5, 3.0, 4.0)
+PRIMARY = "PTE served"
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    kind: str  # "pte" (a PTE variant), "baseline" (token counts, prices), "model" (fitted/roofline)
+    values: np.ndarray
+    note: str = ""
+
+
+def price_weighted(prompt: Any, output: Any, ratio: float) -> np.ndarray:
+    """Price-weighted tokens at input:output = 1:ratio, input counted as prompt tokens."""
+    return np.asarray(prompt, dtype=np.float64) + ratio * np.asarray(output, dtype=np.float64)
+
+
+def rescale_gamma(pte_prefill: Any, pte_decode: Any, gamma_from: float, gamma_to: float) -> np.ndarray:
+    """PTE served repriced at another γ: the decode term is linear in γ."""
+    return np.asarray(pte_prefill, dtype=np.float64) + (gamma_to / gamma_from) * np.asarray(pte_decode)
+
+
+def request_metrics(t: RequestTable, gamma_calibrated: float | None = None,
+                    request_model: Any | None = None) -> list[Metric]:  # fmt: skip
+    """Every cost predictor on the request rows: baselines, PTE variants, and (when known)
+    the calibrated and engine-side ones."""
+    prompt, cached, out = t["prompt_tokens"], t["cached_tokens"], t["output_tokens"]
+    m = [
+        Metric("output tokens", "baseline", out),
+        Metric("total tokens", "baseline", prompt + out, "prompt + output"),
+        Metric("uncached tokens", "baseline", prompt - cached + out, "prompt − cached + output"),
+        *(
+            Metric(f"price 1:{r:g}", "baseline", price_weighted(prompt, out, r), f"prompt + {r:g}·output")
+            for r in PRICE_RATIOS
+        ),
+        Metric("PTE reference", "pte", t["pte_reference"], "L + γ·L·D (no cache reuse)"),
+        Metric(PRIMARY, "pte", t["pte_served"], "computed prefill + γ·Σ context (logged γ)"),
+    ]
+    if gamma_calibrated is not None and math.isfinite(gamma_calibrated) and gamma_calibrated > 0:
+        g = t["gamma"]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            vals = t["pte_prefill"] + gamma_calibrated * t.ctx_sum
+        m.append(Metric("PTE served (γ calibrated)", "pte", np.where(g > 0, vals, np.nan),
+                        f"γ = {gamma_calibrated:.4g} fitted on measured step times"))  # fmt: skip
+    if t.has("engine_pte_served"):
+        m.append(
+            Metric("PTE served (engine)", "pte", t["engine_pte_served"], "exact, from the scheduler hook")
+        )
+    if t.has("engine_roofline_pte"):
+        m.append(Metric("roofline (engine)", "model", t["engine_roofline_pte"],
+                        "SPEC §5 attribution: max(compute, weights + KV) per step, shared"))  # fmt: skip
+    if request_model is not None:
+        m.append(Metric("fitted request model", "model", request_model.predict_requests(t),
+                        "a·prefill + b·Σctx + c·(D−1) + e, fitted at concurrency 1"))  # fmt: skip
+    return m
+
+
+def step_metrics(s: StepTable, fit: Any | None = None) -> list[Metric]:
+    """Cost predictors for each scheduler step. ``fit`` is a calibrate.Calibration."""
+    prefill, dec = s["prefill"], s["decode_tokens"]
+    m = [
+        Metric("decode tokens", "baseline", dec, "tokens generated this step (≈ output tokens)"),
+        Metric("total tokens", "baseline", s["tokens"], "all tokens computed this step"),
+        *(
+            Metric(f"price 1:{r:g}", "baseline", price_weighted(prefill, dec, r), f"prefill + {r:g}·decode")
+            for r in PRICE_RATIOS
+        ),
+        Metric("PTE (logged γ)", "pte", s["pte"], "prefill + Σ_g γ_g·ctx_g"),
+    ]
+    if fit is not None and math.isfinite(fit.gamma_measured) and fit.gamma_measured > 0:
+        m.append(Metric("PTE (γ calibrated)", "pte", prefill + fit.gamma_measured * s.ctx_w,
+                        f"prefill + {fit.gamma_measured:.4g}·ctx"))  # fmt: skip
+    if np.isfinite(s["roofline_pte"]).any():
+        m.append(
+            Metric("roofline (logged)", "model", s["roofline_pte"], "max(tokens, weights + KV) — SPEC §5")
+        )
+    if fit is not None:
+        m.append(Metric("calibrated step model", "model", fit.predict_steps(s), fit.formula()))
+    return m
+
+
+# ---------------------------------------------------------------------------------------
+# A level's result: every metric against one time column
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MetricResult:
+    name: str
+    kind: str
+    corr: Corr
+    note: str = ""
+    # r(primary) − r(this) with a paired bootstrap interval (None for the primary itself)
+    primary_minus_this: tuple[float, float, float] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {"name": self.name, "kind": self.kind, "note": self.note, **self.corr.to_dict()}
+        if self.primary_minus_this is not None:
+            d["primary_minus_this_pearson"] = [_num(v) for v in self.primary_minus_this]
+        return d
+
+
+@dataclass(frozen=True)
+class LevelResult:
+    level: str  # "step", "request", "turn"
+    phase: str  # e.g. "c1", "c16", "all"
+    time: str  # the measured time column
+    n: int
+    primary: str
+    metrics: list[MetricResult] = field(default_factory=list)
+    note: str = ""
+
+    def get(self, name: str) -> MetricResult | None:
+        return next((m for m in self.metrics if m.name == name), None)
+
+    def best(self, kind: str | None = None) -> MetricResult | None:
+        cands = [
+            m for m in self.metrics if (kind is None or m.kind == kind) and math.isfinite(m.corr.pearson)
+        ]
+        return max(cands, key=lambda m: m.corr.pearson, default=None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "level": self.level, "phase": self.phase, "time": self.time, "n": self.n,
+            "primary": self.primary, "note": self.note, "metrics": [m.to_dict() for m in self.metrics],
+        }  # fmt: skip
+
+
+def evaluate(
+    level: str,
+    phase: str,
+    time_name: str,
+    time: np.ndarray,
+    metrics: Sequence[Metric],
+    primary: str,
+    n_boot: int = 1000,
+    seed: int = 0,
+    note: str = "",
+) -> LevelResult:
+    """Correlate every metric with the measured time on the same rows (paired resamples)."""  # fmt: skip
+    names = [m.name for m in metrics]
+    p = names.index(primary) if primary in names else None
+    stats = bootstrap_metrics([m.values for m in metrics], time, p, n_boot, seed)
+    results = [MetricResult(m.name, m.kind, c, m.note, d) for m, (c, d) in zip(metrics, stats, strict=True)]
+    return LevelResult(level, phase, time_name, int(np.isfinite(time).sum()), primary, results, note)
+
+
+def evaluate_turns(
+    phase: str,
+    session_ids: Sequence[Any],
+    turns: np.ndarray,
+    time_name: str,
+    time: np.ndarray,
+    metrics: Sequence[Metric],
+    primary: str,
+    n_boot: int = 1000,
+    seed: int = 0,
+    min_fraction: float = 0.5,
+) -> LevelResult:
+    """Turn level: per-turn-index means over sessions, resampling sessions."""  # fmt: skip
+    Y, _ = turn_matrix(session_ids, turns, time)
+    results = []
+    for m in metrics:
+        X, _ = turn_matrix(session_ids, turns, m.values)
+        results.append(
+            MetricResult(
+                m.name, m.kind, bootstrap_turn_corr(X, Y, n_boot, seed, min_fraction=min_fraction), m.note
+            )
+        )
+    n = results[0].corr.n if results else 0
+    return LevelResult("turn", phase, f"mean {time_name} per turn index", n, primary, results,
+                       f"{len(set(session_ids))} sessions; turn indices reached by ≥{min_fraction:.0%} of sessions")  # fmt: skip
+
+
+def turn_profile(
+    session_ids: Sequence[Any], turns: np.ndarray, columns: Mapping[str, np.ndarray]
+) -> dict[str, Any]:
+    """Per-turn-index means (the escalation the report plots): turn → mean of each column."""
+    out: dict[str, Any] = {}
+    count = None
+    for name, vals in columns.items():
+        M, _ = turn_matrix(session_ids, turns, vals)
+        if count is None:
+            count = np.isfinite(M).sum(axis=0)
+            out["turn"] = list(range(1, M.shape[1] + 1))
+            out["sessions"] = count.tolist()
+        out[name] = [_num(v) for v in _nanmean0(M)]
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Robustness: the ranking under every device profile
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProfileScore:
+    device: str
+    hoi: float
+    gamma: float
+    spearman_vs_default: float  # ranking of requests vs the default profile's ranking
+    pearson_vs_time: float  # r(PTE served under this profile, measured time)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"device": self.device, "hoi": _num(self.hoi), "gamma": _num(self.gamma),
+                "spearman_vs_default": _num(self.spearman_vs_default),
+                "pearson_vs_time": _num(self.pearson_vs_time)}  # fmt: skip
+
+
+def robustness(
+    pte_prefill: Any,
+    pte_decode: Any,
+    gamma: float,
+    hoi: float,
+    profiles: Mapping[str, Any],
+    default: str,
+    time: Any | None = None,
+) -> list[ProfileScore]:
+    """Re-score every request under each profile (γ ∝ HOI, so γ' = γ·HOI'/HOI) and compare
+    rankings with the default profile's. ``profiles`` maps name → object with ``.hoi``."""  # fmt: skip
+    pre = np.asarray(pte_prefill, dtype=np.float64)
+    dec = np.asarray(pte_decode, dtype=np.float64)
+    base = rescale_gamma(pre, dec, gamma, gamma * profiles[default].hoi / hoi)
+    out = []
+    for name, p in profiles.items():
+        g = gamma * p.hoi / hoi
+        score = rescale_gamma(pre, dec, gamma, g)
+        out.append(ProfileScore(name, p.hoi, g, spearman(score, base),
+                                pearson(score, time) if time is not None else math.nan))  # fmt: skip
+    return out
