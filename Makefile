@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test bench lint clean
 
 setup: $(STAMP)
 
@@ -29,6 +29,10 @@ demo: $(STAMP) models/tiny/config.json
 test: $(STAMP) models/tiny/config.json
 	bash scripts/install_test_deps.sh   # Debian's prometheus + promtool for the scrape test
 	$(BIN)/python -m pytest -ra $(PYTEST_ARGS)
+
+# The latency bench on the tiny model (≈ 2 min on 2 cores): bench/results/latency-tiny-*/
+bench: $(STAMP) models/tiny/config.json
+	$(BIN)/pte bench latency --model-preset tiny
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

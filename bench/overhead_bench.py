@@ -1,6 +1,6 @@
 """What the plugin costs the server: output-token throughput with and without it, from
 servers started side by side and loaded in alternation (one at a time, so they never
-compete), plus the engine hook's own time per scheduler step from its step log.
+compete), plus the engine hook's own time per scheduler step (as the plugin reports it).
 
     python -m bench.overhead_bench [--rounds 6] [--requests 48] [--concurrency 8]
 
@@ -24,7 +24,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-import numpy as np
 
 from pte_instrument.serving import VllmServer
 from pte_instrument.tinymodel import build_model
@@ -35,7 +34,7 @@ CONFIGS = {
     # name: (environment, extra vLLM args)
     "off": ({"PTE_ENABLED": "0"}, []),
     "stat_logger": ({}, []),
-    "stat_logger+hook": ({}, HOOK),
+    "stat_logger+hook": ({"VLLM_PLUGINS": "pte"}, HOOK),  # the /pte/summary route reports hook time
 }
 
 
@@ -57,20 +56,10 @@ def load(url: str, model: str, n: int, concurrency: int, max_tokens: int, seed: 
     return tokens, time.perf_counter() - t0
 
 
-def hook_fractions(step_log: Path) -> dict[str, float]:
-    rows = [json.loads(line) for line in step_log.read_text().splitlines()]
-    steps = [r for r in rows if not r.get("header") and r.get("dt_s")]
-    hook = np.array([s["hook_s"] for s in steps])
-    dt = np.array([s["dt_s"] for s in steps])
-    frac = hook / (hook + dt)
-    return {
-        "steps": len(steps),
-        "hook_us_median": float(np.median(hook) * 1e6),
-        "hook_us_p99": float(np.percentile(hook, 99) * 1e6),
-        "step_ms_median": float(np.median(dt) * 1e3),
-        "hook_fraction_median": float(np.median(frac)),
-        "hook_fraction_of_total_time": float(hook.sum() / (hook.sum() + dt.sum())),
-    }
+def engine_hook_cost(url: str) -> tuple[int, float]:
+    """(steps, seconds spent in the step hook) so far, as the plugin reports them."""
+    hook = httpx.get(f"{url}/pte/summary", timeout=30).json()["engine_hook"]
+    return sum(hook["steps"].values()), sum(hook["hook_seconds"].values())
 
 
 def main() -> None:
@@ -84,27 +73,38 @@ def main() -> None:
     load_start = os.getloadavg()[0]
     model = build_model(ROOT / "models" / "tiny", "tiny", seed=0)
     work = Path(tempfile.mkdtemp(prefix="pte-overhead-"))
-    step_log = work / "steps.jsonl"
     servers = {}
     try:
         for name, (env, extra) in CONFIGS.items():
-            env = {**env, "PTE_STEP_LOG": str(step_log)} if extra else env
             servers[name] = VllmServer(model, env=env, extra_args=["--enable-prefix-caching", *extra],
                                        log_path=work / f"{name}.log", startup_timeout_s=900).start()  # fmt: skip
             print(f"started {name} at {servers[name].url}")
         for s in servers.values():  # warm-up
             load(s.url, s.served_name, 8, args.concurrency, 8, seed=-1)
+        hooked = servers["stat_logger+hook"]
+        hook_before = engine_hook_cost(hooked.url)
         results: dict[str, list[float]] = {name: [] for name in servers}
+        seconds: dict[str, float] = dict.fromkeys(servers, 0.0)
         order = list(servers)
         for r in range(args.rounds):
             for name in order if r % 2 == 0 else order[::-1]:  # alternate the order: no drift bias
                 tokens, secs = load(servers[name].url, servers[name].served_name, args.requests, args.concurrency,
                                     args.max_tokens, seed=r)  # fmt: skip
                 results[name].append(tokens / secs)
+                seconds[name] += secs
                 print(f"round {r} {name:>18}: {tokens / secs:8.1f} output tokens/s")
+        time.sleep(1)
+        hook_after = engine_hook_cost(hooked.url)
     finally:
         for s in servers.values():
             s.stop()
+    steps = hook_after[0] - hook_before[0]
+    hook_s = hook_after[1] - hook_before[1]
+    hook_per_step = {
+        "steps": steps,
+        "hook_us_per_step": 1e6 * hook_s / steps,
+        "hook_fraction_of_load_time": hook_s / seconds["stat_logger+hook"],
+    }
     base = statistics.mean(results["off"])
     summary = {
         name: {
@@ -124,7 +124,7 @@ def main() -> None:
         "commit": commit or "uncommitted",
         "config": vars(args) | {"model": "tiny", "configs": {k: v[1] for k, v in CONFIGS.items()}},
         "throughput": summary,
-        "hook_per_step": hook_fractions(step_log),
+        "hook_per_step": hook_per_step,
         "load_avg_1m": {"start": load_start, "end": os.getloadavg()[0]},  # other work on the host
     }
     out = Path(args.out) / f"overhead-{socket.gethostname()}-{time.strftime('%Y-%m-%d')}.json"

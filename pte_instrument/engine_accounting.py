@@ -41,6 +41,7 @@ class EngineAccounting:
     slot_of: dict[str, int] = field(default_factory=dict, init=False)  # live requests
     finished: list[tuple[str, str, int, dict[str, int]]] = field(default_factory=list, init=False)
     steps: int = field(default=0, init=False)
+    hook_s: float = field(default=0.0, init=False)  # the hook's own time in on_schedule, all steps
     fault_counts: Mapping[str, int] = field(default_factory=dict, init=False)  # the hook's own faults
 
     def __post_init__(self) -> None:
@@ -111,13 +112,14 @@ class EngineAccounting:
         self.acc.update(packed)
         self.steps += 1
         self._attribute(packed, t_start)
+        self.hook_s += self.clock() - t_start
 
     def _attribute(self, packed: np.ndarray, t_start: float) -> None:
         """Roofline attribution (SPEC §5) of this step, and its step-log line."""
         values, _, _ = self._workspace.buffers(self.acc.n_columns, packed.shape[1])
         contrib = ref.step_contributions(packed, self.acc.windows, out=values)
         tokens = packed[ref.N]
-        kv_pte = self.gammas @ contrib[ref.CTX0 :]
+        kv_pte = (contrib[ref.CTX0 :] * self.gammas[:, None]).sum(axis=0)  # no BLAS call: it may spin threads
         total_tokens = float(tokens.sum())
         memory = self.weights_pte + float(kv_pte.sum())
         if total_tokens >= memory:  # compute-bound: each request pays for its tokens
@@ -188,7 +190,8 @@ class EngineAccounting:
         for rid, reason, slot, counts in done:
             msg: dict[str, Any] = {"request_id": rid, "external_id": self.external_id(rid), "engine": self.engine,
                                    "finish_reason": reason, **counts, "engine_live": self.live,
-                                   "engine_faults": faults}  # fmt: skip
+                                   "engine_faults": faults, "engine_steps": self.steps,
+                                   "engine_hook_s": self.hook_s}  # fmt: skip
             if slot >= 0:
                 row = rows[k]
                 k += 1

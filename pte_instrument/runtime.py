@@ -69,6 +69,7 @@ class Runtime:
         self.request_log = RequestLogWriter(settings.request_log) if settings.request_log else None
         self.engine_hooks: set[int] = set()  # engines whose scheduler hook said hello
         self.engine_live: dict[int, int] = {}  # requests each engine's hook still tracks
+        self.engine_cost: dict[int, tuple[int, float]] = {}  # (steps, seconds in the hook)
         self.join_waiting: dict[int, int] = {}  # finished requests waiting for engine totals
         self._engine_faults_seen: dict[int, dict[str, int]] = {}
         self._engine_results: OrderedDict[str, dict[str, Any]] = OrderedDict()
@@ -97,6 +98,7 @@ class Runtime:
                     continue
                 engine = int(m["engine"])
                 self.engine_live[engine] = int(m.get("engine_live", 0))
+                self.engine_cost[engine] = (int(m.get("engine_steps", 0)), float(m.get("engine_hook_s", 0.0)))
                 self._count_engine_faults(engine, m.get("engine_faults") or {})
                 m["received_at"] = time.monotonic()
                 self._engine_results[m["external_id"]] = m
@@ -183,6 +185,8 @@ class Runtime:
                 "results_unjoined": len(self._engine_results),
                 "results_dropped": self.engine_results_dropped,
                 "requests_waiting": sum(self.join_waiting.values()),
+                "steps": {str(k): v[0] for k, v in self.engine_cost.items()},
+                "hook_seconds": {str(k): v[1] for k, v in self.engine_cost.items()},
             },
             "efficiency": self.efficiency.snapshot(),
             "faults": dict(self.faults.counts),

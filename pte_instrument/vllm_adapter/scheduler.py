@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -87,6 +88,7 @@ class _PteHook:
         out = super().schedule(*args, **kwargs)  # type: ignore[misc]
         if self._pte is not None:
             try:
+                t0 = time.perf_counter()
                 requests = self.requests  # type: ignore[attr-defined]
                 scheduled = out.num_scheduled_tokens
                 rids = list(scheduled)
@@ -101,6 +103,7 @@ class _PteHook:
                     [len(spec.get(rid, ())) for rid in rids] if spec else [0] * len(rids),
                 ]
                 failpoint("engine_step")
+                self._pte.hook_s += time.perf_counter() - t0  # reading vLLM's state counts too
                 self._pte.on_schedule(rids, columns)
             except Exception as e:
                 self._pte_fault("step", e)
