@@ -400,6 +400,13 @@ class StepAccumulator:
         self.step += 1
         return self.step - 1
 
+    def last_contributions(self, size: int) -> np.ndarray | None:
+        """The per-row contributions of the latest ``update`` (a ``(n_columns, size)`` view
+        of a reused buffer) when the numpy backend computed them on the host, else None."""
+        if isinstance(self._store, _NumpyStore):
+            return self._store.workspace.buffers(self.n_columns, size)[0]
+        return None
+
     # --- read-back (each one batched device→host transfer) -------------------------------
 
     def read(self, slots: _ArrayLike) -> np.ndarray:

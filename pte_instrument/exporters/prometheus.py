@@ -223,6 +223,9 @@ class PteMetrics:
         )
 
     def evaluated(self, model: str, benchmark: str, output_tokens: int, truncated: bool) -> None:
+        for labeled in (self.eval_labeled, self.eval_labeled_truncated, self.eval_labeled_output_tokens,
+                        self.correct_answers, self.eval_truncated):  # fmt: skip
+            labeled.labels(model, benchmark)  # exist at 0 before the first label, so rate() sees it
         self.eval_requests.labels(model, benchmark).inc()
         self.eval_output_tokens.labels(model, benchmark).inc(output_tokens)
         if truncated:
