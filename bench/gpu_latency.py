@@ -414,22 +414,14 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     stem = f"gpu-latency-{'tiny-' if args.tiny else ''}{host}-{dt.date.today()}"
     jpath = out / f"{stem}.json"
+    from bench.latency.report import _clean
+
     jpath.write_text(json.dumps(_clean(result), indent=2, sort_keys=True) + "\n")
     mpath = out / f"{stem}.md"
     mpath.write_text(_markdown(result, fit, fit_d, explain_shares))
     print(mpath.read_text())
     print(f"[gpu-latency] wrote {jpath} and {mpath} in {result['wall_s']:.0f}s", flush=True)
     return 0
-
-
-def _clean(o: Any) -> Any:
-    if isinstance(o, float):
-        return o if math.isfinite(o) else None
-    if isinstance(o, dict):
-        return {k: _clean(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)):
-        return [_clean(v) for v in o]
-    return o
 
 
 def _markdown(r: dict[str, Any], fit: Any, fit_d: Any, explain: Any) -> str:

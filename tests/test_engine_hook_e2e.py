@@ -27,7 +27,10 @@ def hooked(tiny_model, tmp_path_factory):
            "PTE_DEVICE": "h100-sxm"}  # fmt: skip
     args = ["--scheduler-cls", "pte_instrument.vllm_adapter.scheduler.PteScheduler",
             "--enable-chunked-prefill", "--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "8",
-            "--num-gpu-blocks-override", str(BLOCKS), "--max-model-len", "1024"]  # fmt: skip
+            "--num-gpu-blocks-override", str(BLOCKS), "--max-model-len", "1024",
+            # without prefix caching a preempted request must recompute what it had computed
+            # (with it, its own blocks may still be cached when it resumes: no recompute)
+            "--no-enable-prefix-caching"]  # fmt: skip
     vllm = start_server(tiny_model, work, env, args)
     try:
         yield vllm, work
