@@ -87,7 +87,7 @@ def test_256_streaming_sessions_with_disconnects(tiny_model, tmp_path):
 def test_faults_at_every_stage_do_not_stop_serving(tiny_model, tmp_path):
     log = tmp_path / "requests.jsonl"
     env = {"VLLM_PLUGINS": "pte", "PTE_REQUEST_LOG": str(log), "PTE_FAILPOINTS_SEED": "7",
-           "PTE_FAILPOINTS": "engine_step:0.05,transport:0.1,prometheus:0.1,routes:0.5"}  # fmt: skip
+           "PTE_FAILPOINTS": "engine_step:0.05,transport:0.3,prometheus:0.1,routes:0.5"}  # fmt: skip
     vllm = start_server(tiny_model, tmp_path, env, HOOK)
     try:
         outcomes = run_streaming_sessions(vllm.url, vllm.served_name, sessions=48, turns=2, disconnect_p=0.0)
