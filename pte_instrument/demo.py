@@ -62,7 +62,6 @@ def _session_table(sessions: list[dict]) -> Table:
         "cached",
         "output",
         "PTE served",
-        "engine exact",
         "PTE ideal",
         "eviction tax",
         "tool pause s",
