@@ -43,7 +43,7 @@ class TurnResult:
     latency_s: float
 
 
-def _words(rng: random.Random, n: int) -> str:
+def random_words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(n))
 
 
@@ -62,7 +62,7 @@ class AgentSession:
         self.session_id = session_id
         self.cfg = cfg
         self.rng = rng
-        self.opening = f"{system_prompt}\nTask {session_id}: {_words(rng, cfg.task_words)}\n"
+        self.opening = f"{system_prompt}\nTask {session_id}: {random_words(rng, cfg.task_words)}\n"
         self.context: list[int] = []
         self.turn = 0
 
@@ -84,7 +84,7 @@ class AgentSession:
         r.raise_for_status()
         data = r.json()
         usage, choice = data["usage"], data["choices"][0]
-        tool_result = f"\nTool result: {_words(self.rng, self.cfg.tool_result_words)}\n"
+        tool_result = f"\nTool result: {random_words(self.rng, self.cfg.tool_result_words)}\n"
         self.context = [*self.context, *choice["token_ids"], *tokenize(client, model, tool_result)]
         return TurnResult(
             session_id=self.session_id,
@@ -108,7 +108,7 @@ def run_workload(
     while the others run (the tool pause). ``between_rounds(client, round)`` runs after
     each round but the last (the demo drops the prefix cache there)."""
     rng = random.Random(cfg.seed)
-    system_prompt = "You are an agent with tools. " + _words(rng, cfg.system_words)
+    system_prompt = "You are an agent with tools. " + random_words(rng, cfg.system_words)
     sessions = [
         AgentSession(f"s{i:03d}-{cfg.seed}", cfg, system_prompt, random.Random(rng.random()))
         for i in range(cfg.sessions)

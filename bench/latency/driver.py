@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from pte_instrument.workload import AgentSession, WorkloadConfig, _words
+from pte_instrument.workload import AgentSession, WorkloadConfig, random_words
 
 
 @dataclass(frozen=True)
@@ -175,7 +175,7 @@ def run_phase(
 ) -> PhaseResult:
     """Run ``cfg.sessions`` agent sessions, ``cfg.concurrency`` at a time."""  # fmt: skip
     rng = random.Random(cfg.seed)
-    system_prompt = "You are an agent with tools. " + _words(rng, cfg.system_words)
+    system_prompt = "You are an agent with tools. " + random_words(rng, cfg.system_words)
     bar = _Progress(cfg.sessions * cfg.turns, f"concurrency {cfg.concurrency}", progress)
     records: list[TurnRecord] = []
     lock = threading.Lock()
