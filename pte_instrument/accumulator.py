@@ -1,5 +1,6 @@
-"""The batched step accumulator (issue 3): per-request PTE state updated once per scheduler
-step, on whichever backend fits the host.
+"""The batched step accumulator (issue 3): per-request PTE state updated with one batch of
+rows per call — one scheduler step, or several concatenated (the engine hook journals
+steps and adds them in one call) — on whichever backend fits the host.
 
     acc = StepAccumulator(windows=(None,))          # one full-attention KV group
     s = acc.allocate()                               # a state row for a new request
@@ -17,7 +18,7 @@ triton are imported only when chosen: numpy alone is enough to import and use th
 
 GPU discipline: ``update()`` and ``release()`` never synchronise with the device. The batch
 is packed on the host into one pinned (7, B) int64 buffer and copied with one
-``non_blocking`` transfer; the kernel(s) are enqueued behind it; the per-step totals stay
+``non_blocking`` transfer; the kernel(s) are enqueued behind it; the per-update totals stay
 on the device. Nothing reads a device value back (no ``.item()``, ``.cpu()``, ``nonzero()``,
 no data-dependent shapes). Only ``read()``, ``step_totals()``, ``totals()`` and
 ``conservation()`` copy device→host, each as one batched transfer, and so wait for the
@@ -135,9 +136,10 @@ class StepBatch:
 
 @dataclass(frozen=True, eq=False)
 class StepTotals:
-    """Per-step column sums: ``rows[i]`` is what step ``steps[i]`` added over its batch."""
+    """Per-update column sums: ``rows[i]`` is what update ``steps[i]`` added over its batch
+    (an update is one scheduler step, or several that a caller batched into one)."""
 
-    steps: np.ndarray  # (k,) int64 step indices, ascending
+    steps: np.ndarray  # (k,) int64 update indices, ascending
     rows: np.ndarray  # (k, n_columns) float64
     columns: tuple[str, ...]
 
@@ -276,7 +278,9 @@ def resolve_backend(backend: BackendName, device: str | None) -> tuple[str, str]
 
 
 class StepAccumulator:
-    """Per-request PTE state, one row per slot, updated one scheduler step at a time.
+    """Per-request PTE state, one row per slot, updated one batch of rows at a time: a
+    scheduler step, or several steps' rows concatenated in step order (a slot may repeat;
+    the caller derives each row's H from the slot's earlier rows, as EngineAccounting does).
 
     Columns (``columns``): prefill, recompute, decode_tokens, spec_tokens, rejected_tokens,
     ctx0..ctx{G-1} (context tokens read at decode, per KV group; see kernels/reference.py).
@@ -284,7 +288,7 @@ class StepAccumulator:
     windows:   one entry per KV group: its sliding window, or None for full attention.
     capacity:  initial number of slots; doubled when allocate() finds none free (a host
                decision between steps: the device copy is enqueued, not waited for).
-    history:   rows in the ring of per-step totals; the last ``history - 1`` steps are kept.
+    history:   rows in the ring of per-update totals; the last ``history - 1`` are kept.
     validate:  check each batch on the host (slots allocated, no negative field): a few µs,
                and it turns what would be an out-of-bounds GPU write into a ValueError.
     """
@@ -383,7 +387,8 @@ class StepAccumulator:
     # --- steps ---------------------------------------------------------------------------
 
     def update(self, batch: StepBatch | np.ndarray) -> int:
-        """Add one scheduler step; return its step index. Never waits for a GPU."""
+        """Add one batch (a scheduler step, or several); return its update index. Never
+        waits for a GPU."""
         packed = batch.packed if isinstance(batch, StepBatch) else batch
         if self.validate:
             if isinstance(batch, np.ndarray):
@@ -417,20 +422,20 @@ class StepAccumulator:
         return np.asarray(self._store.read(s), dtype=np.float64)
 
     def step_totals(self, since: int = 0) -> StepTotals:
-        """Per-step column sums of steps ≥ ``since`` still held in the ring (at most the
-        last ``history - 1``). Poll with ``since`` = the last step seen + 1."""
+        """Per-update column sums of updates ≥ ``since`` still held in the ring (at most
+        the last ``history - 1``). Poll with ``since`` = the last update seen + 1."""
         first = max(since, self.step - (self.history - 1), 0)
         steps = np.arange(first, self.step, dtype=np.int64)
         hist = self._store.read_hist()
         return StepTotals(steps, hist[steps % self.history], self.columns)
 
     def totals(self) -> np.ndarray:
-        """Column sums over every step so far (never truncated)."""
+        """Column sums over every update so far (never truncated)."""
         return self._store.read_vectors()[0]
 
     def conservation(self) -> tuple[np.ndarray, np.ndarray]:
-        """(per-request side, per-step side): Σ live rows + Σ released rows, and Σ over all
-        steps of the per-step totals. Equal, column by column, exactly."""
+        """(per-request side, per-update side): Σ live rows + Σ released rows, and Σ over
+        all updates of the per-update totals. Equal, column by column, exactly."""
         totals, retired, live = self._store.read_vectors()
         return live + retired, totals
 
