@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import accumulate
 from pathlib import Path
@@ -78,7 +78,6 @@ class EngineAccounting:
     steps: int = field(default=0, init=False)
     # the hook's own time, all steps: on_schedule, and journal passes wherever they run
     hook_s: float = field(default=0.0, init=False)
-    fault_counts: Mapping[str, int] = field(default_factory=dict, init=False)  # the hook's own faults
 
     def __post_init__(self) -> None:
         # validate=False: the batches are built here, and the check costs ~10 µs a step
@@ -385,13 +384,11 @@ class EngineAccounting:
         slots = np.array([slot for _, _, slot, _ in done if slot >= 0], dtype=np.int64)
         rows = self.acc.read(slots) if len(slots) else np.zeros((0, self.acc.n_columns))
         cols = self.acc.columns
-        faults = dict(self.fault_counts)
         messages, k = [], 0
         for rid, reason, slot, counts in done:
             msg: dict[str, Any] = {"request_id": rid, "external_id": self.external_id(rid), "engine": self.engine,
                                    "finish_reason": reason, **counts, "engine_live": self.live,
-                                   "engine_faults": faults, "engine_steps": self.steps,
-                                   "engine_hook_s": self.hook_s}  # fmt: skip
+                                   "engine_steps": self.steps, "engine_hook_s": self.hook_s}  # fmt: skip
             if slot >= 0:
                 row = rows[k]
                 k += 1

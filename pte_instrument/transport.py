@@ -1,6 +1,9 @@
-"""Engine → API-server transport for engine-side totals: ZeroMQ PUSH/PULL over an IPC
-socket whose address the first process (the API server) puts in the environment before
-vLLM spawns its engine processes, which inherit it.
+"""Engine → API-server transport for engine-side totals: ZeroMQ PUSH/PULL over IPC
+sockets. The first process (the API server, or ``vllm serve``'s launcher) puts a base
+address in the environment before vLLM spawns its other processes, which inherit it. API
+server ``i`` binds ``<base>-i``; an engine sends each finished request's totals to the API
+server that submitted it (vLLM's client index), so with several API servers every total
+reaches the process whose stat logger sees that request finish.
 
 Why not vLLM's own stats channel: ``SchedulerStats`` is not a stable interface and its
 serialization drops unknown fields. A socket of our own works for every engine (data
@@ -25,31 +28,45 @@ HIGH_WATER_MARK = 10_000  # queued messages per socket before sends are dropped
 
 
 def ensure_address() -> str:
-    """The transport address, created (and exported to child processes) if missing."""
+    """The base transport address, created (and exported to child processes) if missing."""
     addr = os.environ.get(ADDRESS_ENV)
     if not addr:
-        path = os.path.join(tempfile.gettempdir(), f"pte-{os.getpid()}-{uuid.uuid4().hex[:8]}.ipc")
+        path = os.path.join(tempfile.gettempdir(), f"pte-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         addr = os.environ[ADDRESS_ENV] = f"ipc://{path}"
     return addr
 
 
+def address_for(base: str, api_server: int) -> str:
+    return f"{base}-{api_server}"
+
+
 class Sender:
-    def __init__(self, address: str) -> None:
+    """One PUSH socket per API server, connected on first use."""
+
+    def __init__(self, base: str) -> None:
         self._ctx = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.PUSH)
-        self._sock.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(address)
+        self._base = base
+        self._socks: dict[int, zmq.Socket] = {}
         self.dropped = 0
 
-    def send(self, messages: list[dict[str, Any]]) -> None:
+    def _socket(self, api_server: int) -> zmq.Socket:
+        sock = self._socks.get(api_server)
+        if sock is None:
+            sock = self._socks[api_server] = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address_for(self._base, api_server))
+        return sock
+
+    def send(self, messages: list[dict[str, Any]], api_server: int = 0) -> None:
         try:
-            self._sock.send(json.dumps(messages).encode(), zmq.NOBLOCK)
+            self._socket(api_server).send(json.dumps(messages).encode(), zmq.NOBLOCK)
         except zmq.Again:
             self.dropped += len(messages)
 
     def close(self) -> None:
-        self._sock.close(0)
+        for sock in self._socks.values():
+            sock.close(0)
 
 
 class Receiver:

@@ -35,7 +35,8 @@ and once per engine at start-up for the cost model (`pte_gamma`, `pte_hardware_*
 """
 
 LEDGER = """
-Ledger state, read at scrape time (process-wide, no labels):
+Session-ledger state, published by the stat logger as it changes (per API-server process,
+no labels; with several API servers the merged `/metrics` sums them):
 
 """
 

@@ -139,3 +139,31 @@ def test_pending_tags_pop_tries_each_spelling():
     p.put("abc", RequestTag("s1", "gsm8k"))
     assert p.pop("chatcmpl-abc", "abc") == RequestTag("s1", "gsm8k")
     assert p.pop("abc") is None
+
+
+def test_ledger_metrics_publish_state_and_count_drops_once():
+    from prometheus_client import CollectorRegistry
+
+    from pte_instrument.exporters.prometheus import LedgerMetrics, PteMetrics
+
+    registry = CollectorRegistry()
+    ledger, pending = SessionLedger(max_sessions=2, max_turns=1), PendingTags(capacity=1)
+    published = LedgerMetrics(PteMetrics(registry), ledger, pending)
+
+    def value(name: str) -> float:
+        return registry.get_sample_value(name)
+
+    for sid in ("a", "b", "c"):  # "a" evicted by the cap of 2
+        turn(ledger, sid, 10, 1, 0, 1000.0)
+    turn(ledger, "c", 20, 1, 0, 1001.0)  # c's first row dropped by max_turns=1
+    pending.put("x", RequestTag("s1", "none"))
+    pending.put("y", RequestTag("s2", "none"))  # "x" dropped by the capacity of 1
+    published.sync()
+    published.sync()  # a second sync with nothing new adds nothing
+    assert value("pte_sessions_live") == 2
+    assert value("pte_sessions_opened_total") == 3
+    assert value("pte_session_turn_rows_dropped_total") == 1
+    assert value("pte_session_tags_dropped_total") == 1
+    turn(ledger, "d", 10, 1, 0, 1002.0)
+    published.sync()
+    assert (value("pte_sessions_live"), value("pte_sessions_opened_total")) == (2, 4)

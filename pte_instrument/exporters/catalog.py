@@ -1,5 +1,5 @@
 """The plugin's metric families as data: name, type, labels, help and the sample names a
-scrape shows. Read from the live definitions (``PteMetrics`` and the session collector),
+scrape shows. Read from the live definitions (``PteMetrics``),
 so the metrics reference, the dashboard checks and the Prometheus test cannot drift from
 the code."""
 
@@ -10,9 +10,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
 
-from ..core.sessions import SessionLedger
-from ..session_ids import PendingTags
-from .prometheus import PteMetrics, SessionLedgerCollector
+from .prometheus import PteMetrics
 
 # Sample suffixes each type adds to its family name in the text exposition.
 _SUFFIXES = {
@@ -28,7 +26,7 @@ class Family:
     type: str  # counter, gauge, histogram
     labels: tuple[str, ...]
     help: str
-    source: str  # "request" (PteMetrics) or "ledger" (read at scrape time)
+    source: str  # "request" (per request, session, engine) or "ledger" (session-ledger state)
     buckets: tuple[float, ...] = ()  # a histogram's upper bounds, +Inf included
 
     @property
@@ -48,7 +46,7 @@ def families() -> list[Family]:
     # throwaway registry's metrics alive.
     metrics = PteMetrics(CollectorRegistry())
     out: list[Family] = []
-    for metric in vars(metrics).values():
+    for attr, metric in vars(metrics).items():
         if isinstance(metric, MetricWrapperBase):
             # Label names and buckets are not part of an empty family's collect() output;
             # the wrapper keeps them in attributes stable across prometheus_client releases.
@@ -58,14 +56,10 @@ def families() -> list[Family]:
                     metric._type,
                     tuple(metric._labelnames),
                     metric._documentation,
-                    "request",
+                    "ledger" if attr in PteMetrics.LEDGER else "request",
                     tuple(getattr(metric, "_upper_bounds", ())),
                 )
             )
-    ledger = SessionLedgerCollector(SessionLedger(), PendingTags())
-    for fam in ledger.collect():
-        labels = sorted({k for s in fam.samples for k in s.labels})
-        out.append(Family(fam.name, fam.type, tuple(labels), fam.documentation, "ledger"))
     return sorted(out, key=lambda f: f.name)
 
 

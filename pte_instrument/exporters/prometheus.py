@@ -3,16 +3,20 @@
 finish_reason, stage, device. Never a request or session id.
 
 PTE (prefill token equivalents) is the unit of every ``pte_*_pte`` series.
+
+Works unchanged in prometheus_client's multiprocess mode (vLLM with several API servers
+sets ``PROMETHEUS_MULTIPROC_DIR`` and serves the merge of every process's files): counters
+and histograms sum across processes, every gauge declares how it merges, and the session
+ledger's state is published as ordinary metrics rather than read by a scrape-time
+collector, which the multiprocess ``/metrics`` would not call.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterator
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..core.cost import CostModel
 from ..core.ledger import RequestRecord
@@ -86,21 +90,28 @@ class PteMetrics:
             "Decode-vs-prefill price of one context token (gamma), from theory.",
             [*req, "device"],
             registry=registry,
+            multiprocess_mode="mostrecent",  # equal in every process: one series, no pid label
         )
         self.hoi = Gauge(
             "pte_hardware_operational_intensity",
             "Peak FLOP/s divided by memory bandwidth (FLOP per byte) of the device profile.",
             [*req, "device"],
             registry=registry,
+            multiprocess_mode="mostrecent",  # equal in every process: one series, no pid label
         )
         self.n_active = Gauge(
-            "pte_active_parameters", "Matmul weights used per token (N_active).", req, registry=registry
+            "pte_active_parameters",
+            "Matmul weights used per token (N_active).",
+            req,
+            registry=registry,
+            multiprocess_mode="mostrecent",
         )
         self.kv_bytes = Gauge(
             "pte_kv_cache_bytes_per_token",
             "KV-cache bytes read per context token per decoded token.",
             req,
             registry=registry,
+            multiprocess_mode="mostrecent",
         )
         # --- exact engine-side accounting (scheduler hook) ---
         self.engine_served = Counter(
@@ -135,6 +146,7 @@ class PteMetrics:
             "Σ (engine exact served PTE − stat-logger estimate) over finished requests.",
             req,
             registry=registry,
+            multiprocess_mode="sum",  # a running sum that may go negative: not a counter
         )
         # --- live efficiency (SPEC-EFFICIENCY §1), by model and allow-listed benchmark label ---
         ev = ["model", "benchmark"]
@@ -221,6 +233,26 @@ class PteMetrics:
             ["stage"],
             registry=registry,
         )
+        # --- session-ledger state (process-wide, no labels), published by LedgerMetrics ---
+        self.sessions_live = Gauge(
+            "pte_sessions_live",
+            "Agent sessions currently tracked.",
+            registry=registry,
+            multiprocess_mode="livesum",  # each API server's ledger, summed over live processes
+        )
+        self.sessions_opened = Counter("pte_sessions_opened", "Agent sessions opened.", registry=registry)
+        self.turn_rows_dropped = Counter(
+            "pte_session_turn_rows_dropped",
+            "Turn rows not kept past the per-session cap (totals still count).",
+            registry=registry,
+        )
+        self.tags_dropped = Counter(
+            "pte_session_tags_dropped",
+            "Session tags of requests that never finished, dropped past the cap.",
+            registry=registry,
+        )
+
+    LEDGER = ("sessions_live", "sessions_opened", "turn_rows_dropped", "tags_dropped")
 
     def evaluated(self, model: str, benchmark: str, output_tokens: int, truncated: bool) -> None:
         for labeled in (self.eval_labeled, self.eval_labeled_truncated, self.eval_labeled_output_tokens,
@@ -246,32 +278,25 @@ class PteMetrics:
         self.sessions_closed.labels(model, reason).inc()
 
 
-class SessionLedgerCollector:
-    """Ledger state read at scrape time (no bookkeeping on the hot path)."""
+class LedgerMetrics:
+    """Publishes the session ledger's state (live sessions, drop counts) when the stat
+    logger calls ``sync()``: a few integer comparisons, so it runs after every batch."""
 
-    def __init__(self, sessions: SessionLedger, pending: PendingTags) -> None:
+    def __init__(self, metrics: PteMetrics, sessions: SessionLedger, pending: PendingTags) -> None:
+        self.m = metrics
         self.sessions = sessions
         self.pending = pending
+        self._seen = (0, 0, 0)
 
-    def describe(self) -> list:
-        return []  # collected lazily; avoids a scrape at registration time
-
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def sync(self) -> None:
         st = self.sessions.stats
-        yield GaugeMetricFamily(
-            "pte_sessions_live", "Agent sessions currently tracked.", value=len(self.sessions)
-        )
-        yield CounterMetricFamily("pte_sessions_opened", "Agent sessions opened.", value=st.sessions_opened)
-        yield CounterMetricFamily(
-            "pte_session_turn_rows_dropped",
-            "Turn rows not kept past the per-session cap (totals still count).",
-            value=st.turns_dropped,
-        )
-        yield CounterMetricFamily(
-            "pte_session_tags_dropped",
-            "Session tags of requests that never finished, dropped past the cap.",
-            value=self.pending.dropped,
-        )
+        now = (st.sessions_opened, st.turns_dropped, self.pending.dropped)
+        counters = (self.m.sessions_opened, self.m.turn_rows_dropped, self.m.tags_dropped)
+        for counter, new, old in zip(counters, now, self._seen, strict=True):
+            if new > old:
+                counter.inc(new - old)
+        self._seen = now
+        self.m.sessions_live.set(len(self.sessions))
 
 
 _metrics: weakref.WeakKeyDictionary[CollectorRegistry, PteMetrics] = weakref.WeakKeyDictionary()

