@@ -56,6 +56,21 @@ def load(url: str, model: str, n: int, concurrency: int, max_tokens: int, seed: 
     return tokens, time.perf_counter() - t0
 
 
+def paired_cost(config: list[float], off: list[float]) -> dict[str, float]:
+    """Throughput cost vs "off" from the rounds' pairs (each round runs every server back to
+    back, so host drift cancels): mean of 1 − config/off and its 95% t-interval."""
+    costs = [1 - c / o for c, o in zip(config, off, strict=True)]
+    mean = statistics.mean(costs)
+    half = T95.get(len(costs) - 1, 2.03) * statistics.stdev(costs) / len(costs) ** 0.5
+    return {"mean": mean, "ci95_low": mean - half, "ci95_high": mean + half}
+
+
+# two-sided 95% Student t quantiles for 1…30 degrees of freedom
+T95 = dict(enumerate((12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+                      2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+                      2.060, 2.056, 2.052, 2.048, 2.045, 2.042), start=1))  # fmt: skip
+
+
 def engine_hook_cost(url: str) -> tuple[int, float]:
     """(steps, seconds spent in the step hook) so far, as the plugin reports them."""
     hook = httpx.get(f"{url}/pte/summary", timeout=30).json()["engine_hook"]
@@ -112,6 +127,7 @@ def main() -> None:
             "tokens_per_s_stdev": statistics.stdev(v),
             "rounds": v,
             "cost_vs_off": 1 - statistics.mean(v) / base,
+            "cost_vs_off_paired": paired_cost(v, results["off"]),
         }
         for name, v in results.items()
     }
@@ -130,8 +146,10 @@ def main() -> None:
     out = Path(args.out) / f"overhead-{socket.gethostname()}-{time.strftime('%Y-%m-%d')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
-    print(json.dumps({k: {"tokens/s": round(v["tokens_per_s_mean"], 1), "cost": f"{v['cost_vs_off']:+.2%}"}
-                      for k, v in summary.items()}, indent=1))  # fmt: skip
+    for k, v in summary.items():
+        p = v["cost_vs_off_paired"]
+        print(f"{k:>18}: {v['tokens_per_s_mean']:8.1f} tokens/s, cost vs off {p['mean']:+.2%} "
+              f"(95% CI {p['ci95_low']:+.2%} … {p['ci95_high']:+.2%})")  # fmt: skip
     print("hook per step:", json.dumps(report["hook_per_step"], indent=1))
     print(f"wrote {out}")
 
