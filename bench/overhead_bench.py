@@ -102,7 +102,8 @@ def main() -> None:
         seconds: dict[str, float] = dict.fromkeys(servers, 0.0)
         order = list(servers)
         for r in range(args.rounds):
-            for name in order if r % 2 == 0 else order[::-1]:  # alternate the order: no drift bias
+            rotated = order[r % len(order) :] + order[: r % len(order)]
+            for name in rotated if (r // len(order)) % 2 == 0 else rotated[::-1]:  # every position, both ways
                 tokens, secs = load(servers[name].url, servers[name].served_name, args.requests, args.concurrency,
                                     args.max_tokens, seed=r)  # fmt: skip
                 results[name].append(tokens / secs)

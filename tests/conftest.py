@@ -120,13 +120,7 @@ class Server:
         return r.json()
 
     def metrics(self) -> dict[tuple[str, tuple], float]:
-        text = self.client.get("/metrics").text
-        out = {}
-        for fam in text_string_to_metric_families(text):
-            for s in fam.samples:
-                if s.name.startswith("pte_"):
-                    out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-        return out
+        return scrape(self.client)
 
     def log_records(self, ids: set[str], timeout_s: float = 15.0) -> dict[str, dict]:
         """Request-log entries for ``ids``; the stat logger records a request just after
@@ -169,6 +163,16 @@ def server(tiny_model, tmp_path_factory) -> Iterator[Server]:
     finally:
         vllm.stop()
         otlp.httpd.shutdown()
+
+
+def scrape(client: httpx.Client) -> dict[tuple[str, tuple], float]:
+    """Every pte_* sample of the server's /metrics: (name, sorted labels) → value."""
+    out = {}
+    for fam in text_string_to_metric_families(client.get("/metrics").text):
+        for s in fam.samples:
+            if s.name.startswith("pte_"):
+                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
 
 
 def metric_sum(metrics: dict, name: str, **labels: str) -> float:

@@ -9,9 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import psutil
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from .conftest import start_server
+from .conftest import scrape, start_server
 
 pytestmark = pytest.mark.vllm
 MAX_SESSIONS = 50
@@ -38,10 +37,10 @@ def constrained(tiny_model, tmp_path_factory):
 
 
 def sample(client: httpx.Client, name: str, **labels: str) -> float | None:
-    for fam in text_string_to_metric_families(client.get("/metrics").text):
-        for s in fam.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                return s.value
+    """The first matching sample's value, None if there is none."""
+    for (n, labs), value in scrape(client).items():
+        if n == name and all(dict(labs).get(k) == v for k, v in labels.items()):
+            return value
     return None
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from pte_instrument.loadgen import run_streaming_sessions
 
-from .conftest import start_server
+from .conftest import scrape, start_server
 
 pytestmark = pytest.mark.vllm
 HOOK = ["--scheduler-cls", "pte_instrument.vllm_adapter.scheduler.PteScheduler"]
@@ -98,9 +98,8 @@ def test_faults_at_every_stage_do_not_stop_serving(tiny_model, tmp_path):
         routes = [client.get("/pte/summary").status_code for _ in range(20)]
         assert set(routes) <= {200, 500} and 500 in routes and 200 in routes
         assert client.get("/health").status_code == 200
-        text = client.get("/metrics").text
-        faults = {line.split('"')[1]: float(line.split()[-1]) for line in text.splitlines()
-                  if line.startswith("pte_plugin_faults_total{")}  # fmt: skip
+        faults = {dict(labels)["stage"]: v for (name, labels), v in scrape(client).items()
+                  if name == "pte_plugin_faults_total"}  # fmt: skip
         for stage in ("engine_step", "engine_transport", "prometheus", "routes"):
             assert faults[stage] > 0, (stage, faults)
         print(f"\nfaults injected and counted: { {k: v for k, v in faults.items() if v} }")

@@ -22,7 +22,7 @@ from grafana.panels import QUERIES, RATE, VARIABLES
 from pte_instrument.serving import free_port
 from pte_instrument.workload import WorkloadConfig, run_workload
 
-from .conftest import start_server
+from .conftest import metric_sum, scrape, start_server
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
@@ -153,11 +153,7 @@ def stack(tiny_model, tmp_path_factory) -> Iterator[Stack]:
 
 def plugin_sum(client: httpx.Client, name: str) -> float:
     """Sum of a pte_* sample over its label sets, read from /metrics directly."""
-    total = 0.0
-    for line in client.get("/metrics").text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return metric_sum(scrape(client), name)
 
 
 def chat(stack: Stack, headers: dict[str, str] | None = None) -> None:

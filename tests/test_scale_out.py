@@ -12,9 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from .conftest import metric_sum, start_server
+from .conftest import metric_sum, scrape, start_server
 from .test_vllm_plugin import independent_gamma, words
 
 pytestmark = pytest.mark.vllm
@@ -57,15 +56,6 @@ def summaries(url: str) -> dict[int, dict]:
     return seen
 
 
-def scrape(url: str) -> dict[tuple[str, tuple], float]:
-    out = {}
-    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
-        for s in fam.samples:
-            if s.name.startswith("pte_"):
-                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
 def test_two_api_servers_two_engines_match_the_responses(scaled, tiny_model):
     vllm, log = scaled
     gamma = independent_gamma(json.loads((tiny_model / "config.json").read_text()))
@@ -94,10 +84,14 @@ def test_two_api_servers_two_engines_match_the_responses(scaled, tiny_model):
         expected["prefill"] += L - c
         expected["decode"] += gamma * (L * D + D * (D - 1) / 2)
 
+    metrics_client = httpx.Client(base_url=vllm.url, timeout=10)
     deadline = time.monotonic() + 20  # the stat loggers record just after each response
-    while metric_sum(scrape(vllm.url), "pte_requests_total") < len(responses) and time.monotonic() < deadline:
+    while (
+        metric_sum(scrape(metrics_client), "pte_requests_total") < len(responses)
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.3)
-    m = scrape(vllm.url)
+    m = scrape(metrics_client)
     assert metric_sum(m, "pte_requests_total") == len(responses)
     assert metric_sum(m, "pte_prompt_tokens_total") == expected["prompt"]
     assert metric_sum(m, "pte_cached_tokens_total") == expected["cached"]
