@@ -1,0 +1,101 @@
+"""Memory of the API server under many distinct agent-session ids (issue 7): a real vLLM
+server with the plugin (default ledger caps), one short request per id, each with its own
+``X-Session-Id``; the API-server process's RSS and the ledger's counters are sampled as
+the ids pile up. A benchmark, not a test: it asserts nothing.
+
+    python -m bench.session_memory_bench [--ids 100000] [--concurrency 32] [--every 5000]
+
+Writes bench/results/session-memory-<host>-<date>.json and prints one line per sample.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+from pte_instrument.serving import VllmServer
+from pte_instrument.tinymodel import build_model
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+async def send(url: str, first: int, count: int, concurrency: int) -> int:
+    """``count`` requests, session ids ``first`` … ``first + count - 1``; returns failures."""
+    failures = 0
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(first, first + count):
+        queue.put_nowait(i)
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        nonlocal failures
+        while not queue.empty():
+            i = queue.get_nowait()
+            body = {"model": "tiny", "prompt": "hello", "max_tokens": 1}
+            r = await client.post("/v1/completions", json=body, headers={"X-Session-Id": f"agent-{i:06d}"})
+            failures += r.status_code != 200
+
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+    return failures
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ids", type=int, default=100_000)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--every", type=int, default=5_000, help="ids between samples")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    args = ap.parse_args()
+    model = build_model(ROOT / "models" / "tiny", "tiny", seed=0)
+    work = Path(tempfile.mkdtemp(prefix="pte-session-memory-"))
+    server = VllmServer(model, env={"VLLM_PLUGINS": "pte"}, log_path=work / "vllm.log", startup_timeout_s=900)
+    samples = []
+    t0 = time.monotonic()
+    with server:
+        api = psutil.Process(server.proc.pid)  # type: ignore[union-attr]
+
+        def sample(ids: int, failures: int) -> None:
+            summary = httpx.get(f"{server.url}/pte/summary", timeout=30).json()["sessions"]
+            row = {"ids": ids, "rss_mib": api.memory_info().rss / 2**20, "failures": failures,
+                   "seconds": time.monotonic() - t0, **summary}  # fmt: skip
+            samples.append(row)
+            print(f"{ids:>7} ids  RSS {row['rss_mib']:7.1f} MiB  live {row['live']:>5}  evicted "
+                  f"{row['evicted']:>6}  pending {row['pending_requests']}  failures {failures}  "
+                  f"{row['seconds']:6.0f} s", flush=True)  # fmt: skip
+
+        asyncio.run(send(server.url, -args.concurrency, args.concurrency, args.concurrency))  # warm-up
+        sample(0, 0)
+        failures = 0
+        for first in range(0, args.ids, args.every):
+            count = min(args.every, args.ids - first)
+            failures += asyncio.run(send(server.url, first, count, args.concurrency))
+            sample(first + count, failures)
+    commit = subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT
+    ).stdout.strip()
+    report = {
+        "machine": {"host": socket.gethostname(), "platform": platform.platform(), "cpus": os.cpu_count()},
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "commit": commit or "uncommitted",
+        "config": vars(args) | {"model": "tiny", "ledger": "defaults (PTE_MAX_SESSIONS 5000, TTL 1 h)"},
+        "samples": samples,
+    }
+    out = Path(args.out) / f"session-memory-{socket.gethostname()}-{time.strftime('%Y-%m-%d')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
