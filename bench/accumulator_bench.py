@@ -22,11 +22,6 @@ Writes bench/results/accumulator-<hostname>-<YYYY-MM-DD>.json and prints a table
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
-import platform
-import socket
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -37,9 +32,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout too
 
+from bench.provenance import load_avg_1m, provenance, write_results
 from pte_instrument.accumulator import StepAccumulator, StepBatch
 
-RESULTS = Path(__file__).resolve().parent / "results"
 SIZES = [1, 8, 64, 512, 4096, 8192]
 INTERP_MAX_SIZE = 64
 WINDOWS: tuple[int | None, ...] = (None, 4096)
@@ -123,75 +118,6 @@ def bench_case(backend: str, device: str, size: int, seconds: float, seed: int) 
     return case
 
 
-def machine() -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "hostname": socket.gethostname(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpu": _cpu_model(),
-        "cpu_count": _cpu_count(),
-        "numpy": np.__version__,
-        "loadavg_1m": _loadavg(),  # other work on the host inflates the CPU figures
-    }
-    try:
-        import torch
-
-        info["torch"] = torch.__version__
-        info["cuda"] = torch.version.cuda
-        info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    except ImportError:
-        info["torch"] = None
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = None
-    return info
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def _loadavg() -> float | None:
-    import os
-
-    try:
-        return round(os.getloadavg()[0], 2)
-    except OSError:
-        return None
-
-
-def _cpu_count() -> int:
-    import os
-
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
-def git_commit() -> str:
-    try:
-        r = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).resolve().parents[1],
-            timeout=10,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return "uncommitted"
-    return r.stdout.strip() if r.returncode == 0 and r.stdout.strip() else "uncommitted"
-
-
 def plan(backends: list[str], sizes: list[int], interp: bool) -> list[tuple[str, str, int]]:
     try:
         import torch
@@ -263,31 +189,26 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(args.torch_threads)
         except ImportError:
             pass
-    now = dt.datetime.now()
-    loadavg_before = _loadavg()
+    tasks = plan(args.backends, args.sizes, not args.no_interp)  # imports torch: provenance sees the GPU
+    report: dict[str, Any] = {"benchmark": "accumulator", **provenance()}
     cases = []
-    for backend, device, size in plan(args.backends, args.sizes, not args.no_interp):
+    for backend, device, size in tasks:
         cases.append(bench_case(backend, device, size, args.seconds, args.seed))
         print(f"  {backend}/{device} B={size}: {cases[-1].us_per_update:.1f} µs", file=sys.stderr)
-    report = {
-        "benchmark": "accumulator",
-        "date": now.isoformat(timespec="seconds"),
-        "git_commit": git_commit(),
-        "machine": machine(),
+    report |= {
         "windows": list(WINDOWS),
         "seconds_per_case": args.seconds,
         "torch_cpu_threads": args.torch_threads or "default",
-        "loadavg_1m_before": loadavg_before,
+        "load_avg_1m_end": load_avg_1m(),
         "cases": [asdict(c) for c in cases],
     }
-    out = args.out or RESULTS / f"accumulator-{socket.gethostname()}-{now:%Y-%m-%d}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    out = write_results(report, "accumulator", args.out)
     m = report["machine"]
     print(
-        f"machine: {m['hostname']} · {m['cpu']} × {m['cpu_count']} · GPU: {m.get('gpu')} · "
-        f"torch {m.get('torch')} · triton {m.get('triton')} · {report['date']} · "
-        f"commit {report['git_commit']} · load {loadavg_before}→{m['loadavg_1m']}"
+        f"machine: {m['hostname']} · {m['processor']} × {m['affinity_cpus'] or m['cpu_count']} · "
+        f"GPU: {m['gpu']} · torch {m['torch']} · triton {m['triton']} · {report['date']} · "
+        f"commit {report['git_commit']}{' (dirty)' if report['git_dirty'] else ''} · "
+        f"load {m['load_avg_1m']}→{report['load_avg_1m_end']}"
     )
     print_table(cases)
     print(f"wrote {out}")

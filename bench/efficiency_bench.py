@@ -13,13 +13,8 @@ Writes bench/results/efficiency-<hostname>-<date>.json and prints a summary.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import os
-import platform
 import resource
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,41 +22,18 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout too
+
+from bench.provenance import load_avg_1m, provenance, write_results
 from pte_instrument.efficiency.records import build_tables, load_records
 from pte_instrument.efficiency.report import efficiency_json
 from pte_instrument.efficiency.stats import analyze
 
-RESULTS = Path(__file__).resolve().parent / "results"
 WORDS = np.array("the of so we let check sum then value answer step thus is x y z".split())
 
 
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-
-
-def _git(*args: str) -> subprocess.CompletedProcess | None:
-    try:
-        return subprocess.run(
-            ["git", "--no-optional-locks", *args],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).resolve().parent,
-            timeout=10,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def git_commit() -> str:
-    out = _git("rev-parse", "HEAD")
-    return out.stdout.strip() if out and out.returncode == 0 and out.stdout.strip() else "uncommitted"
-
-
-def git_dirty() -> bool | None:
-    """Whether the working tree differs from HEAD (then the commit alone does not identify
-    the code that ran). Read-only: --no-optional-locks keeps git from touching the index."""
-    out = _git("status", "--porcelain")
-    return None if out is None or out.returncode != 0 else bool(out.stdout.strip())
 
 
 def synthesize(path: Path, models: int, instances: int, traces: bool, seed: int) -> int:
@@ -112,8 +84,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None, help="result JSON (default bench/results/)")
     args = ap.parse_args()
 
+    prov = provenance()  # machine.load_avg_1m: other work on the machine inflates wall times
     phases: dict[str, float] = {}
-    load_start = os.getloadavg()[0]  # other work on the machine inflates wall times
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "records.jsonl"
         t0 = time.perf_counter()
@@ -140,23 +112,10 @@ def main() -> int:
     phases["report_json_s"] = time.perf_counter() - t
     total = time.perf_counter() - t_start
 
-    now = dt.datetime.now(dt.timezone.utc)
     out = {
         "benchmark": "efficiency",
-        "date": now.isoformat(timespec="seconds"),
-        "git_commit": git_commit(),
-        "git_dirty": git_dirty(),
-        "machine": {
-            "hostname": socket.gethostname(),
-            "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "python": platform.python_version(),
-            "numpy": np.__version__,
-            "cpu_count": os.cpu_count(),
-            "affinity_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-            "load_avg_1m_start": round(load_start, 2),
-            "load_avg_1m_end": round(os.getloadavg()[0], 2),
-        },
+        **prov,
+        "load_avg_1m_end": load_avg_1m(),
         "config": {
             "models": args.models,
             "instances": args.instances,
@@ -179,9 +138,7 @@ def main() -> int:
         },
         "targets": {"wall_s": 60, "peak_rss_mib": 4096},
     }
-    dest = args.out or RESULTS / f"efficiency-{socket.gethostname()}-{now:%Y-%m-%d}.json"
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    dest.write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
+    dest = write_results(out, "efficiency", args.out)
 
     r = out["results"]
     print(
@@ -196,7 +153,7 @@ def main() -> int:
     m = out["machine"]
     print(
         f"  machine: {m['platform']}, {m['cpu_count']} CPUs, load average "
-        f"{m['load_avg_1m_start']} → {m['load_avg_1m_end']}"
+        f"{m['load_avg_1m']} → {out['load_avg_1m_end']}"
     )
     print(f"  wrote {dest}")
     ok = total < 60 and r["peak_rss_mib"] < 4096

@@ -30,13 +30,10 @@ Writes gpu-latency-<host>-<date>.json and .md to --out (default $OUT, else bench
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import inspect
-import json
 import math
 import os
 import platform
-import socket
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -218,17 +215,6 @@ def time_decode(model: Any, timer: Timer, batch: int, ctx: int, vocab: int, reps
     return Point("decode", batch, ctx, 0, batch * max_len, batch, times, enq)
 
 
-def _git_commit() -> str:
-    import subprocess
-
-    try:
-        out = subprocess.run(["git", "--no-optional-locks", "rev-parse", "HEAD"], capture_output=True,
-                             text=True, cwd=REPO, timeout=10)  # fmt: skip
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def _fit(points: list[Point], gamma_theory: float, weights_pte: float, n_boot: int, with_decode: bool) -> Any:
     import numpy as np
 
@@ -297,15 +283,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="output folder (default $OUT, else bench/results)")
     args = ap.parse_args(argv)
 
-    import numpy as np
     import torch
 
     from bench.latency.calibrate import explain_shares, measure_host_profile
+    from bench.provenance import load_avg_1m, provenance, results_path, write_results
     from pte_instrument.core.architecture import parse_shape
     from pte_instrument.core.cost import CostModel
     from pte_instrument.core.devices import PROFILES, detect_local_gpu, measure_profile, resolve_device
 
     t_begin = time.time()
+    prov = provenance()  # after importing torch: it records the GPU
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     on_gpu = device.type == "cuda"
     dtype = getattr(torch, args.dtype or ("bfloat16" if on_gpu else "float32"))
@@ -382,15 +369,10 @@ def main(argv: list[str] | None = None) -> int:
     fit = _fit(points, cost.gamma, weights_pte, args.bootstrap, False) if len(points) >= 4 else None
     fit_d = _fit(points, cost.gamma, weights_pte, args.bootstrap, True) if len(points) >= 5 else None
     split = _split_fit(points)
-    host = socket.gethostname().split(".")[0]
     result: dict[str, Any] = {
         "benchmark": "gpu-latency",
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "git_commit": _git_commit(),
-        "machine": {"hostname": host, "platform": platform.platform(), "cpu_count": os.cpu_count(),
-                    "device": str(device), "device_name": gpu_name, "python": platform.python_version(),
-                    "torch": torch.__version__, "cuda": torch.version.cuda,
-                    "transformers": __import__("transformers").__version__, "numpy": np.__version__},
+        **prov,
+        "machine": {**prov["machine"], "device": str(device), "device_name": gpu_name},
         "config": {"model": "tiny" if args.tiny else "Llama-3.1-8B shapes, random weights",
                    "layers": model.config.num_hidden_layers, "dtype": str(dtype), "reps": reps,
                    "warmup": args.warmup, "sleep_ms": args.sleep_ms if on_gpu else 0, "seed": args.seed,
@@ -409,15 +391,14 @@ def main(argv: list[str] | None = None) -> int:
         "points": [p.to_dict() for p in points],
         "notes": notes,
         "wall_s": round(time.time() - t_begin, 1),
+        "load_avg_1m_end": load_avg_1m(),
     }  # fmt: skip
-    out = Path(args.out or os.environ.get("OUT") or REPO / "bench" / "results")
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"gpu-latency-{'tiny-' if args.tiny else ''}{host}-{dt.date.today()}"
-    jpath = out / f"{stem}.json"
     from bench.latency.report import _clean
 
-    jpath.write_text(json.dumps(_clean(result), indent=2, sort_keys=True) + "\n")
-    mpath = out / f"{stem}.md"
+    kind = "gpu-latency-tiny" if args.tiny else "gpu-latency"
+    out = Path(args.out or os.environ.get("OUT") or REPO / "bench" / "results")
+    jpath = write_results(_clean(result), kind, results_path(kind, out))
+    mpath = jpath.with_suffix(".md")
     mpath.write_text(_markdown(result, fit, fit_d, explain_shares))
     print(mpath.read_text())
     print(f"[gpu-latency] wrote {jpath} and {mpath} in {result['wall_s']:.0f}s", flush=True)

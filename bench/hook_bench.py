@@ -26,9 +26,7 @@ Writes bench/results/hook-<hostname>-<YYYY-MM-DD>.json and prints a table.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import socket
 import statistics
 import sys
 import tempfile
@@ -41,14 +39,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout too
 
-from bench.accumulator_bench import _loadavg, git_commit, machine
+from bench.provenance import load_avg_1m, provenance, write_results
 from pte_instrument.core.architecture import parse_shape
 from pte_instrument.core.cost import CostModel
 from pte_instrument.core.devices import resolve_device
 from pte_instrument.engine_accounting import EngineAccounting
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results"
 SIZES = [1, 8, 64, 256]
 FINISH_EVERY = 8  # steps between two finished requests (default)
 COUNTS = {"prompt_tokens": 0, "output_tokens": 0, "num_preemptions": 0}
@@ -166,8 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     model = cost_model()
-    now = dt.datetime.now()
-    loadavg_before = _loadavg()
+    report: dict[str, Any] = {"benchmark": "engine_hook", **provenance()}
     cases = []
     for every in args.finish_every:
         for size in args.sizes:
@@ -177,24 +173,20 @@ def main(argv: list[str] | None = None) -> int:
                     f"  B={size} log={log} finish every {every}: {cases[-1].total_us:.1f} µs/step",
                     file=sys.stderr,
                 )
-    report = {
-        "benchmark": "engine_hook",
-        "date": now.isoformat(timespec="seconds"),
-        "git_commit": git_commit(),
-        "machine": machine(),
+    report |= {
         "model": "models/tiny/config.json",
         "device_profile": "h100-sxm",
         "backend": "numpy",
-        "loadavg_1m_before": loadavg_before,
+        "load_avg_1m_end": load_avg_1m(),
         "cases": [asdict(c) for c in cases],
     }
-    out = args.out or RESULTS / f"hook-{socket.gethostname()}-{now:%Y-%m-%d}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    out = write_results(report, "hook", args.out)
     m = report["machine"]
     print(
-        f"machine: {m['hostname']} · {m['cpu']} × {m['cpu_count']} · numpy {m['numpy']} · {report['date']} · "
-        f"commit {report['git_commit']} · load {loadavg_before}→{m['loadavg_1m']}"
+        f"machine: {m['hostname']} · {m['processor']} × {m['affinity_cpus'] or m['cpu_count']} · "
+        f"numpy {m['numpy']} · {report['date']} · "
+        f"commit {report['git_commit']}{' (dirty)' if report['git_dirty'] else ''} · "
+        f"load {m['load_avg_1m']}→{report['load_avg_1m_end']}"
     )
     print_table(cases)
     print(f"wrote {out}")

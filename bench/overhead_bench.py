@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
-import socket
 import statistics
-import subprocess
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +22,9 @@ from pathlib import Path
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # python bench/….py too
+
+from bench.provenance import load_avg_1m, provenance, results_path, write_results
 from pte_instrument.serving import VllmServer
 from pte_instrument.tinymodel import build_model
 
@@ -83,9 +83,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--out", default=None, help="output folder (default bench/results)")
     args = ap.parse_args()
-    load_start = os.getloadavg()[0]
+    prov = provenance()  # machine.load_avg_1m at the start: other work on the host skews throughput
     model = build_model(ROOT / "models" / "tiny", "tiny", seed=0)
     work = Path(tempfile.mkdtemp(prefix="pte-overhead-"))
     servers = {}
@@ -132,21 +132,15 @@ def main() -> None:
         }
         for name, v in results.items()
     }
-    commit = subprocess.run(
-        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT
-    ).stdout.strip()
     report = {
-        "machine": {"host": socket.gethostname(), "platform": platform.platform(), "cpus": os.cpu_count()},
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "commit": commit or "uncommitted",
+        "benchmark": "overhead",
+        **prov,
         "config": vars(args) | {"model": "tiny", "configs": {k: v[1] for k, v in CONFIGS.items()}},
         "throughput": summary,
         "hook_per_step": hook_per_step,
-        "load_avg_1m": {"start": load_start, "end": os.getloadavg()[0]},  # other work on the host
+        "load_avg_1m_end": load_avg_1m(),
     }
-    out = Path(args.out) / f"overhead-{socket.gethostname()}-{time.strftime('%Y-%m-%d')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    out = write_results(report, "overhead", results_path("overhead", args.out))
     for k, v in summary.items():
         p = v["cost_vs_off_paired"]
         print(f"{k:>18}: {v['tokens_per_s_mean']:8.1f} tokens/s, cost vs off {p['mean']:+.2%} "

@@ -12,11 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
-import platform
-import socket
-import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,6 +20,9 @@ from pathlib import Path
 import httpx
 import psutil
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # python bench/….py too
+
+from bench.provenance import load_avg_1m, provenance, results_path, write_results
 from pte_instrument.serving import VllmServer
 from pte_instrument.tinymodel import build_model
 
@@ -55,8 +54,9 @@ def main() -> None:
     ap.add_argument("--ids", type=int, default=100_000)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--every", type=int, default=5_000, help="ids between samples")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--out", default=None, help="output folder (default bench/results)")
     args = ap.parse_args()
+    prov = provenance()
     model = build_model(ROOT / "models" / "tiny", "tiny", seed=0)
     work = Path(tempfile.mkdtemp(prefix="pte-session-memory-"))
     server = VllmServer(model, env={"VLLM_PLUGINS": "pte"}, log_path=work / "vllm.log", startup_timeout_s=900)
@@ -81,19 +81,14 @@ def main() -> None:
             count = min(args.every, args.ids - first)
             failures += asyncio.run(send(server.url, first, count, args.concurrency))
             sample(first + count, failures)
-    commit = subprocess.run(
-        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT
-    ).stdout.strip()
     report = {
-        "machine": {"host": socket.gethostname(), "platform": platform.platform(), "cpus": os.cpu_count()},
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "commit": commit or "uncommitted",
+        "benchmark": "session-memory",
+        **prov,
         "config": vars(args) | {"model": "tiny", "ledger": "defaults (PTE_MAX_SESSIONS 5000, TTL 1 h)"},
         "samples": samples,
+        "load_avg_1m_end": load_avg_1m(),
     }
-    out = Path(args.out) / f"session-memory-{socket.gethostname()}-{time.strftime('%Y-%m-%d')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    out = write_results(report, "session-memory", results_path("session-memory", args.out))
     print(f"wrote {out}")
 
 

@@ -8,13 +8,8 @@ the calibrated model) cannot follow it.
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import math
-import os
-import platform
-import socket
-import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,51 +24,6 @@ from .calibrate import TERM_LABELS, Calibration, calibrate_requests, calibrate_s
 
 TARGET_R = 0.95
 TARGET_RHO = 0.95
-REPO = Path(__file__).resolve().parents[2]
-
-# ---------------------------------------------------------------------------------------
-# Provenance
-# ---------------------------------------------------------------------------------------
-
-
-def _git(*args: str) -> str | None:
-    try:
-        out = subprocess.run(["git", "--no-optional-locks", *args], capture_output=True, text=True,
-                             cwd=REPO, timeout=10)  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() if out.returncode == 0 else None
-
-
-def provenance() -> dict[str, Any]:
-    """Machine, date and code identity for a results file."""
-    versions: dict[str, str] = {"numpy": np.__version__}
-    for mod in ("torch", "vllm", "transformers"):
-        try:
-            versions[mod] = __import__(mod).__version__
-        except Exception:  # absent or broken: the report still gets written
-            continue
-    try:
-        affinity = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        affinity = None
-    status = _git("status", "--porcelain")
-    return {
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "git_commit": _git("rev-parse", "HEAD") or "unknown",
-        "git_dirty": None if status is None else bool(status),
-        "machine": {
-            "hostname": socket.gethostname(),
-            "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(),
-            "affinity_cpus": affinity,
-            "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
-            "python": platform.python_version(),
-            **versions,
-        },
-    }
-
 
 # ---------------------------------------------------------------------------------------
 # Analysis of one run
@@ -511,7 +461,7 @@ def markdown(a: LatencyAnalysis | None, data: Mapping[str, Any], pngs: Sequence[
         f"Machine: `{m.get('hostname')}` — {m.get('platform')}, {m.get('cpu_count')} CPUs "
         f"({m.get('affinity_cpus')} usable), load avg {m.get('load_avg_1m')} at start"
         + ("" if load_end is None else f", {load_end} at end")
-        + f"; python {m.get('python')}, torch {m.get('torch', '-')}, vLLM {m.get('vllm', '-')}.",
+        + f"; python {m.get('python')}, torch {m.get('torch') or '-'}, vLLM {m.get('vllm') or '-'}.",
         f"Code: `{data.get('git_commit')}`{' (working tree dirty)' if data.get('git_dirty') else ''}.",
         "",
         "Configuration:",

@@ -21,20 +21,19 @@ import datetime as dt
 import gzip
 import importlib.util
 import json
-import os
 import shutil
-import socket
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.provenance import hostname, load_avg_1m, provenance
 from pte_instrument.core.devices import DeviceProfile
 
 from .calibrate import measure_host_profile
 from .driver import DriverConfig, run_phase
-from .report import Phase, analyse_logs, provenance, write_report
+from .report import Phase, analyse_logs, write_report
 
 REPO = Path(__file__).resolve().parents[2]
 HOOK_CLS = "pte_instrument.vllm_adapter.scheduler.PteScheduler"
@@ -207,9 +206,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     t_begin = time.time()
     cfg = _config(args)
-    host = socket.gethostname().split(".")[0]
     out = Path(
-        args.out or REPO / "bench" / "results" / f"latency-{cfg['model_preset']}-{host}-{dt.date.today()}"
+        args.out
+        or REPO / "bench" / "results" / f"latency-{cfg['model_preset']}-{hostname()}-{dt.date.today()}"
     )
     out.mkdir(parents=True, exist_ok=True)
     for name in ("requests.jsonl", "steps.jsonl", "requests.jsonl.gz", "steps.jsonl.gz"):
@@ -307,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         "phases": [p.to_dict() for p in phases], "phases_run": summaries,
         "host_profile": asdict(host_profile) if host_profile else None,
         "server": {"args": server.command()[3:], "env": env, "engine_hook": use_hook, "startup_s": round(startup_s, 1)},
-        "load_avg_1m_end": round(os.getloadavg()[0], 2),
+        "load_avg_1m_end": load_avg_1m(),
     })  # fmt: skip
     meta["wall_s_until_analysis"] = round(time.time() - t_begin, 1)
     (out / "run.json").write_text(json.dumps(meta, indent=1, default=str) + "\n")
