@@ -54,24 +54,31 @@ def main() -> None:
     ap.add_argument("--ids", type=int, default=100_000)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--every", type=int, default=5_000, help="ids between samples")
+    ap.add_argument("--plugin-off", action="store_true", help="baseline: the same requests, no plugin loaded")
     ap.add_argument("--out", default=None, help="output folder (default bench/results)")
     args = ap.parse_args()
     prov = provenance()
     model = build_model(ROOT / "models" / "tiny", "tiny", seed=0)
     work = Path(tempfile.mkdtemp(prefix="pte-session-memory-"))
-    server = VllmServer(model, env={"VLLM_PLUGINS": "pte"}, log_path=work / "vllm.log", startup_timeout_s=900)
+    # off: vLLM loads none of the plugin's entry points (an allow-list naming no plugin)
+    env = {"VLLM_PLUGINS": "no-plugin", "PTE_ENABLED": "0"} if args.plugin_off else {"VLLM_PLUGINS": "pte"}
+    server = VllmServer(model, env=env, log_path=work / "vllm.log", startup_timeout_s=900)
     samples = []
     t0 = time.monotonic()
     with server:
         api = psutil.Process(server.proc.pid)  # type: ignore[union-attr]
 
         def sample(ids: int, failures: int) -> None:
-            summary = httpx.get(f"{server.url}/pte/summary", timeout=30).json()["sessions"]
+            summary = (
+                {}
+                if args.plugin_off
+                else httpx.get(f"{server.url}/pte/summary", timeout=30).json()["sessions"]
+            )
             row = {"ids": ids, "rss_mib": api.memory_info().rss / 2**20, "failures": failures,
                    "seconds": time.monotonic() - t0, **summary}  # fmt: skip
             samples.append(row)
-            print(f"{ids:>7} ids  RSS {row['rss_mib']:7.1f} MiB  live {row['live']:>5}  evicted "
-                  f"{row['evicted']:>6}  pending {row['pending_requests']}  failures {failures}  "
+            print(f"{ids:>7} ids  RSS {row['rss_mib']:7.1f} MiB  live {row.get('live', '-'):>5}  evicted "
+                  f"{row.get('evicted', '-'):>6}  pending {row.get('pending_requests', '-')}  failures {failures}  "
                   f"{row['seconds']:6.0f} s", flush=True)  # fmt: skip
 
         asyncio.run(send(server.url, -args.concurrency, args.concurrency, args.concurrency))  # warm-up
@@ -84,11 +91,17 @@ def main() -> None:
     report = {
         "benchmark": "session-memory",
         **prov,
-        "config": vars(args) | {"model": "tiny", "ledger": "defaults (PTE_MAX_SESSIONS 5000, TTL 1 h)"},
+        "config": vars(args)
+        | {
+            "model": "tiny",
+            "ledger": "defaults (PTE_MAX_SESSIONS 5000, TTL 1 h)",
+            "plugin": "not loaded" if args.plugin_off else "on",
+        },
         "samples": samples,
         "load_avg_1m_end": load_avg_1m(),
     }
-    out = write_results(report, "session-memory", results_path("session-memory", args.out))
+    kind = "session-memory-plugin-off" if args.plugin_off else "session-memory"
+    out = write_results(report, kind, results_path(kind, args.out))
     print(f"wrote {out}")
 
 

@@ -9,6 +9,7 @@ from pte_instrument.core.architecture import load_config, parse_shape
 from pte_instrument.core.cost import CostModel
 from pte_instrument.core.devices import PROFILES
 from pte_instrument.core.ledger import FinishedRequest, price_request
+from pte_instrument.core.live_efficiency import LiveEfficiency
 from pte_instrument.core.sessions import SessionLedger
 from pte_instrument.session_ids import PendingTags, RequestTag, validate_session_id
 
@@ -101,14 +102,17 @@ def test_hundred_thousand_session_ids_stay_bounded():
     cap = 1000
     ledger = SessionLedger(max_sessions=cap, max_turns=4)
     pending = PendingTags(capacity=cap)
+    recent = LiveEfficiency(window=cap)  # the feedback window: the other per-request store
     tracemalloc.start()
-    for i in range(1000):
+    for i in range(cap):
         turn(ledger, f"warm-{i}", 50, 2, 0, 1000.0)
+        recent.observe(f"warm-req-{i}", f"warm-{i}", "m", "none", 2, "stop")
     base, _ = tracemalloc.get_traced_memory()
     template = turn(ledger, "template", 50, 2, 0, 1000.0)
     for i in range(100_000):
         pending.put(f"req-{i}", RequestTag(f"sid-{i}", "none"))
         ledger.add(replace(template, session_id=f"sid-{i}"))
+        recent.observe(f"req-{i}", f"sid-{i}", "m", "none", 2, "stop")
     now, _ = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert len(ledger) == cap and len(pending) == cap
