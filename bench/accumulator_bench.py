@@ -32,7 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout too
 
-from bench.provenance import load_avg_1m, provenance, write_results
+from bench.provenance import header_line, load_avg_1m, provenance, write_results
 from pte_instrument.accumulator import StepAccumulator, StepBatch
 
 SIZES = [1, 8, 64, 512, 4096, 8192]
@@ -204,12 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = write_results(report, "accumulator", args.out)
     m = report["machine"]
-    print(
-        f"machine: {m['hostname']} · {m['processor']} × {m['affinity_cpus'] or m['cpu_count']} · "
-        f"GPU: {m['gpu']} · torch {m['torch']} · triton {m['triton']} · {report['date']} · "
-        f"commit {report['git_commit']}{' (dirty)' if report['git_dirty'] else ''} · "
-        f"load {m['load_avg_1m']}→{report['load_avg_1m_end']}"
-    )
+    print(header_line(report, f"GPU: {m['gpu']}", f"torch {m['torch']}", f"triton {m['triton']}"))
     print_table(cases)
     print(f"wrote {out}")
     return 0

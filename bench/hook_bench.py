@@ -39,7 +39,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout too
 
-from bench.provenance import load_avg_1m, provenance, write_results
+from bench.provenance import header_line, load_avg_1m, provenance, write_results
 from pte_instrument.core.architecture import parse_shape
 from pte_instrument.core.cost import CostModel
 from pte_instrument.core.devices import resolve_device
@@ -181,13 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         "cases": [asdict(c) for c in cases],
     }
     out = write_results(report, "hook", args.out)
-    m = report["machine"]
-    print(
-        f"machine: {m['hostname']} · {m['processor']} × {m['affinity_cpus'] or m['cpu_count']} · "
-        f"numpy {m['numpy']} · {report['date']} · "
-        f"commit {report['git_commit']}{' (dirty)' if report['git_dirty'] else ''} · "
-        f"load {m['load_avg_1m']}→{report['load_avg_1m_end']}"
-    )
+    print(header_line(report, f"numpy {report['machine']['numpy']}"))
     print_table(cases)
     print(f"wrote {out}")
     return 0

@@ -149,3 +149,16 @@ def write_results(report: dict[str, Any], kind: str, out: Path | str | None = No
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2, default=str) + "\n")
     return path
+
+
+def header_line(report: dict[str, Any], *details: str) -> str:
+    """One printed line naming where and on what code a report's numbers were taken."""
+    m = report["machine"]
+    parts = [
+        f"machine: {m['hostname']} · {m['processor']} × {m['affinity_cpus'] or m['cpu_count']}",
+        *details,
+        report["date"],
+        f"commit {report['git_commit']}{' (dirty)' if report['git_dirty'] else ''}",
+        f"load {m['load_avg_1m']}→{report.get('load_avg_1m_end')}",
+    ]
+    return " · ".join(parts)
