@@ -65,7 +65,7 @@ class Runtime:
         )
         self.ledger_metrics = LedgerMetrics(self.metrics, self.sessions, self.pending)
         self.totals = ModelTotals()
-        self.efficiency = LiveEfficiency()
+        self.efficiency = LiveEfficiency(window=settings.feedback_window)
         self.cost_models: dict[tuple[str, int], CostModel] = {}
         self.api_keys: list[str] = []
         self.request_log = RequestLogWriter(settings.request_log) if settings.request_log else None

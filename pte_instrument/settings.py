@@ -26,6 +26,7 @@ class Settings:
     max_sessions: int = 5000
     session_idle_ttl_s: float = 3600.0
     max_turns: int = 64
+    feedback_window: int = 50_000
     otel: bool = False
     accumulator_backend: str = "auto"
     step_log: str | None = None
@@ -93,6 +94,7 @@ class Settings:
             max_sessions=count("PTE_MAX_SESSIONS", 5000),
             session_idle_ttl_s=positive("PTE_SESSION_IDLE_TTL_S") or 3600.0,
             max_turns=count("PTE_MAX_TURNS", 64),
+            feedback_window=count("PTE_FEEDBACK_WINDOW", 50_000),
             otel=flag("PTE_OTEL", otel_default) and not flag("OTEL_SDK_DISABLED", False),
             accumulator_backend=backend,
             step_log=(env.get("PTE_STEP_LOG") or "").strip() or None,

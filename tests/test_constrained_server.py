@@ -29,6 +29,7 @@ def constrained(tiny_model, tmp_path_factory):
         "VLLM_PLUGINS": "pte",
         "PTE_MAX_SESSIONS": str(MAX_SESSIONS),
         "PTE_MAX_TURNS": "4",
+        "PTE_FEEDBACK_WINDOW": "2",
     })  # fmt: skip
     try:
         yield vllm
@@ -118,3 +119,20 @@ def test_many_distinct_sessions_stay_capped_with_bounded_memory(constrained):
     growth_mb = (rss_after - rss_before) / 2**20
     print(f"API server RSS growth over 1500 distinct session ids: {growth_mb:.1f} MiB")
     assert growth_mb < 64
+
+
+def test_feedback_window_is_configurable(constrained):
+    client = httpx.Client(base_url=constrained.url, timeout=60)
+    ids = []
+    for _ in range(3):
+        before = sample(client, "pte_requests_total") or 0
+        body = {
+            "model": constrained.served_name,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 1,
+        }
+        ids.append(client.post("/v1/chat/completions", json=body).json()["id"])
+        assert wait_for(client, "pte_requests_total", before + 1) == before + 1
+    # PTE_FEEDBACK_WINDOW=2: the oldest of the three fell out of the window
+    assert client.post("/pte/feedback", json={"request_id": ids[0], "correct": True}).status_code == 404
+    assert client.post("/pte/feedback", json={"request_id": ids[2], "correct": True}).status_code == 200

@@ -32,3 +32,10 @@ def test_bad_values_fall_back_with_a_named_error():
     assert len(s.errors) == 3
     assert any("PTE_HOI='banana'" in e for e in s.errors)
     assert any("PTE_ENABLED='maybe'" in e for e in s.errors)
+
+
+def test_feedback_window():
+    assert Settings.from_env({}).feedback_window == 50_000
+    assert Settings.from_env({"PTE_FEEDBACK_WINDOW": "1000"}).feedback_window == 1000
+    bad = Settings.from_env({"PTE_FEEDBACK_WINDOW": "2.5"})
+    assert bad.feedback_window == 50_000 and "PTE_FEEDBACK_WINDOW='2.5'" in bad.errors[0]
