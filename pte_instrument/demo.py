@@ -7,6 +7,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -17,62 +18,46 @@ from .serving import VllmServer
 from .tinymodel import build_model
 from .workload import WorkloadConfig, run_workload
 
-
-def _request_table(records: list[dict]) -> Table:
-    t = Table(title="PTE per request (from the plugin's request log)")
-    for col in (
-        "request",
-        "session",
-        "turn",
-        "prompt",
-        "cached",
-        "output",
-        "PTE reference",
-        "PTE served",
-        "engine exact",
-        "PTE ideal",
-        "eviction tax",
-        "inference s",
-    ):
-        t.add_column(col, justify="right")
-    for r in records:
-        t.add_row(
-            r["request_id"][-8:],
-            str(r["session_id"] or "-"),
-            str(r["turn"] or "-"),
-            str(r["prompt_tokens"]),
-            str(r["cached_tokens"]),
-            str(r["output_tokens"]),
-            f"{r['pte_reference']:.1f}",
-            f"{r['pte_served']:.1f}",
-            "-" if r.get("engine_pte_served") is None else f"{r['engine_pte_served']:.1f}",
-            f"{r['pte_ideal']:.1f}",
-            f"{r['pte_eviction_tax']:.1f}",
-            f"{r['inference_s']:.3f}",
-        )
-    return t
+Column = tuple[str, Callable[[dict], str]]  # header, cell of a row
 
 
-def _session_table(sessions: list[dict]) -> Table:
-    t = Table(title="PTE per agent session (GET /pte/sessions)")
-    for col in (
-        "session",
-        "turns",
-        "prompt",
-        "cached",
-        "output",
-        "PTE served",
-        "PTE ideal",
-        "eviction tax",
-        "tool pause s",
-    ):
-        t.add_column(col, justify="right")
-    for s in sessions:
-        t.add_row(
-            s["session_id"], str(s["turns"]), str(int(s["prompt_tokens"])), str(int(s["cached_tokens"])),
-            str(int(s["output_tokens"])), f"{s['pte_served']:.1f}", f"{s['pte_ideal']:.1f}",
-            f"{s['pte_eviction_tax']:.1f}", f"{s['pause_s']:.2f}",
-        )  # fmt: skip
+def _dash(value: object, fmt: str = "") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+REQUEST_COLUMNS: tuple[Column, ...] = (
+    ("request", lambda r: r["request_id"][-8:]),
+    ("session", lambda r: _dash(r["session_id"])),
+    ("turn", lambda r: _dash(r["turn"])),
+    ("prompt", lambda r: str(r["prompt_tokens"])),
+    ("cached", lambda r: str(r["cached_tokens"])),
+    ("output", lambda r: str(r["output_tokens"])),
+    ("PTE reference", lambda r: f"{r['pte_reference']:.1f}"),
+    ("PTE served", lambda r: f"{r['pte_served']:.1f}"),
+    ("engine exact", lambda r: _dash(r.get("engine_pte_served"), ".1f")),
+    ("PTE ideal", lambda r: f"{r['pte_ideal']:.1f}"),
+    ("eviction tax", lambda r: f"{r['pte_eviction_tax']:.1f}"),
+    ("inference s", lambda r: f"{r['inference_s']:.3f}"),
+)
+SESSION_COLUMNS: tuple[Column, ...] = (
+    ("session", lambda s: s["session_id"]),
+    ("turns", lambda s: str(s["turns"])),
+    ("prompt", lambda s: str(int(s["prompt_tokens"]))),
+    ("cached", lambda s: str(int(s["cached_tokens"]))),
+    ("output", lambda s: str(int(s["output_tokens"]))),
+    ("PTE served", lambda s: f"{s['pte_served']:.1f}"),
+    ("PTE ideal", lambda s: f"{s['pte_ideal']:.1f}"),
+    ("eviction tax", lambda s: f"{s['pte_eviction_tax']:.1f}"),
+    ("tool pause s", lambda s: f"{s['pause_s']:.2f}"),
+)
+
+
+def _table(title: str, columns: tuple[Column, ...], rows: list[dict]) -> Table:
+    t = Table(title=title)
+    for header, _ in columns:
+        t.add_column(header, justify="right")
+    for row in rows:
+        t.add_row(*(cell(row) for _, cell in columns))
     return t
 
 
@@ -123,8 +108,8 @@ def run_demo(model_dir: str = "models/tiny", port: int = 0, sessions: int = 3, t
             metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
             session_rows = httpx.get(f"{server.url}/pte/sessions", timeout=10).json()["sessions"]
         records.sort(key=lambda r: (r["session_id"] or "", r["turn"] or 0))
-        console.print(_request_table(records))
-        console.print(_session_table(session_rows))
+        console.print(_table("PTE per request (from the plugin's request log)", REQUEST_COLUMNS, records))
+        console.print(_table("PTE per agent session (GET /pte/sessions)", SESSION_COLUMNS, session_rows))
         total = {
             k: sum(r[k] for r in records)
             for k in (
