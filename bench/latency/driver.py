@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from pte_instrument.workload import AgentSession, WorkloadConfig, random_words
+from pte_instrument.workload import AgentSession, TurnResult, WorkloadConfig, random_words
 
 
 @dataclass(frozen=True)
@@ -52,22 +52,15 @@ class DriverConfig:
 
 
 @dataclass
-class TurnRecord:
-    """One turn as the client saw it (the server's view is in the request log)."""
+class TurnRecord(TurnResult):
+    """One turn as the client saw it (the server's view is in the request log): the workload's
+    turn result plus the plan that shaped it and its wall-clock span."""
 
-    session_id: str
-    turn: int
-    request_id: str
-    prompt_tokens: int
-    cached_tokens: int
-    output_tokens: int
-    max_tokens: int
-    tool_words: int  # the tool result appended after this turn's output
-    tool_long: bool
-    finish_reason: str
-    latency_s: float
-    t_start: float
-    t_end: float
+    max_tokens: int = 0
+    tool_words: int = 0  # the tool result appended after this turn's output
+    tool_long: bool = False
+    t_start: float = 0.0
+    t_end: float = 0.0
     error: str | None = None
 
 
@@ -210,18 +203,17 @@ def run_phase(
             try:
                 r = session.step(client, model)
             except (httpx.HTTPError, KeyError, ValueError) as e:
-                rec = TurnRecord(sid, i + 1, "", 0, 0, 0, max_tokens, p.tool_words, p.tool_long, "error",
-                                 time.time() - t0, t0, time.time(), f"{type(e).__name__}: {e}")  # fmt: skip
-                with lock:
-                    records.append(rec)
-                bar.advance()
-                return
-            rec = TurnRecord(
-                sid, r.turn, r.request_id, r.prompt_tokens, r.cached_tokens, r.output_tokens, max_tokens,
-                p.tool_words, p.tool_long, r.finish_reason, r.latency_s, t0, time.time(),
-            )  # fmt: skip
+                r = TurnResult(sid, i + 1, "", 0, 0, 0, "error", time.time() - t0)
+                error = f"{type(e).__name__}: {e}"
+            else:
+                error = None
+            rec = TurnRecord(**asdict(r), max_tokens=max_tokens, tool_words=p.tool_words,
+                             tool_long=p.tool_long, t_start=t0, t_end=time.time(), error=error)  # fmt: skip
             with lock:
                 records.append(rec)
+            if error is not None:
+                bar.advance()
+                return
             if on_turn is not None:
                 on_turn(rec)
             bar.advance()
