@@ -39,6 +39,19 @@ def _warn_problems(command: str, problems: list[Any]) -> None:
         )
 
 
+def _write_plots(command: str, plot: Any, data: Any, out_dir: str) -> None:
+    """Write one command's plots, naming each file on stderr; a plotting problem (no
+    matplotlib) is bad input like any other."""
+    from .plots import PlotError
+
+    try:
+        paths = plot(data, out_dir)
+    except PlotError as e:
+        raise _InputError(str(e)) from None
+    for path in paths:
+        print(f"pte {command}: wrote {path}", file=sys.stderr)
+
+
 def _run(command: str, fn: Any, args: argparse.Namespace) -> int:
     try:
         return fn(args)
@@ -117,12 +130,10 @@ def _efficiency(args: argparse.Namespace) -> int:
     if pool is not None and args.workload != "solver":
         raise _InputError("--pool applies only with --workload solver")
     loaded = load_records(args.records, strict=args.strict)
-    records = loaded.records
     if args.request_log:
-        records, more = join_request_log(records, args.request_log)
+        loaded.records, more = join_request_log(loaded.records, args.request_log)
         loaded.problems += more
-        loaded.records = records
-    tables = build_tables(records)
+    tables = build_tables(loaded.records)
     if args.benchmark is not None:
         if args.benchmark not in tables:
             raise _InputError(
@@ -155,14 +166,9 @@ def _efficiency(args: argparse.Namespace) -> int:
     from .report import efficiency_json, efficiency_markdown
 
     if args.plots:
-        from .plots import PlotError, efficiency_plots
+        from .plots import efficiency_plots
 
-        try:
-            paths = efficiency_plots(results, args.plots)
-        except PlotError as e:
-            raise _InputError(str(e)) from None
-        for path in paths:
-            print(f"pte efficiency: wrote {path}", file=sys.stderr)
+        _write_plots("efficiency", efficiency_plots, results, args.plots)
     summary = loaded.summary()
     if args.json:
         settings = {
@@ -266,14 +272,9 @@ def _report(args: argparse.Namespace) -> int:
         "source": "--gamma" if args.gamma is not None else str(args.model_dir),
     }
     if args.plots:
-        from .plots import PlotError, trajectory_plots
+        from .plots import trajectory_plots
 
-        try:
-            paths = trajectory_plots(groups, args.plots)
-        except PlotError as e:
-            raise _InputError(str(e)) from None
-        for path in paths:
-            print(f"pte report: wrote {path}", file=sys.stderr)
+        _write_plots("report", trajectory_plots, groups, args.plots)
     if args.json:
         settings = {"variant": args.variant, "bootstrap": args.bootstrap, "seed": args.seed}
         _print_json(trajectory_json(groups, cost, loaded.summary(), settings))
