@@ -36,8 +36,8 @@ from .core.cost import CostModel
 from .kernels import reference as ref
 
 # Per-slot host state, one int64 array row each (slot-indexed, so a step is vectorized).
-HIGH_WATER, REJECTED, SCHED_END, SPEC, CACHED, PROMPT = range(6)
-N_STATE = 6
+HIGH_WATER, REJECTED, SCHED_END, SPEC, CACHED = range(5)
+N_STATE = 5
 JOURNAL_STEPS = 32  # steps journaled before one vectorized pass (SPEC: ≤ 1 % of throughput)
 _KEY_BITS = 32  # slot·2³² + end sorts rows by slot, then end (ends < 2³² tokens)
 
@@ -90,8 +90,8 @@ class EngineAccounting:
         )
         # high-water mark: most tokens ever validly computed (survives preemption);
         # rejected drafts not yet sent; c+n and drafts of the latest step; prefix-cache hits
-        # (computed tokens at first schedule); prompt length. Up to date for every step
-        # processed; the journal holds the rest.
+        # (computed tokens at first schedule). Up to date for every step processed; the
+        # journal holds the rest.
         self.state = np.zeros((N_STATE, self.acc.capacity), dtype=np.int64)
         self.roofline = np.zeros(self.acc.capacity)
         self._workspace = ref.Workspace()  # reused buffers: fresh large arrays cost page faults
@@ -114,7 +114,7 @@ class EngineAccounting:
     def live(self) -> int:
         return len(self.slot_of)
 
-    def _allocate(self, rids: list[str], first_c: list[int], prompts: list[int]) -> list[int]:
+    def _allocate(self, rids: list[str], first_c: list[int]) -> list[int]:
         """Slots of a step with new requests among it: a fresh slot each, its state zeroed
         (a freed slot is reused only after the journal was processed, at flush)."""
         slot_of, st, out = self.slot_of, self.state, []
@@ -128,7 +128,6 @@ class EngineAccounting:
                     self.roofline = np.concatenate([self.roofline, np.zeros(grow)])
                 st[:, s] = 0
                 st[CACHED, s] = first_c[j]
-                st[PROMPT, s] = prompts[j]
                 self._drafts.discard(s)
             out.append(s)
         return out
@@ -153,7 +152,7 @@ class EngineAccounting:
         try:
             slots = [slot_of[rid] for rid in rids]
         except KeyError:
-            slots = self._allocate(rids, c, prompt)
+            slots = self._allocate(rids, c)
         j = self._journal
         j.slots += slots
         j.c += c
