@@ -381,7 +381,8 @@ class EngineAccounting:
         self._process_now()
         done, self.finished = self.finished, []
         slots = np.array([slot for _, _, slot, _ in done if slot >= 0], dtype=np.int64)
-        rows = self.acc.read(slots) if len(slots) else np.zeros((0, self.acc.n_columns))
+        rows = self.acc.read(slots)
+        served = ref.served_pte(rows, self.gammas)
         cols = self.acc.columns
         messages, k = [], 0
         for rid, reason, slot, counts in done:
@@ -389,14 +390,12 @@ class EngineAccounting:
                                    "finish_reason": reason, **counts, "engine_live": self.live,
                                    "engine_steps": self.steps, "engine_hook_s": self.hook_s}  # fmt: skip
             if slot >= 0:
-                row = rows[k]
+                row, pte_served = rows[k], served[k]
                 k += 1
                 msg.update({c: float(v) for c, v in zip(cols, row, strict=True)})
-                msg["rejected_tokens"] += float(
-                    self.state[REJECTED, slot]
-                )  # drafts rejected in the final step
+                msg["rejected_tokens"] += float(self.state[REJECTED, slot])  # rejected in the final step
                 msg["cached_tokens"] = int(self.state[CACHED, slot])
-                msg["pte_served"] = float(row[ref.PREFILL] + self.gammas @ row[ref.CTX0 :])
+                msg["pte_served"] = float(pte_served)
                 msg["pte_recompute"] = float(row[ref.RECOMPUTE])
                 msg["pte_roofline"] = float(self.roofline[slot])
                 self.roofline[slot] = 0.0
@@ -404,8 +403,7 @@ class EngineAccounting:
                 msg.update(dict.fromkeys(cols, 0.0))
                 msg.update(cached_tokens=0, pte_served=0.0, pte_recompute=0.0, pte_roofline=0.0)
             messages.append(msg)
-        if len(slots):
-            self.acc.release(slots)
+        self.acc.release(slots)
         self.send(messages)
         if self._log is not None:
             self._log.flush()  # step lines reach the file at least as often as requests finish
