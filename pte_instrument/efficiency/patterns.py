@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from ..core.cost import CostModel, TurnCost, price_turn, session_turns
-from .records import Problem, RecordError
+from .records import Problem, RecordError, drop_duplicates
 from .stats import DEFAULT_BOOTSTRAP, Estimate, interval, spearman
 
 PATTERNS = (
@@ -224,23 +224,8 @@ def load_trajectories(path: str | Path, strict: bool = False) -> TrajectoryLoad:
                     _s(soft.get("id")),
                 )
             )
-    copies: dict[tuple[str, str, str], list[Trajectory]] = defaultdict(list)
-    for t in trajs:
-        copies[(t.model, t.task, t.id)].append(t)
-    dup = {k for k, v in copies.items() if len(v) > 1}
-    for k in sorted(dup):
-        for t in copies[k]:
-            others = ", ".join(o.where for o in copies[k] if o is not t)
-            problems.append(
-                Problem(
-                    t.where,
-                    f"duplicate trajectory id within model+task (also at {others})",
-                    t.model,
-                    t.task,
-                    t.id,
-                )
-            )
-    trajs = [t for t in trajs if (t.model, t.task, t.id) not in dup]
+    trajs, dups = drop_duplicates(trajs, lambda t: (t.model, t.task, t.id), "trajectory id within model+task")
+    problems += dups
     if strict and problems:
         raise RecordError(f"{len(problems)} bad trajectory record(s); first: {problems[0].describe(False)}")
     if not trajs:

@@ -365,32 +365,30 @@ def _soft(row: Mapping[str, Any], name: str) -> str | None:
         return None
 
 
+def drop_duplicates(items: Iterable[Any], key: Any, what: str) -> tuple[list[Any], list[Problem]]:
+    """Drop every copy of an item whose ``key`` (model, benchmark, id) repeats — choosing
+    one would be arbitrary — and list each copy, naming where the others are."""
+    items = list(items)
+    copies: dict[tuple[str, str, str], list[Any]] = defaultdict(list)
+    for it in items:
+        copies[key(it)].append(it)
+    problems = [
+        Problem(it.where, f"duplicate {what} (also at {', '.join(o.where for o in rows if o is not it)})", *k)
+        for k, rows in sorted(copies.items())
+        if len(rows) > 1
+        for it in rows
+    ]
+    return [it for it in items if len(copies[key(it)]) == 1], problems
+
+
 def check_consistency(records: Iterable[EvalRecord]) -> tuple[list[EvalRecord], list[Problem]]:
     """Rules across rows: an instance appears once per model and benchmark (every copy of a
     duplicate is dropped — choosing one would be arbitrary), and a native workload is a
     property of the instance (rows that disagree keep their answers, but the instance's
     workload becomes unknown)."""
-    records = list(records)
-    problems: list[Problem] = []
-    copies: dict[tuple[str, str, str], list[EvalRecord]] = defaultdict(list)
-    for r in records:
-        copies[(r.model, r.benchmark, r.instance_id)].append(r)
-    dup = {k for k, v in copies.items() if len(v) > 1}
-    if dup:
-        for k in sorted(dup):
-            rows = copies[k]
-            for r in rows:
-                others = ", ".join(o.where for o in rows if o is not r)
-                problems.append(
-                    Problem(
-                        r.where,
-                        f"duplicate instance id within model+benchmark (also at {others})",
-                        r.model,
-                        r.benchmark,
-                        r.instance_id,
-                    )
-                )
-        records = [r for r in records if (r.model, r.benchmark, r.instance_id) not in dup]
+    records, problems = drop_duplicates(
+        records, lambda r: (r.model, r.benchmark, r.instance_id), "instance id within model+benchmark"
+    )
 
     workloads: dict[tuple[str, str], set[float]] = defaultdict(set)
     for r in records:
