@@ -61,8 +61,3 @@ def families() -> list[Family]:
                 )
             )
     return sorted(out, key=lambda f: f.name)
-
-
-def sample_names() -> set[str]:
-    """All sample names the plugin can expose."""
-    return {s for f in families() for s in f.samples}
