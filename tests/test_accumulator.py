@@ -434,6 +434,19 @@ def test_numpy_backend_needs_neither_torch_nor_triton() -> None:
 # --- no host synchronisation in update() ------------------------------------------------
 
 
+def random_batches(
+    rng: np.random.Generator, slots: np.ndarray, sizes: tuple[int, ...], tokens: int, scheduled: int
+) -> list[StepBatch]:
+    """One random batch per size over ``slots``: c and P below ``tokens``, n below
+    ``scheduled``, H = c."""
+    batches = []
+    for size in sizes:
+        slot, c = rng.choice(slots, size), rng.integers(0, tokens, size)
+        n, P = rng.integers(0, scheduled, size), rng.integers(1, tokens, size)
+        batches.append(StepBatch.from_arrays(slot, c, n, P, H=c))
+    return batches
+
+
 @pytest.mark.skipif(not HAS_TORCH, reason="torch not installed")
 def test_torch_cpu_update_reads_nothing_back(monkeypatch, seed: int) -> None:
     """Any device→host read in update() would be a sync on CUDA: on CPU, make every
@@ -442,18 +455,7 @@ def test_torch_cpu_update_reads_nothing_back(monkeypatch, seed: int) -> None:
     rng = np.random.default_rng(seed)
     acc = StepAccumulator((None, 16), capacity=64, backend="torch", device="cpu")
     slots = acc.allocate_many(64)
-    batches = [StepBatch.zeros(0)]
-    for size in (1, 17, 300):
-        c = rng.integers(0, 100, size)
-        batches.append(
-            StepBatch.from_arrays(
-                slot=rng.choice(slots, size),
-                c=c,
-                n=rng.integers(0, 50, size),
-                P=rng.integers(1, 100, size),
-                H=c,
-            )
-        )
+    batches = random_batches(rng, slots, (0, 1, 17, 300), tokens=100, scheduled=50)
 
     def forbidden(*_a, **_k):
         raise AssertionError("host read-back in update()")
@@ -487,18 +489,7 @@ def test_cuda_update_never_synchronises(backend: str, seed: int) -> None:
     rng = np.random.default_rng(seed)
     acc = StepAccumulator((None, 4096), capacity=512, backend=backend, device="cuda")
     slots = acc.allocate_many(512)
-    batches = []
-    for size in (0, 1, 64, 512, 8192):
-        c = rng.integers(0, 10_000, size)
-        batches.append(
-            StepBatch.from_arrays(
-                slot=rng.choice(slots, size),
-                c=c,
-                n=rng.integers(0, 500, size),
-                P=rng.integers(1, 10_000, size),
-                H=c,
-            )
-        )
+    batches = random_batches(rng, slots, (0, 1, 64, 512, 8192), tokens=10_000, scheduled=500)
     for b in batches:  # warm-up: Triton compiles, the pinned pool fills
         acc.update(b)
     torch.cuda.synchronize()
