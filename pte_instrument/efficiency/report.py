@@ -9,6 +9,7 @@ from typing import Any
 
 from .patterns import PATTERNS, GroupReport
 from .stats import BenchmarkResult, Estimate, Signature, SolverResult, ViewResult
+from .stats import finite_or_none as _num
 
 EFFICIENCY_SCHEMA = "pte-efficiency/1"
 TRAJECTORY_SCHEMA = "pte-trajectory-report/1"
@@ -52,10 +53,6 @@ QUANTITY_LABELS = {
     "vo_sig": "V̄O_sig",
     "kappa_sig": "κ_sig",
 }
-
-
-def _num(x: float | None) -> float | None:
-    return float(x) if x is not None and math.isfinite(x) else None
 
 
 # =========================================================================== JSON
@@ -115,7 +112,7 @@ def _signature_json(s: Signature) -> dict[str, Any]:
         "label": s.label,
         "view": s.view,
         "term": s.term,
-        "value": None if s.value is None else _num(s.value),
+        "value": _num(s.value),
         "significant": s.significant,
     }
 
@@ -202,7 +199,7 @@ def fmt(x: float | None, digits: int = 4) -> str:
         return "∞" if x > 0 else "−∞"
     if x == 0:
         return "0"  # never "-0"
-    if x != 0 and (abs(x) >= 1e5 or abs(x) < 1e-3):
+    if abs(x) >= 1e5 or abs(x) < 1e-3:
         return f"{x:.{digits - 1}e}"
     return f"{x:.{digits}g}"
 

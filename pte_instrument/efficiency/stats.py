@@ -194,10 +194,12 @@ class Estimate:
     high: float = math.nan
 
     def to_dict(self) -> dict[str, float | None]:
-        return {"value": _finite(self.value), "low": _finite(self.low), "high": _finite(self.high)}
+        v, lo, hi = self.value, self.low, self.high
+        return {"value": finite_or_none(v), "low": finite_or_none(lo), "high": finite_or_none(hi)}
 
 
-def _finite(x: float) -> float | None:
+def finite_or_none(x: float | None) -> float | None:
+    """A number for JSON: undefined (None, NaN, ±inf) is None."""
     return float(x) if x is not None and math.isfinite(x) else None
 
 
