@@ -301,38 +301,19 @@ SUMS = (
     "ovl",
 )
 
+_OUTCOME_QUANTITIES = ("n", "accuracy", "e0", "mean_tokens", "r_ctx", "r_logic")  # every view has these
 VIEW_QUANTITIES: dict[str, tuple[str, ...]] = {
     "outcome": (
-        "n",
-        "accuracy",
-        "e0",
-        "mean_tokens",
-        "r_ctx",
-        "r_logic",
+        *_OUTCOME_QUANTITIES,
         "pte_per_correct",
         "mean_pte",
         "loop_repeat",
         "loop_prompt_overlap",
         "n_truncated_traces",
     ),
-    "workload": (
-        "n",
-        "accuracy",
-        "e0",
-        "mean_tokens",
-        "r_ctx",
-        "r_logic",
-        "mean_workload",
-        "vo",
-        "kappa",
-    ),
+    "workload": (*_OUTCOME_QUANTITIES, "mean_workload", "vo", "kappa"),
     "trace": (
-        "n",
-        "accuracy",
-        "e0",
-        "mean_tokens",
-        "r_ctx",
-        "r_logic",
+        *_OUTCOME_QUANTITIES,
         "q_trace",
         "mean_signal_tokens",
         "mean_workload",
@@ -500,11 +481,14 @@ def _rng(seed: int, benchmark: str, stream: int) -> np.random.Generator:
 # =========================================================================== solver workload
 
 
+def pooled_e0(table: EvalTable) -> np.ndarray:
+    """E0 per model over its own instances (absent cells hold 0)."""
+    return 1000.0 * table.correct.sum(axis=1) / table.tokens.sum(axis=1)
+
+
 def reference_order(table: EvalTable, pool: Sequence[int]) -> list[int]:
     """Pool model indices by E0 (each over its own instances), best first; ties by name."""
-    s = (table.correct * table.present).sum(axis=1)
-    t = table.tokens.sum(axis=1)
-    e0 = 1000.0 * s / t
+    e0 = pooled_e0(table)
     return sorted(pool, key=lambda m: (-e0[m], table.models[m]))
 
 
@@ -835,8 +819,7 @@ def _solver_result(
         return _estimates(p[key], None if b is None else b[key][:, None])[0]
 
     share_est = _estimates(p["shares"][0], None if b is None else b["shares"])
-    s = table.correct.sum(axis=1)
-    e0 = 1000.0 * s / table.tokens.sum(axis=1)
+    e0 = pooled_e0(table)
     audits = solver_audits(table, order, p["shares"][0], n_splits, _rng(seed, table.benchmark, 1))
     return SolverResult(
         ordering=tuple((table.models[m], float(e0[m])) for m in order),
