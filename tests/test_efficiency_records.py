@@ -60,133 +60,34 @@ def test_good_rows_and_aliases(tmp_path):
     assert a1.where.endswith("r.jsonl:1") and b1.where.endswith("r.jsonl:3")
 
 
+def bad(*missing, **fields):
+    """A row for instance 9 of model A: ``fields`` over a valid base, ``missing`` left out."""
+    row = {
+        "model": "A",
+        "benchmark": "b",
+        "instance_id": "9",
+        "correct": False,
+        "output_tokens": 5,
+        "truncated": False,
+        **fields,
+    }
+    return {k: v for k, v in row.items() if k not in missing}
+
+
 BAD = [
-    (
-        {"benchmark": "b", "instance_id": "9", "correct": True, "output_tokens": 1, "truncated": False},
-        "missing field 'model'",
-    ),
-    (
-        {"model": "A", "benchmark": "b", "instance_id": "9", "output_tokens": 1, "truncated": False},
-        "missing field 'correct'",
-    ),
-    (
-        {"model": "A", "benchmark": "b", "instance_id": "9", "correct": True, "output_tokens": 1},
-        "missing field 'truncated'",
-    ),
-    (
-        {
-            "model": "A",
-            "benchmark": "b",
-            "instance_id": "9",
-            "correct": False,
-            "output_tokens": 0,
-            "truncated": False,
-        },
-        "output_tokens must be > 0",
-    ),
-    (
-        {
-            "model": "A",
-            "benchmark": "b",
-            "instance_id": "9",
-            "correct": False,
-            "output_tokens": -3,
-            "truncated": False,
-        },
-        "output_tokens must be > 0",
-    ),
-    (
-        {
-            "model": "A",
-            "benchmark": "b",
-            "instance_id": "9",
-            "correct": False,
-            "output_tokens": 2.5,
-            "truncated": False,
-        },
-        "must be an integer",
-    ),
-    (
-        {
-            "model": "A",
-            "benchmark": "b",
-            "instance_id": "9",
-            "correct": False,
-            "output_tokens": float("nan"),
-            "truncated": False,
-        },
-        "output_tokens is NaN",
-    ),
-    (
-        {
-            "model": "A",
-            "benchmark": "b",
-            "instance_id": "9",
-            "correct": False,
-            "output_tokens": 5,
-            "truncated": False,
-            "workload": float("nan"),
-        },
-        "workload is NaN",
-    ),
-    (
-        {
-            "model": "A",
-            "benchmark": "b",
-            "instance_id": "9",
-            "correct": False,
-            "output_tokens": 5,
-            "truncated": False,
-            "workload": 0,
-        },
-        "workload must be > 0",
-    ),
-    (
-        {
-            "model": "A",
-            "benchmark": "b",
-            "instance_id": "9",
-            "correct": True,
-            "output_tokens": 5,
-            "finish_reason": "length",
-        },
-        "correct but truncated",
-    ),
-    (
-        {
-            "model": "A",
-            "benchmark": "b",
-            "instance_id": "9",
-            "correct": False,
-            "output_tokens": 5,
-            "truncated": False,
-            "finish_reason": "length",
-        },
-        "contradicts finish_reason",
-    ),
-    (
-        {
-            "model": "A",
-            "benchmark": "b",
-            "instance_id": "9",
-            "correct": "maybe",
-            "output_tokens": 5,
-            "truncated": False,
-        },
-        "correct must be true/false",
-    ),
-    (
-        {
-            "model": "A",
-            "benchmark": "b",
-            "instance_id": "9",
-            "correct": False,
-            "output_tokens": 5,
-            "truncated": False,
-            "pte_served": -1,
-        },
-        "pte_served must be >= 0",
-    ),
+    (bad("model", correct=True, output_tokens=1), "missing field 'model'"),
+    (bad("correct", output_tokens=1), "missing field 'correct'"),
+    (bad("truncated", correct=True, output_tokens=1), "missing field 'truncated'"),
+    (bad(output_tokens=0), "output_tokens must be > 0"),
+    (bad(output_tokens=-3), "output_tokens must be > 0"),
+    (bad(output_tokens=2.5), "must be an integer"),
+    (bad(output_tokens=float("nan")), "output_tokens is NaN"),
+    (bad(workload=float("nan")), "workload is NaN"),
+    (bad(workload=0), "workload must be > 0"),
+    (bad("truncated", correct=True, finish_reason="length"), "correct but truncated"),
+    (bad(finish_reason="length"), "contradicts finish_reason"),
+    (bad(correct="maybe"), "correct must be true/false"),
+    (bad(pte_served=-1), "pte_served must be >= 0"),
 ]
 
 

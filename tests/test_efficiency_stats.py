@@ -3,7 +3,6 @@
 
 import math
 import zlib
-from fractions import Fraction as F
 
 import numpy as np
 import pytest
@@ -527,9 +526,3 @@ def test_diagnostic_signatures_on_planted_models():
 def test_unknown_reference_is_a_clear_error():
     with pytest.raises(stats.AnalysisError, match="'nobody' not in benchmark"):
         analyze(hand_table(), "nobody", n_boot=0)
-
-
-def test_fractions_used_above_are_consistent():
-    # guard the hand arithmetic itself: E[T_sig]_B / (E[W]·V̄O_sig,B) = 1024/1635
-    assert F(80) / (F(75, 2) * F(109, 32)) == F(1024, 1635)
-    assert F(625, 4) / (F(75, 2) * F(65, 16)) == F(40, 39)
