@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import CTX0, DECODE_TOKENS, N_FIELDS, PREFILL, RECOMPUTE, REJECTED_TOKENS
+from .reference import CTX0, DECODE_TOKENS, N_FIELDS, PREFILL, RECOMPUTE, REJECTED_TOKENS, n_columns
 from .reference import SPEC_TOKENS as SPEC_COL
 
 __all__ = ["accumulate_triton", "compile_for_target"]
@@ -189,7 +189,7 @@ def compile_for_target(n_groups: int = 1, arch: int = 90, block: int = BLOCK_CUD
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    ncol = 5 + n_groups
+    ncol = n_columns(n_groups)
     signature = {
         "packed_ptr": "*i64",
         "B": "i32",
