@@ -23,8 +23,9 @@ class UsageError(Exception):
     """Bad input from the user: reported in one line, never as a traceback."""
 
 
-def _print_json(data: Any) -> None:
-    print(json.dumps(data, indent=2, sort_keys=True))
+def print_json(data: Any) -> None:
+    # allow_nan=False: every command turns undefined numbers into null; a NaN here is a bug
+    print(json.dumps(data, indent=2, sort_keys=True, allow_nan=False))
 
 
 def _table(title: str, columns: list[str], rows: list[list[Any]]) -> Table:
@@ -45,7 +46,7 @@ def cmd_gamma(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     info = model.describe()
     if args.json:
-        _print_json(info)
+        print_json(info)
         return 0
     rows = [
         ["gamma", f"{info['gamma']:.6g}"],
@@ -87,7 +88,7 @@ def cmd_devices(args: argparse.Namespace) -> int:
         for p in profiles
     ]
     if args.json:
-        _print_json(data)
+        print_json(data)
         return 0
     rows = [
         [

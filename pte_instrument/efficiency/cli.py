@@ -5,28 +5,22 @@ exit code 2, never a traceback. Human output is markdown; ``--json`` is stable J
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from typing import Any
 
+from ..cli import EXIT_BAD_INPUT, print_json
 from ..core.architecture import ArchitectureError, KVGroup, ModelShape, load_config, parse_shape
 from ..core.cost import CostModel
 from ..core.devices import DeviceProfile, UnknownDeviceError, resolve_device
 from .records import RecordError, build_tables, join_request_log, load_records
 from .stats import DEFAULT_BOOTSTRAP, DEFAULT_SPLITS, AnalysisError, analyze
 
-EXIT_BAD_INPUT = 2
 MAX_WARNINGS = 20
 
 
 class _InputError(Exception):
     pass
-
-
-def _print_json(data: Any) -> None:
-    # allow_nan=False: the report code turns undefined numbers into null; a NaN here is a bug
-    print(json.dumps(data, indent=2, sort_keys=True, allow_nan=False))
 
 
 def _warn_problems(command: str, problems: list[Any]) -> None:
@@ -181,7 +175,7 @@ def _efficiency(args: argparse.Namespace) -> int:
             "benchmark": args.benchmark,
             "interval_percentiles": [2.5, 97.5],
         }
-        _print_json(efficiency_json(results, summary, settings))
+        print_json(efficiency_json(results, summary, settings))
     else:
         sys.stdout.write(efficiency_markdown(results, summary))
     return 0
@@ -277,7 +271,7 @@ def _report(args: argparse.Namespace) -> int:
         _write_plots("report", trajectory_plots, groups, args.plots)
     if args.json:
         settings = {"variant": args.variant, "bootstrap": args.bootstrap, "seed": args.seed}
-        _print_json(trajectory_json(groups, cost, loaded.summary(), settings))
+        print_json(trajectory_json(groups, cost, loaded.summary(), settings))
     else:
         sys.stdout.write(trajectory_markdown(groups, cost, loaded.summary(), args.variant))
     return 0
