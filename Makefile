@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 models/tiny/config.json: $(STAMP)
-	$(BIN)/python -m pte_instrument.tinymodel models/tiny
+	$(BIN)/python -m pte_instrument.devtools.tinymodel models/tiny
 
 demo: $(STAMP) models/tiny/config.json
 	$(BIN)/pte demo

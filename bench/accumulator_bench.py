@@ -33,7 +33,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout too
 
 from bench.provenance import header_line, load_avg_1m, provenance, write_results
-from pte_instrument.accumulator import StepAccumulator, StepBatch
+from pte_instrument.engine.accumulator import StepAccumulator, StepBatch
 
 SIZES = [1, 8, 64, 512, 4096, 8192]
 INTERP_MAX_SIZE = 64

@@ -70,7 +70,7 @@ step cuda_vs_reference 120 "$PY" - <<'EOF'
 import secrets
 import numpy as np
 import torch
-from pte_instrument.accumulator import StepAccumulator, StepBatch
+from pte_instrument.engine.accumulator import StepAccumulator, StepBatch
 seed = secrets.randbits(63)
 rng = np.random.default_rng(seed)
 for backend in ("triton", "torch"):
@@ -114,7 +114,7 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from pte_instrument.accumulator import StepAccumulator, StepBatch
+from pte_instrument.engine.accumulator import StepAccumulator, StepBatch
 
 out = sys.argv[1]
 rng = np.random.default_rng(0)

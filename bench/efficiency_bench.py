@@ -25,9 +25,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout too
 
 from bench.provenance import load_avg_1m, provenance, write_results
-from pte_instrument.efficiency.records import build_tables, load_records
-from pte_instrument.efficiency.report import efficiency_json
-from pte_instrument.efficiency.stats import analyze
+from pte_instrument.offline.decomposition import analyze
+from pte_instrument.offline.records import build_tables, load_records
+from pte_instrument.offline.report import efficiency_json
 
 WORDS = np.array("the of so we let check sum then value answer step thus is x y z".split())
 

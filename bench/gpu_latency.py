@@ -287,9 +287,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.latency.calibrate import explain_shares, measure_host_profile
     from bench.provenance import load_avg_1m, provenance, results_path, write_results
-    from pte_instrument.core.architecture import parse_shape
-    from pte_instrument.core.cost import CostModel
-    from pte_instrument.core.devices import PROFILES, detect_local_gpu, measure_profile, resolve_device
+    from pte_instrument.cost.architecture import parse_shape
+    from pte_instrument.cost.devices import PROFILES, detect_local_gpu, measure_profile, resolve_device
+    from pte_instrument.cost.model import CostModel
 
     t_begin = time.time()
     prov = provenance()  # after importing torch: it records the GPU

@@ -40,10 +40,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout too
 
 from bench.provenance import header_line, load_avg_1m, provenance, write_results
-from pte_instrument.core.architecture import parse_shape
-from pte_instrument.core.cost import CostModel
-from pte_instrument.core.devices import resolve_device
-from pte_instrument.engine_accounting import EngineAccounting
+from pte_instrument.cost.architecture import parse_shape
+from pte_instrument.cost.devices import resolve_device
+from pte_instrument.cost.model import CostModel
+from pte_instrument.engine.accounting import EngineAccounting
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = [1, 8, 64, 256]

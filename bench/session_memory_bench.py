@@ -23,8 +23,8 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # python bench/….py too
 
 from bench.provenance import load_avg_1m, provenance, results_path, write_results
-from pte_instrument.serving import VllmServer
-from pte_instrument.tinymodel import build_model
+from pte_instrument.devtools.serving import VllmServer
+from pte_instrument.devtools.tinymodel import build_model
 
 ROOT = Path(__file__).resolve().parent.parent
 

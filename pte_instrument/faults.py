@@ -12,6 +12,17 @@ from collections.abc import Callable
 log = logging.getLogger("pte_instrument")
 
 
+def install_log_handler() -> None:
+    """Give the plugin's logger a handler of its own: vLLM configures only its own loggers.
+    Called by the entry points when vLLM loads them, never at import."""
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [pte-instrument] %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
 class FaultTracker:
     """Counts faults per stage; logs the first with its traceback, then at most one line
     per stage every ``log_interval_s`` so a persistent fault cannot flood the log."""

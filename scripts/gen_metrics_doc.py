@@ -1,5 +1,5 @@
 """Write docs/metrics.md, the metrics reference, from the metric families in the code
-(``pte_instrument.exporters.catalog``), so it cannot drift: tests/test_metrics_doc.py
+(``pte_instrument.server.exporters.catalog``), so it cannot drift: tests/test_metrics_doc.py
 regenerates it and compares.
 
     python scripts/gen_metrics_doc.py           # rewrite docs/metrics.md
@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from pte_instrument.exporters.catalog import Family, families
+from pte_instrument.server.exporters.catalog import Family, families
 
 OUTPUT = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
 

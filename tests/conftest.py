@@ -21,13 +21,13 @@ TINY_MODEL = ROOT / "models" / "tiny"
 
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
-    from pte_instrument.tinymodel import build_model
+    from pte_instrument.devtools.tinymodel import build_model
 
     return build_model(TINY_MODEL, "tiny", seed=0)
 
 
 def start_server(tiny_model: Path, workdir: Path, env: dict[str, str], extra_args: list[str] | None = None):
-    from pte_instrument.serving import VllmServer
+    from pte_instrument.devtools.serving import VllmServer
 
     return VllmServer(
         tiny_model,

@@ -10,9 +10,8 @@ import re
 import pytest
 
 from grafana.panels import PANELS, QUERIES, VARIABLES
-from pte_instrument.exporters.catalog import Family, families
-
-from .conftest import ROOT
+from pte_instrument.server.exporters.catalog import Family, families
+from tests.conftest import ROOT
 
 DASHBOARD = ROOT / "grafana" / "dashboards" / "pte-instrument.json"
 METRIC = re.compile(r"\bpte_[a-z0-9_]+\b")

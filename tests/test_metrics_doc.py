@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 
-from pte_instrument.exporters.catalog import families
-
-from .conftest import ROOT
+from pte_instrument.server.exporters.catalog import families
+from tests.conftest import ROOT
 
 
 def load_generator():

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from pte_instrument.core.devices import DeviceProfile
+from pte_instrument.cost.devices import DeviceProfile
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Tool-integrated-reasoning agent sessions for the latency bench, against any
 OpenAI-compatible server that has ``/tokenize`` and ``/v1/completions`` (vLLM does).
 
-Built on ``pte_instrument.workload.AgentSession`` (token-id prompts, exact prefixes across
+Built on ``pte_instrument.devtools.workload.AgentSession`` (token-id prompts, exact prefixes across
 turns, ``X-Session-Id``), by composition: before each turn the session gets a per-turn
 config with that turn's reasoning length and tool-result length.
 
@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from pte_instrument.workload import AgentSession, TurnResult, WorkloadConfig, random_words
+from pte_instrument.devtools.workload import AgentSession, TurnResult, WorkloadConfig, random_words
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from pte_instrument.core.devices import DEFAULT_DEVICE, PROFILES, DeviceProfile
+from pte_instrument.cost.devices import DEFAULT_DEVICE, PROFILES, DeviceProfile
 
 from . import analysis as A
 from .calibrate import TERM_LABELS, Calibration, calibrate_requests, calibrate_steps, explain_shares

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.provenance import hostname, load_avg_1m, provenance
-from pte_instrument.core.devices import DeviceProfile
+from pte_instrument.cost.devices import DeviceProfile
 
 from .calibrate import measure_host_profile
 from .driver import DriverConfig, run_phase
@@ -218,8 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     meta: dict[str, Any] = {**provenance(), "config": cfg, "notes": notes}
     say = print
 
-    from pte_instrument.serving import VllmServer
-    from pte_instrument.tinymodel import build_model
+    from pte_instrument.devtools.serving import VllmServer
+    from pte_instrument.devtools.tinymodel import build_model
 
     say(f"[latency] building/checking the {cfg['model_preset']} model in {cfg['model_dir']} …", flush=True)
     build_model(cfg["model_dir"], cfg["model_preset"], seed=0)

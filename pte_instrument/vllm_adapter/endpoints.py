@@ -21,10 +21,10 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..core.live_efficiency import FeedbackError
-from ..failpoints import failpoint
-from ..runtime import Runtime, get_runtime
-from ..session_ids import RequestTag, validate_session_id
+from pte_instrument.failpoints import failpoint
+from pte_instrument.server.live_efficiency import FeedbackError
+from pte_instrument.server.request_tags import RequestTag, validate_session_id
+from pte_instrument.server.runtime import Runtime, get_runtime
 
 # Paths whose requests reach the engine and so finish in the stat logger.
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")

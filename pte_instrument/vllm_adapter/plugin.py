@@ -6,6 +6,6 @@ from __future__ import annotations
 
 
 def register() -> None:
-    from ..transport import ensure_address
+    from pte_instrument.transport import ensure_address
 
     ensure_address()

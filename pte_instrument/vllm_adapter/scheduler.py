@@ -10,7 +10,6 @@ hook that keeps failing switches itself off.
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from collections import defaultdict
@@ -19,21 +18,14 @@ from typing import Any
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from ..engine_accounting import EngineAccounting
-from ..failpoints import failpoint
-from ..faults import FaultTracker
-from ..settings import Settings
-from ..transport import ADDRESS_ENV, Sender
-from .stat_logger import cost_model_from_vllm
+from pte_instrument.engine.accounting import EngineAccounting
+from pte_instrument.failpoints import failpoint
+from pte_instrument.faults import FaultTracker, install_log_handler, log
+from pte_instrument.settings import Settings
+from pte_instrument.transport import ADDRESS_ENV, Sender
+from pte_instrument.vllm_adapter import compat
 
-log = logging.getLogger("pte_instrument")
 MAX_FAULTS = 100  # then the hook turns itself off, with one log line
-
-
-def external_request_id(internal: str) -> str:
-    """vLLM's engine names a request ``<external id>-<8 random hex>``."""
-    head, dash, tail = internal.rpartition("-")
-    return head if dash and len(tail) == 8 and all(ch in "0123456789abcdef" for ch in tail) else internal
 
 
 class _PteHook:
@@ -41,6 +33,7 @@ class _PteHook:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        install_log_handler()
         self._pte: EngineAccounting | None = None
         self._pte_faults = FaultTracker()
         try:
@@ -53,23 +46,20 @@ class _PteHook:
                 )
                 return
             cfg = self.vllm_config  # type: ignore[attr-defined]
-            # vLLM resets data_parallel_rank to 0 in non-MoE DP engines; the index stays
-            pc = cfg.parallel_config
-            engine = int(getattr(pc, "data_parallel_index", None) or pc.data_parallel_rank or 0)
+            engine = compat.engine_index(cfg)
             self._pte_sender = Sender(address)
             self._pte = EngineAccounting(
-                cost_model_from_vllm(cfg, settings),
+                compat.cost_model_from_vllm(cfg, settings),
                 self._pte_send,
                 engine=engine,
                 backend=settings.accumulator_backend,
                 step_log=settings.step_log,
-                external_id=external_request_id,
-                weight_bytes=float(cfg.model_config.dtype.itemsize),
+                external_id=compat.external_request_id,
+                weight_bytes=compat.weight_bytes(cfg),
             )
             self._pte_faults_sent: dict[str, int] = {}
             # every API server learns that this engine's totals will come
-            api_servers = max(1, int(getattr(cfg.parallel_config, "_api_process_count", 1) or 1))
-            for api_server in range(api_servers):
+            for api_server in range(compat.api_server_count(cfg)):
                 self._pte_sender.send([{"hello": True, "engine": engine}], api_server)
             log.info(
                 "pte-instrument engine hook active (engine %d, %s accumulator)", engine, self._pte.acc.backend

@@ -13,14 +13,15 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from pte_instrument.vllm_adapter import compat
+
 
 def main(argv: Sequence[str] | None = None) -> None:
     from vllm.entrypoints.cli.serve import ServeSubcommand
-    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
     from vllm.logger import configure_logging_from_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    cli_env_setup()
+    compat.cli_env_setup()
     parser = FlexibleArgumentParser(prog="vllm")
     command = ServeSubcommand()
     command.subparser_init(parser.add_subparsers(dest="subparser"))

@@ -8,7 +8,6 @@ indexes as the ``engine`` label). Nothing here may raise into vLLM: a fault is c
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import OrderedDict
 from dataclasses import replace
@@ -18,41 +17,14 @@ from vllm.config import VllmConfig
 from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 from vllm.v1.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
 
-from ..accountant import Accountant
-from ..core.architecture import parse_shape
-from ..core.cost import CostModel
-from ..core.devices import resolve_device
-from ..core.ledger import FinishedRequest
-from ..runtime import get_runtime
-from ..settings import Settings
+from pte_instrument.faults import install_log_handler, log
+from pte_instrument.server.accountant import Accountant
+from pte_instrument.server.ledger import FinishedRequest
+from pte_instrument.server.runtime import get_runtime
+from pte_instrument.vllm_adapter import compat
 
-log = logging.getLogger("pte_instrument")
 ENGINE_JOIN_TIMEOUT_S = 2.0
 ORPHAN_AFTER_S = 5.0  # engine results unclaimed this long are requests the stat logger never saw
-if not log.handlers:  # vLLM configures only its own loggers
-    _handler = logging.StreamHandler()
-    _handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [pte-instrument] %(message)s"))
-    log.addHandler(_handler)
-    log.setLevel(logging.INFO)
-    log.propagate = False
-
-
-def served_model_name(vllm_config: VllmConfig) -> str:
-    mc = vllm_config.model_config
-    name = mc.served_model_name
-    if isinstance(name, (list, tuple)):
-        name = name[0] if name else None
-    return str(name or mc.model)
-
-
-def cost_model_from_vllm(vllm_config: VllmConfig, settings: Settings) -> CostModel:
-    mc = vllm_config.model_config
-    cfg: dict[str, Any] = mc.hf_text_config.to_dict()
-    cfg["torch_dtype"] = str(mc.dtype).removeprefix("torch.")  # the dtype actually served
-    shape = parse_shape(
-        cfg, kv_cache_dtype=vllm_config.cache_config.cache_dtype, n_active_override=settings.n_active
-    )
-    return CostModel(shape, resolve_device(settings.device, settings.hoi))
 
 
 def finished_request(stats: FinishedRequestStats, model: str, engine: int) -> FinishedRequest:
@@ -89,29 +61,14 @@ def orphan_request(totals: dict[str, Any], model: str) -> FinishedRequest:
     )
 
 
-def request_keys(request_id: str) -> tuple[str, ...]:
-    """Spellings of the X-Request-Id the session middleware registered: vLLM names a
-    request ``<kind>-<X-Request-Id>`` (``chatcmpl-…``) and the completions API appends
-    ``-<prompt index>`` (``cmpl-<id>-0``)."""
-    _kind, sep, base = request_id.partition("-")
-    if not sep:
-        return (request_id,)
-    head, dash, index = base.rpartition("-")
-    return (request_id, base, head) if dash and index.isdigit() else (request_id, base)
-
-
-def api_server_index(vllm_config: VllmConfig) -> int:
-    """This API server's index (vLLM's client index) among ``--api-server-count`` servers."""
-    return max(0, int(getattr(vllm_config.parallel_config, "_api_process_rank", 0) or 0))
-
-
 class PteStatLogger(AggregateStatLoggerBase):
     """One logger for every engine of this API server: an accountant per engine (its
     ``engine`` label); the ledgers, routes and transport of the process are shared."""
 
     def __init__(self, vllm_config: VllmConfig, engine_indexes: list[int] | None = None) -> None:
+        install_log_handler()
         self.engine_indexes = list(engine_indexes or [0])
-        self.model = served_model_name(vllm_config)
+        self.model = compat.served_model_name(vllm_config)
         self.accountants: dict[int, Accountant] = {}
         self.runtime = get_runtime()
         self._next_expiry = 0.0
@@ -122,8 +79,8 @@ class PteStatLogger(AggregateStatLoggerBase):
             log.info("pte-instrument disabled (PTE_ENABLED=0)")
             return
         try:
-            cost_model = cost_model_from_vllm(vllm_config, settings)
-            self.runtime.sessions.block_size = vllm_config.cache_config.block_size or 1
+            cost_model = compat.cost_model_from_vllm(vllm_config, settings)
+            self.runtime.sessions.block_size = compat.kv_block_size(vllm_config)
             for engine in self.engine_indexes:
                 exporters = self.runtime.exporters_for(self.model, engine, cost_model)
                 self.accountants[engine] = Accountant(
@@ -134,7 +91,7 @@ class PteStatLogger(AggregateStatLoggerBase):
             self.runtime.faults.record("setup", e)
             log.error("pte-instrument could not build its cost model and is inactive: %s", e)
             return
-        self.runtime.listen(api_server_index(vllm_config))
+        self.runtime.listen(compat.api_server_index(vllm_config))
 
     def record(
         self,
@@ -164,7 +121,7 @@ class PteStatLogger(AggregateStatLoggerBase):
                 self.runtime.faults.record("sessions", e)
 
     def _tagged(self, request: FinishedRequest) -> FinishedRequest:
-        tag = self.runtime.pending.pop(*request_keys(request.request_id))
+        tag = self.runtime.pending.pop(*compat.request_keys(request.request_id))
         return (
             request if tag is None else replace(request, session_id=tag.session_id, benchmark=tag.benchmark)
         )
@@ -176,7 +133,7 @@ class PteStatLogger(AggregateStatLoggerBase):
         waiting, self._waiting = self._waiting, []
         for request, deadline in waiting:
             try:
-                totals = self.runtime.take_engine_result(*request_keys(request.request_id))
+                totals = self.runtime.take_engine_result(*compat.request_keys(request.request_id))
                 if totals is None and self.runtime.engine_hooks and now < deadline:
                     self._waiting.append((request, deadline))
                     continue

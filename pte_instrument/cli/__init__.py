@@ -1,0 +1,1 @@
+"""The ``pte`` command line (offline; never loaded by vLLM)."""

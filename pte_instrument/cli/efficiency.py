@@ -1,0 +1,291 @@
+"""``pte efficiency`` and ``pte report``: hooks that add the two subcommands to the ``pte``
+argparse CLI. Each handler returns an exit code; bad input gives one line on stderr and
+exit code 2, never a traceback. Human output is markdown; ``--json`` is stable JSON."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from typing import Any
+
+from pte_instrument.cli.main import EXIT_BAD_INPUT, print_json
+from pte_instrument.cost.architecture import ArchitectureError, KVGroup, ModelShape, load_config, parse_shape
+from pte_instrument.cost.devices import DeviceProfile, UnknownDeviceError, resolve_device
+from pte_instrument.cost.model import CostModel
+from pte_instrument.offline.decomposition import DEFAULT_BOOTSTRAP, DEFAULT_SPLITS, AnalysisError, analyze
+from pte_instrument.offline.records import RecordError, build_tables, join_request_log, load_records
+
+MAX_WARNINGS = 20
+
+
+class _InputError(Exception):
+    pass
+
+
+def _warn_problems(command: str, problems: list[Any]) -> None:
+    for p in problems[:MAX_WARNINGS]:
+        print(f"pte {command}: warning: {p.describe()}", file=sys.stderr)
+    if len(problems) > MAX_WARNINGS:
+        print(
+            f"pte {command}: warning: … and {len(problems) - MAX_WARNINGS} more (listed in the report)",
+            file=sys.stderr,
+        )
+
+
+def _write_plots(command: str, plot: Any, data: Any, out_dir: str) -> None:
+    """Write one command's plots, naming each file on stderr; a plotting problem (no
+    matplotlib) is bad input like any other."""
+    from pte_instrument.offline.plots import PlotError
+
+    try:
+        paths = plot(data, out_dir)
+    except PlotError as e:
+        raise _InputError(str(e)) from None
+    for path in paths:
+        print(f"pte {command}: wrote {path}", file=sys.stderr)
+
+
+def _run(command: str, fn: Any, args: argparse.Namespace) -> int:
+    try:
+        return fn(args)
+    except (_InputError, RecordError, AnalysisError, ArchitectureError, UnknownDeviceError) as e:
+        print(f"pte {command}: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except OSError as e:
+        print(f"pte {command}: error: {e.strerror or e}: {e.filename or ''}".rstrip(": "), file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+# =========================================================================== efficiency
+
+
+def _non_negative(v: str) -> int:
+    try:
+        n = int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {v!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
+    return n
+
+
+def add_efficiency_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "efficiency",
+        help="evaluation records → reasoning-efficiency decomposition (SPEC-EFFICIENCY)",
+        description="Decompose token efficiency E0 against a reference model: outcome, "
+        "workload and trace layers with bootstrap intervals, solver-derived workload audits "
+        "and a diagnostic signature per model. Records: JSONL, CSV or Parquet.",
+    )
+    p.add_argument("records", nargs="+", help="evaluation record file(s): .jsonl, .csv or .parquet")
+    p.add_argument("--reference", required=True, help="the reference model for Δlog terms")
+    p.add_argument("--benchmark", help="analyse only this benchmark (default: every benchmark)")
+    p.add_argument(
+        "--workload",
+        choices=("native", "solver"),
+        default=None,
+        help="workload source (default: native where the records carry it)",
+    )
+    p.add_argument(
+        "--pool", help="comma-separated reference pool for --workload solver (default: every model)"
+    )
+    p.add_argument(
+        "--bootstrap",
+        type=_non_negative,
+        default=DEFAULT_BOOTSTRAP,
+        help=f"bootstrap resamples over instances (default {DEFAULT_BOOTSTRAP}; 0: none)",
+    )
+    p.add_argument(
+        "--splits",
+        type=_non_negative,
+        default=DEFAULT_SPLITS,
+        help=f"held-out pool splits for the solver audit (default {DEFAULT_SPLITS})",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--request-log", help="join PTE from the plugin's request log (JSONL) by request_id or session_id"
+    )
+    p.add_argument(
+        "--strict", action="store_true", help="fail on any bad record instead of dropping and listing it"
+    )
+    p.add_argument("--json", action="store_true", help="stable JSON on stdout")
+    p.add_argument("--plots", metavar="DIR", help="write PNG plots to DIR")
+    p.set_defaults(func=run_efficiency)
+    return p
+
+
+def run_efficiency(args: argparse.Namespace) -> int:
+    return _run("efficiency", _efficiency, args)
+
+
+def _efficiency(args: argparse.Namespace) -> int:
+    pool = [m.strip() for m in args.pool.split(",") if m.strip()] if args.pool else None
+    if pool is not None and args.workload != "solver":
+        raise _InputError("--pool applies only with --workload solver")
+    loaded = load_records(args.records, strict=args.strict)
+    if args.request_log:
+        loaded.records, more = join_request_log(loaded.records, args.request_log)
+        loaded.problems += more
+    tables = build_tables(loaded.records)
+    if args.benchmark is not None:
+        if args.benchmark not in tables:
+            raise _InputError(
+                f"benchmark {args.benchmark!r} not in the records (benchmarks: {', '.join(tables)})"
+            )
+        tables = {args.benchmark: tables[args.benchmark]}
+    missing = [b for b, t in tables.items() if args.reference not in t.models]
+    if missing:
+        raise _InputError(
+            f"reference model {args.reference!r} has no records in benchmark(s) {', '.join(missing)}"
+        )
+    if pool is not None:
+        for b, t in tables.items():
+            unknown = [m for m in pool if m not in t.models]
+            if unknown:
+                raise _InputError(f"pool model(s) {', '.join(unknown)} not in benchmark {b!r}")
+    _warn_problems("efficiency", loaded.problems)
+    results = [
+        analyze(
+            t,
+            args.reference,
+            workload=args.workload,
+            pool=pool,
+            n_boot=args.bootstrap,
+            n_splits=args.splits,
+            seed=args.seed,
+        )
+        for t in tables.values()
+    ]
+    from pte_instrument.offline.report import efficiency_json, efficiency_markdown
+
+    if args.plots:
+        from pte_instrument.offline.plots import efficiency_plots
+
+        _write_plots("efficiency", efficiency_plots, results, args.plots)
+    summary = loaded.summary()
+    if args.json:
+        settings = {
+            "reference": args.reference,
+            "workload": args.workload,
+            "pool": pool,
+            "bootstrap": args.bootstrap,
+            "splits": args.splits,
+            "seed": args.seed,
+            "benchmark": args.benchmark,
+            "interval_percentiles": [2.5, 97.5],
+        }
+        print_json(efficiency_json(results, summary, settings))
+    else:
+        sys.stdout.write(efficiency_markdown(results, summary))
+    return 0
+
+
+# =========================================================================== report
+
+
+def _positive_float(v: str) -> float:
+    try:
+        x = float(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {v!r}") from None
+    if not (math.isfinite(x) and x > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {v}")
+    return x
+
+
+def cost_model_for_gamma(gamma: float) -> CostModel:
+    """A CostModel whose γ is exactly ``gamma``: one full-attention KV group of 2γ bytes per
+    token, N_active = 1, HOI = 1 (γ = bytes · HOI / (2 · N_active)). Pricing then goes
+    through the same core formula as a model read from its config."""
+    shape = ModelShape(
+        model_type="gamma-override",
+        n_layers=1,
+        hidden_size=1,
+        n_heads=1,
+        n_kv_heads=1,
+        head_dim=1,
+        attention="mha",
+        kv_dtype_bytes=2,
+        kv_groups=(KVGroup(layers=1, bytes_per_token=2.0 * gamma, window=None),),
+        n_active=1.0,
+        n_total=1.0,
+    )
+    device = DeviceProfile(f"gamma={gamma:g}", 1.0, 1.0, "γ given on the command line")
+    return CostModel(shape, device)
+
+
+def add_report_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "report",
+        help="trajectory log → PTE tables, inefficiency patterns and plots",
+        description="Price agent trajectories (JSONL, see docs/efficiency.md) in PTE and report "
+        "accuracy, uncached tokens, tool calls, average PTE, the four tool-use inefficiency "
+        "patterns with their PTE multipliers, per-step PTE and correct vs incorrect PTE.",
+    )
+    p.add_argument("trajectories", help="trajectory JSONL file")
+    cost = p.add_mutually_exclusive_group(required=True)
+    cost.add_argument("--model-dir", help="model directory or config.json (γ from its shape)")
+    cost.add_argument("--gamma", type=_positive_float, help="use this γ directly")
+    p.add_argument("--device", default="auto", help="device profile with --model-dir (default auto)")
+    p.add_argument(
+        "--variant",
+        choices=("served", "reference", "ideal"),
+        default="served",
+        help="PTE variant for patterns, steps and correct-vs-incorrect (default served)",
+    )
+    p.add_argument("--bootstrap", type=_non_negative, default=DEFAULT_BOOTSTRAP)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--strict", action="store_true", help="fail on any bad trajectory")
+    p.add_argument("--json", action="store_true", help="stable JSON on stdout")
+    p.add_argument("--plots", metavar="DIR", help="write PNG plots to DIR")
+    p.set_defaults(func=run_report)
+    return p
+
+
+def run_report(args: argparse.Namespace) -> int:
+    return _run("report", _report, args)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from pte_instrument.offline.patterns import load_trajectories, trajectory_report
+    from pte_instrument.offline.report import trajectory_json, trajectory_markdown
+
+    if args.gamma is not None:
+        model = cost_model_for_gamma(args.gamma)
+    else:
+        model = CostModel(parse_shape(load_config(args.model_dir)), resolve_device(args.device))
+    loaded = load_trajectories(args.trajectories, strict=args.strict)
+    _warn_problems("report", loaded.problems)
+    groups = trajectory_report(loaded.trajectories, model, args.variant, args.bootstrap, args.seed)
+    info = model.describe()
+    cost = {
+        "gamma": info["gamma"],
+        "device": info["device"],
+        "hoi": info["hoi"],
+        "source": "--gamma" if args.gamma is not None else str(args.model_dir),
+    }
+    if args.plots:
+        from pte_instrument.offline.plots import trajectory_plots
+
+        _write_plots("report", trajectory_plots, groups, args.plots)
+    if args.json:
+        settings = {"variant": args.variant, "bootstrap": args.bootstrap, "seed": args.seed}
+        print_json(trajectory_json(groups, cost, loaded.summary(), settings))
+    else:
+        sys.stdout.write(trajectory_markdown(groups, cost, loaded.summary(), args.variant))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry (``python -m pte_instrument.cli.efficiency``) with both commands."""
+    parser = argparse.ArgumentParser(prog="pte")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_efficiency_parser(sub)
+    add_report_parser(sub)
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""The ``pte`` command. Every subcommand prints a human table by default and stable JSON
+(sorted keys) with ``--json``. Bad input: one clear line on stderr, exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from pte_instrument.cost.architecture import ArchitectureError, load_config, parse_shape
+from pte_instrument.cost.devices import PROFILES, UnknownDeviceError, measure_profile, resolve_device
+from pte_instrument.cost.model import CostModel
+
+EXIT_BAD_INPUT = 2
+
+
+class UsageError(Exception):
+    """Bad input from the user: reported in one line, never as a traceback."""
+
+
+def print_json(data: Any) -> None:
+    # allow_nan=False: every command turns undefined numbers into null; a NaN here is a bug
+    print(json.dumps(data, indent=2, sort_keys=True, allow_nan=False))
+
+
+def _table(title: str, columns: list[str], rows: list[list[Any]]) -> Table:
+    table = Table(title=title)
+    for c in columns:
+        table.add_column(c)
+    for r in rows:
+        table.add_row(*(str(x) for x in r))
+    return table
+
+
+def cmd_gamma(args: argparse.Namespace) -> int:
+    try:
+        cfg = load_config(args.model)
+        shape = parse_shape(cfg, kv_cache_dtype=args.kv_cache_dtype, n_active_override=args.n_active)
+        model = CostModel(shape, resolve_device(args.device, args.hoi))
+    except (ArchitectureError, UnknownDeviceError) as e:
+        raise UsageError(str(e)) from None
+    info = model.describe()
+    if args.json:
+        print_json(info)
+        return 0
+    rows = [
+        ["gamma", f"{info['gamma']:.6g}"],
+        *(
+            [f"  gamma (window {g['window']})", f"{g['gamma']:.6g}"]
+            for g in info["gamma_groups"]
+            if len(info["gamma_groups"]) > 1
+        ),
+        ["KV bytes / context token", f"{info['kv_bytes_per_token']:g}"],
+        ["N_active", f"{info['n_active']:.4g}"],
+        ["HOI (FLOP/byte)", f"{info['hoi']:.2f}"],
+        ["device", info["device"]],
+        [
+            "attention",
+            f"{info['attention']} ({info['n_heads']} q / {info['n_kv_heads']} kv heads, head_dim {info['head_dim']})",
+        ],
+        ["layers", info["n_layers"]],
+        ["KV dtype bytes", f"{info['kv_dtype_bytes']:g}"],
+    ]
+    if info["moe_experts"]:
+        rows.append(["MoE", f"{info['moe_experts_per_token']} of {info['moe_experts']} experts per token"])
+    Console().print(_table(f"γ for {args.model}", ["quantity", "value"], rows))
+    return 0
+
+
+def cmd_devices(args: argparse.Namespace) -> int:
+    profiles = list(PROFILES.values())
+    if args.measure:
+        profiles.append(measure_profile(args.measure_device))
+    data = [
+        {
+            "name": p.name,
+            "peak_flops": p.peak_flops,
+            "mem_bandwidth": p.mem_bandwidth,
+            "hoi": p.hoi,
+            "measured": p.measured,
+            "source": p.source,
+        }
+        for p in profiles
+    ]
+    if args.json:
+        print_json(data)
+        return 0
+    rows = [
+        [
+            d["name"],
+            f"{d['peak_flops'] / 1e12:.4g}",
+            f"{d['mem_bandwidth'] / 1e9:.4g}",
+            f"{d['hoi']:.1f}",
+            d["source"],
+        ]
+        for d in data
+    ]
+    Console().print(_table("device profiles", ["name", "bf16 TFLOP/s", "GB/s", "HOI", "source"], rows))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from pte_instrument.devtools.demo import run_demo
+
+    return run_demo(model_dir=args.model_dir, port=args.port, turns=args.turns, sessions=args.sessions)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pte", description="Prefill Token Equivalents for vLLM")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("gamma", help="γ of a model on a device, with its breakdown")
+    g.add_argument("model", help="model directory or config.json")
+    g.add_argument("--device", default="auto", help=f"device profile: auto, measured, {', '.join(PROFILES)}")
+    g.add_argument("--hoi", type=float, help="override the hardware operational intensity (FLOP/byte)")
+    g.add_argument("--n-active", type=float, help="override N_active (e.g. the model card's figure)")
+    g.add_argument("--kv-cache-dtype", default=None, help="KV cache dtype (auto, fp8, bfloat16…)")
+    g.add_argument("--json", action="store_true")
+    g.set_defaults(func=cmd_gamma)
+
+    d = sub.add_parser("devices", help="device profiles (datasheet, and measured with --measure)")
+    d.add_argument("--measure", action="store_true", help="also time a bf16 matmul and a copy here")
+    d.add_argument(
+        "--measure-device", default=None, help="torch device to measure (default cuda if present, else cpu)"
+    )
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(func=cmd_devices)
+
+    m = sub.add_parser(
+        "demo", help="serve the tiny model with the plugin, run an agent workload, print the PTE report"
+    )
+    m.add_argument("--model-dir", default="models/tiny")
+    m.add_argument("--port", type=int, default=0, help="0: pick a free port")
+    m.add_argument("--sessions", type=int, default=3)
+    m.add_argument("--turns", type=int, default=4)
+    m.set_defaults(func=cmd_demo)
+
+    for hook in _optional_subcommands():
+        hook(sub)
+    return parser
+
+
+def _optional_subcommands() -> list[Callable[[Any], None]]:
+    """Subcommands contributed by other modules of the package."""
+    hooks: list[Callable[[Any], None]] = []
+    try:
+        from pte_instrument.cli.efficiency import add_efficiency_parser, add_report_parser
+    except ImportError:
+        pass
+    else:
+        hooks += [add_efficiency_parser, add_report_parser]
+    try:
+        from pte_instrument.cli.bench import add_bench_parser
+    except ImportError:
+        pass
+    else:
+        hooks.append(add_bench_parser)
+    return hooks
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except UsageError as e:
+        print(f"pte {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The demo and test harness: never loaded by vLLM."""

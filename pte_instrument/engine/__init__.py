@@ -1,0 +1,1 @@
+"""Runs in vLLM's engine-core process (one per data-parallel rank)."""

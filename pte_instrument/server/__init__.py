@@ -1,0 +1,1 @@
+"""Runs in each vLLM API-server process."""

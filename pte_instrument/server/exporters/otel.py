@@ -1,0 +1,70 @@
+"""OpenTelemetry: one span per finished request (an agent turn), with the GenAI semantic
+conventions where they apply and ``pte.*`` attributes for the rest. Configured by the
+standard ``OTEL_*`` variables (endpoint, headers, service name, batch delays)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pte_instrument.server.ledger import RequestRecord
+
+
+def build_tracer_provider() -> Any:
+    """A provider of our own (vLLM's tracing, when on, keeps its own) exporting OTLP/HTTP."""
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    resource = Resource.create()  # reads OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES
+    if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
+        resource = resource.merge(Resource({"service.name": "vllm"}))
+    provider = TracerProvider(resource=resource)
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    return provider
+
+
+def span_attributes(r: RequestRecord) -> dict[str, Any]:
+    attrs: dict[str, Any] = {
+        "gen_ai.operation.name": "chat",
+        "gen_ai.provider.name": "vllm",
+        "gen_ai.request.model": r.model,
+        "gen_ai.response.id": r.request_id,
+        "gen_ai.response.finish_reasons": [r.finish_reason],
+        "gen_ai.usage.input_tokens": r.prompt_tokens,
+        "gen_ai.usage.output_tokens": r.output_tokens,
+        "gen_ai.usage.cache_read.input_tokens": r.cached_tokens,
+        "pte.served": r.pte_served,
+        "pte.reference": r.pte_reference,
+        "pte.ideal": r.pte_ideal,
+        "pte.prefill": r.pte_prefill,
+        "pte.decode": r.pte_decode,
+        "pte.recompute_tax": r.pte_recompute,
+        "pte.eviction_tax": r.pte_eviction_tax,
+        "pte.gamma": r.gamma,
+        "pte.device": r.device,
+        "pte.computed_prefill_tokens": r.computed_prefill_tokens,
+        "pte.recomputed_tokens": r.recomputed_tokens,
+        "pte.engine": r.engine,
+    }
+    if r.session_id is not None:
+        attrs["gen_ai.conversation.id"] = r.session_id
+        attrs["pte.turn"] = r.turn
+    if r.pause_s is not None:
+        attrs["pte.tool_pause_s"] = r.pause_s
+    return attrs
+
+
+class OtelExporter:
+    def __init__(self, provider: Any | None = None) -> None:
+        self.provider = provider or build_tracer_provider()
+        self.tracer = self.provider.get_tracer("pte_instrument")
+
+    def export(self, r: RequestRecord) -> None:
+        end_ns = int(r.finished_at * 1e9)
+        start_ns = end_ns - int(r.e2e_s * 1e9)
+        span = self.tracer.start_span(f"chat {r.model}", start_time=start_ns, attributes=span_attributes(r))
+        span.end(end_time=end_ns)
+
+    def shutdown(self) -> None:
+        self.provider.shutdown()

@@ -1,0 +1,139 @@
+"""Records of finished requests, priced in PTE: what the exporters and the request log read."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from pte_instrument.cost.model import CostModel, TurnTokens, price_turn
+
+
+@dataclass(frozen=True)
+class FinishedRequest:
+    """What the server reports about a finished request (adapter-neutral)."""
+
+    request_id: str
+    model: str
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    finish_reason: str
+    num_preemptions: int = 0
+    recomputed_tokens: int = 0
+    queued_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    inference_s: float = 0.0
+    e2e_s: float = 0.0
+    engine: int = 0
+    session_id: str | None = None
+    turn: int | None = None
+    reusable_tokens: int = 0  # context the session's previous turn already paid for
+    pause_s: float | None = None  # tool pause between the previous turn's end and this arrival
+    engine_totals: dict[str, float] | None = None  # exact step-level totals from the engine hook
+    benchmark: str = "none"  # allow-listed evaluation label (X-PTE-Benchmark)
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One finished request priced in PTE; the request-log line (README documents each field)."""
+
+    request_id: str
+    session_id: str | None
+    turn: int | None
+    model: str
+    engine: int
+    finish_reason: str
+    prompt_tokens: int
+    cached_tokens: int
+    computed_prefill_tokens: int
+    recomputed_tokens: int
+    output_tokens: int
+    num_preemptions: int
+    gamma: float
+    hoi: float
+    device: str
+    pte_reference: float
+    pte_served: float
+    pte_ideal: float
+    pte_prefill: float
+    pte_decode: float
+    pte_recompute: float
+    pte_eviction_tax: float
+    queued_s: float
+    prefill_s: float
+    decode_s: float
+    inference_s: float
+    e2e_s: float
+    pause_s: float | None
+    finished_at: float
+    benchmark: str = "none"
+    # Exact engine-side accounting (None without the scheduler hook).
+    engine_pte_served: float | None = None
+    engine_pte_roofline: float | None = None
+    engine_prefill_tokens: float | None = None
+    engine_recompute_tokens: float | None = None
+    engine_decode_tokens: float | None = None
+    engine_spec_tokens: float | None = None
+    engine_rejected_tokens: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def price_request(model: CostModel, req: FinishedRequest, finished_at: float) -> RequestRecord:
+    tokens = TurnTokens(
+        prompt_tokens=req.prompt_tokens,
+        output_tokens=req.output_tokens,
+        cached_tokens=req.cached_tokens,
+        recomputed_tokens=req.recomputed_tokens,
+        reusable_tokens=req.reusable_tokens,
+    )
+    cost = price_turn(model, tokens)
+    return RequestRecord(
+        request_id=req.request_id,
+        session_id=req.session_id,
+        turn=req.turn,
+        model=req.model,
+        engine=req.engine,
+        finish_reason=req.finish_reason,
+        prompt_tokens=req.prompt_tokens,
+        cached_tokens=req.cached_tokens,
+        computed_prefill_tokens=tokens.computed_prefill_tokens,
+        recomputed_tokens=req.recomputed_tokens,
+        output_tokens=req.output_tokens,
+        num_preemptions=req.num_preemptions,
+        gamma=model.gamma,
+        hoi=model.device.hoi,
+        device=model.device.name,
+        pte_reference=cost.reference,
+        pte_served=cost.served,
+        pte_ideal=cost.ideal,
+        pte_prefill=cost.served_prefill,
+        pte_decode=cost.served_decode,
+        pte_recompute=cost.recompute,
+        pte_eviction_tax=cost.eviction_tax,
+        queued_s=req.queued_s,
+        prefill_s=req.prefill_s,
+        decode_s=req.decode_s,
+        inference_s=req.inference_s,
+        e2e_s=req.e2e_s,
+        pause_s=req.pause_s,
+        finished_at=finished_at,
+        benchmark=req.benchmark,
+        **_engine_fields(req.engine_totals),
+    )
+
+
+def _engine_fields(totals: dict[str, float] | None) -> dict[str, float | None]:
+    if totals is None:
+        return {}
+    return {
+        "engine_pte_served": totals["pte_served"],
+        "engine_pte_roofline": totals["pte_roofline"],
+        "engine_prefill_tokens": totals["prefill"],
+        "engine_recompute_tokens": totals["recompute"],
+        "engine_decode_tokens": totals["decode_tokens"],
+        "engine_spec_tokens": totals["spec_tokens"],
+        "engine_rejected_tokens": totals["rejected_tokens"],
+    }

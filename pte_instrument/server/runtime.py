@@ -1,0 +1,211 @@
+"""Process-wide plugin state shared by the stat logger and the HTTP routes, which vLLM
+loads separately into the same API-server process. With several API servers
+(``--api-server-count``) each process has its own: its ledgers hold the requests that
+process served; the metrics merge through prometheus_client's multiprocess files."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+from prometheus_client import REGISTRY, CollectorRegistry
+
+from pte_instrument.cost.model import CostModel
+from pte_instrument.faults import FaultTracker, install_log_handler, log
+from pte_instrument.server.exporters.prometheus import LedgerMetrics, PrometheusExporter, metrics_for
+from pte_instrument.server.exporters.request_log import RequestLogWriter
+from pte_instrument.server.exporters.summary import EfficiencyExporter, ModelTotals
+from pte_instrument.server.live_efficiency import LiveEfficiency
+from pte_instrument.server.request_tags import PendingTags
+from pte_instrument.server.sessions import SessionLedger, SessionState
+from pte_instrument.settings import Settings
+from pte_instrument.transport import ADDRESS_ENV, Receiver, address_for
+
+MAX_ENGINE_RESULTS = 20_000
+STAGES = (
+    "setup",
+    "adapter",
+    "accounting",
+    "sessions",
+    "prometheus",
+    "request_log",
+    "otel",
+    "summary",
+    "middleware",
+    "routes",
+    "transport",
+    "engine_join",
+    "efficiency",
+    # reported by the engine hook (another process) with its results
+    "engine_setup",
+    "engine_step",
+    "engine_finish",
+    "engine_transport",
+)
+
+
+class Runtime:
+    def __init__(self, settings: Settings, registry: CollectorRegistry = REGISTRY) -> None:
+        self.settings = settings
+        self.metrics = metrics_for(registry)
+        self.faults = FaultTracker(on_fault=lambda stage: self.metrics.faults.labels(stage).inc())
+        for stage in STAGES:  # expose every stage's fault counter at 0
+            self.metrics.faults.labels(stage)
+        self.pending = PendingTags()
+        self.sessions = SessionLedger(
+            max_sessions=settings.max_sessions,
+            idle_ttl_s=settings.session_idle_ttl_s,
+            max_turns=settings.max_turns,
+            on_close=self._session_closed,
+        )
+        self.ledger_metrics = LedgerMetrics(self.metrics, self.sessions, self.pending)
+        self.totals = ModelTotals()
+        self.efficiency = LiveEfficiency(window=settings.feedback_window)
+        self.cost_models: dict[tuple[str, int], CostModel] = {}
+        self.api_keys: list[str] = []
+        self.request_log = RequestLogWriter(settings.request_log) if settings.request_log else None
+        self.engine_hooks: set[int] = set()  # engines whose scheduler hook said hello
+        self.engine_live: dict[int, int] = {}  # requests each engine's hook still tracks
+        self.engine_cost: dict[int, tuple[int, float]] = {}  # (steps, seconds in the hook)
+        self.requests_waiting = 0  # finished requests waiting for their engine totals
+        self._engine_results: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._engine_lock = threading.Lock()
+        self.engine_results_dropped = 0
+        self.receiver: Receiver | None = None
+        self.api_server = 0  # this process's index among the API servers
+        self.otel: Any = None
+        if settings.otel:
+            try:
+                from pte_instrument.server.exporters.otel import OtelExporter
+
+                self.otel = OtelExporter()
+            except Exception as e:  # missing package, bad OTEL_* values
+                self.faults.record("otel", e)
+
+    def listen(self, api_server: int) -> None:
+        """Receive the engine hooks' totals for the requests this API server sends (once)."""
+        address = os.environ.get(ADDRESS_ENV)
+        if self.receiver is not None or not address:
+            return
+        self.api_server = api_server
+        try:
+            self.receiver = Receiver(address_for(address, api_server), self._on_engine_messages)
+        except Exception as e:
+            self.faults.record("transport", e)
+
+    def _on_engine_messages(self, messages: list[dict[str, Any]]) -> None:
+        with self._engine_lock:
+            for m in messages:
+                if m.get("hello"):
+                    self.engine_hooks.add(int(m["engine"]))
+                    continue
+                if "faults" in m:  # the hook's faults since its last report
+                    for stage, n in m["faults"].items():
+                        self.metrics.faults.labels(stage).inc(n)
+                        self.faults.counts[stage] = self.faults.counts.get(stage, 0) + n
+                    continue
+                engine = int(m["engine"])
+                self.engine_live[engine] = int(m.get("engine_live", 0))
+                self.engine_cost[engine] = (int(m.get("engine_steps", 0)), float(m.get("engine_hook_s", 0.0)))
+                m["received_at"] = time.monotonic()
+                self._engine_results[m["external_id"]] = m
+                while len(self._engine_results) > MAX_ENGINE_RESULTS:  # never joined: bounded
+                    self._engine_results.popitem(last=False)
+                    self.engine_results_dropped += 1
+
+    def take_engine_result(self, *keys: str) -> dict[str, Any] | None:
+        with self._engine_lock:
+            for key in keys:
+                found = self._engine_results.pop(key, None)
+                if found is not None:
+                    return found
+        return None
+
+    def take_orphans(self, older_than_s: float) -> list[dict[str, Any]]:
+        """Engine results no stat-logger record claimed in time: requests vLLM's stat
+        logger never reports (a client that disconnected: aborted)."""
+        cutoff = time.monotonic() - older_than_s
+        out = []
+        with self._engine_lock:
+            while self._engine_results:
+                key, oldest = next(iter(self._engine_results.items()))
+                if oldest["received_at"] > cutoff:
+                    break
+                del self._engine_results[key]
+                out.append(oldest)
+        return out
+
+    def _session_closed(self, state: SessionState, reason: str) -> None:
+        try:
+            self.metrics.session_closed(state.summary(), reason)
+        except Exception as e:
+            self.faults.record("prometheus", e)
+
+    def exporters_for(self, model: str, engine: int, cost_model: CostModel) -> list[tuple[str, Any]]:
+        """The exporters a stat logger of (model, engine) fans records out to."""
+        prometheus = PrometheusExporter(model, engine, self.metrics)
+        prometheus.publish_cost_model(cost_model)
+        self.cost_models[(model, engine)] = cost_model
+        exporters: list[tuple[str, Any]] = [
+            ("prometheus", prometheus),
+            ("summary", self.totals),
+            ("efficiency", EfficiencyExporter(self.efficiency, self.metrics)),
+        ]
+        if self.request_log is not None:
+            exporters.append(("request_log", self.request_log))
+        if self.otel is not None:
+            exporters.append(("otel", self.otel))
+        return exporters
+
+    def summary(self) -> dict[str, Any]:
+        s = self.sessions
+        return {
+            "api_server": {"index": self.api_server, "pid": os.getpid()},
+            "models": self.totals.snapshot(),
+            "cost_models": [
+                {"model": model, "engine": engine, **cm.describe()}
+                for (model, engine), cm in self.cost_models.items()
+            ],
+            "sessions": {
+                "live": len(s),
+                "max_sessions": s.max_sessions,
+                "idle_ttl_s": s.idle_ttl_s,
+                "max_turns": s.max_turns,
+                "opened": s.stats.sessions_opened,
+                "expired": s.stats.sessions_expired,
+                "evicted": s.stats.sessions_evicted,
+                "turn_rows_dropped": s.stats.turns_dropped,
+                "pending_requests": len(self.pending),
+                "pending_dropped": self.pending.dropped,
+            },
+            "engine_hook": {
+                "engines": sorted(self.engine_hooks),
+                "live_requests": {str(k): v for k, v in self.engine_live.items()},
+                "results_unjoined": len(self._engine_results),
+                "results_dropped": self.engine_results_dropped,
+                "requests_waiting": self.requests_waiting,
+                "steps": {str(k): v[0] for k, v in self.engine_cost.items()},
+                "hook_seconds": {str(k): v[1] for k, v in self.engine_cost.items()},
+            },
+            "efficiency": self.efficiency.snapshot(),
+            "faults": dict(self.faults.counts),
+        }
+
+
+_runtime: Runtime | None = None
+_lock = threading.Lock()
+
+
+def get_runtime() -> Runtime:
+    global _runtime
+    with _lock:
+        if _runtime is None:
+            install_log_handler()
+            settings = Settings.from_env()
+            for error in settings.errors:
+                log.error("pte-instrument configuration: %s", error)
+            _runtime = Runtime(settings)
+        return _runtime

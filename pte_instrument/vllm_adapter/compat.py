@@ -1,0 +1,83 @@
+"""Every read of vLLM's configuration and request naming that both processes need, in one
+place, so that a vLLM upgrade changes one file. Imported by the scheduler hook (engine
+core) and by the stat logger (API server); nothing here imports the server side."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.config import VllmConfig
+
+from pte_instrument.cost.architecture import parse_shape
+from pte_instrument.cost.devices import resolve_device
+from pte_instrument.cost.model import CostModel
+from pte_instrument.settings import Settings
+
+
+def served_model_name(vllm_config: VllmConfig) -> str:
+    mc = vllm_config.model_config
+    name = mc.served_model_name
+    if isinstance(name, (list, tuple)):
+        name = name[0] if name else None
+    return str(name or mc.model)
+
+
+def cost_model_from_vllm(vllm_config: VllmConfig, settings: Settings) -> CostModel:
+    mc = vllm_config.model_config
+    cfg: dict[str, Any] = mc.hf_text_config.to_dict()
+    cfg["torch_dtype"] = str(mc.dtype).removeprefix("torch.")  # the dtype actually served
+    shape = parse_shape(
+        cfg, kv_cache_dtype=vllm_config.cache_config.cache_dtype, n_active_override=settings.n_active
+    )
+    return CostModel(shape, resolve_device(settings.device, settings.hoi))
+
+
+def weight_bytes(vllm_config: VllmConfig) -> float:
+    """Bytes per weight as served (bf16: 2)."""
+    return float(vllm_config.model_config.dtype.itemsize)
+
+
+def kv_block_size(vllm_config: VllmConfig) -> int:
+    return int(vllm_config.cache_config.block_size or 1)
+
+
+def api_server_index(vllm_config: VllmConfig) -> int:
+    """This API server's index (vLLM's client index) among ``--api-server-count`` servers."""
+    return max(0, int(getattr(vllm_config.parallel_config, "_api_process_rank", 0) or 0))
+
+
+def api_server_count(vllm_config: VllmConfig) -> int:
+    return max(1, int(getattr(vllm_config.parallel_config, "_api_process_count", 1) or 1))
+
+
+def engine_index(vllm_config: VllmConfig) -> int:
+    """The data-parallel engine index: vLLM resets ``data_parallel_rank`` to 0 in non-MoE
+    DP engines; ``data_parallel_index`` keeps it."""
+    pc = vllm_config.parallel_config
+    return int(getattr(pc, "data_parallel_index", None) or pc.data_parallel_rank or 0)
+
+
+def external_request_id(internal: str) -> str:
+    """vLLM's engine names a request ``<external id>-<8 random hex>``."""
+    head, dash, tail = internal.rpartition("-")
+    return head if dash and len(tail) == 8 and all(ch in "0123456789abcdef" for ch in tail) else internal
+
+
+def request_keys(request_id: str) -> tuple[str, ...]:
+    """Spellings of the X-Request-Id the session middleware registered: vLLM names a
+    request ``<kind>-<X-Request-Id>`` (``chatcmpl-…``) and the completions API appends
+    ``-<prompt index>`` (``cmpl-<id>-0``)."""
+    _kind, sep, base = request_id.partition("-")
+    if not sep:
+        return (request_id,)
+    head, dash, index = base.rpartition("-")
+    return (request_id, base, head) if dash and index.isdigit() else (request_id, base)
+
+
+def cli_env_setup() -> None:
+    """vLLM's CLI environment set-up (its module moved between releases)."""
+    try:
+        from vllm.entrypoints.common.startup import cli_env_setup as setup
+    except ImportError:
+        from vllm.entrypoints.serve.utils.api_utils import cli_env_setup as setup
+    setup()

@@ -1,0 +1,60 @@
+"""The ``pte`` console script: tables, stable JSON, and one-line errors (never a traceback)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.cost.test_architecture import FIX
+
+
+def pte(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pte_instrument.cli.main", *args], capture_output=True, text=True)
+
+
+def test_gamma_json_worked_example():
+    r = pte(
+        "gamma", str(FIX / "llama31_8b.json"), "--device", "h100-pcie-sparse", "--n-active", "8e9", "--json"
+    )
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["gamma"] == pytest.approx(0.006197248, rel=1e-9)
+    assert info["kv_bytes_per_token"] == 131072 and info["hoi"] == pytest.approx(756.5)
+    assert list(info) == sorted(info)  # stable key order
+
+
+def test_gamma_table_and_hoi_override():
+    r = pte("gamma", str(FIX / "dense_mha.json"), "--hoi", "100")
+    assert r.returncode == 0, r.stderr
+    # 4096 · 100 / (2 · 2,877,440) = 409600 / 5754880 = 0.0711744
+    assert "0.0711744" in r.stdout and "KV bytes / context token" in r.stdout
+
+
+def test_gamma_unknown_model_type_reads_what_it_can():
+    r = pte("gamma", str(FIX / "unknown_complete.json"), "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["model_type"] == "brand_new_arch"
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        ((str(FIX / "unknown_partial.json"),), "num_attention_heads"),
+        (("/no/such/model",), "cannot read model config"),
+        ((str(FIX / "dense_mha.json"), "--device", "tpu"), "unknown device"),
+    ],
+)
+def test_gamma_bad_input_is_one_line(args, needle):
+    r = pte("gamma", *args)
+    assert r.returncode == 2
+    assert needle in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_devices_json():
+    r = pte("devices", "--json")
+    assert r.returncode == 0
+    names = {d["name"]: d for d in json.loads(r.stdout)}
+    assert names["h100-pcie-sparse"]["hoi"] == pytest.approx(756.5)
+    assert all(d["source"] for d in names.values())

@@ -1,0 +1,132 @@
+"""Scale-out serving: two API servers (prometheus_client multiprocess mode) in front of two
+data-parallel engines, each engine with the step hook. The merged /metrics must equal an
+independent computation from the responses, per engine label; each API server receives
+the engine totals of its own requests; gauges are one series, not one per process."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.conftest import metric_sum, scrape, start_server
+from tests.e2e.test_vllm_plugin import independent_gamma, words
+
+HOOK = ["--scheduler-cls", "pte_instrument.vllm_adapter.scheduler.PteScheduler"]
+SESSIONS, TURNS = 2, 3
+
+
+@pytest.fixture(scope="module")
+def scaled(tiny_model, tmp_path_factory):
+    work = tmp_path_factory.mktemp("scale-out")
+    log = work / "requests.jsonl"
+    env = {"PTE_REQUEST_LOG": str(log), "PTE_DEVICE": "h100-sxm", "VLLM_PLUGINS": "pte"}
+    args = ["--data-parallel-size", "2", "--api-server-count", "2", *HOOK]
+    vllm = start_server(tiny_model, work, env, args)
+    try:
+        yield vllm, log
+    finally:
+        vllm.stop()
+
+
+def complete(url: str, prompt: str, max_tokens: int, client: httpx.Client | None = None, **headers) -> dict:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
+    if client is not None:
+        r = client.post("/v1/completions", json=body, headers=headers)
+    else:  # a connection of its own: the kernel spreads those over the API servers
+        r = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=120)
+    r.raise_for_status()
+    return r.json()
+
+
+def summaries(url: str) -> dict[int, dict]:
+    """/pte/summary of every API server: fresh connections until each has answered."""
+    seen: dict[int, dict] = {}
+    for _ in range(200):
+        s = httpx.get(f"{url}/pte/summary", timeout=10).json()
+        seen[s["api_server"]["index"]] = s
+        if len(seen) == 2:
+            break
+    return seen
+
+
+def test_two_api_servers_two_engines_match_the_responses(scaled, tiny_model):
+    vllm, log = scaled
+    gamma = independent_gamma(json.loads((tiny_model / "config.json").read_text()))
+    rng = random.Random()
+    shared = words(rng, 300)
+    prompts = [(shared if i % 2 else "") + words(rng, rng.randint(20, 200)) for i in range(16)]
+    lengths = [rng.randint(1, 24) for _ in prompts]
+    with ThreadPoolExecutor(8) as pool:  # concurrent: the DP balancer uses both engines
+        responses = list(pool.map(lambda p: complete(vllm.url, *p), zip(prompts, lengths, strict=True)))
+
+    # agent sessions: one keep-alive connection each, so every turn reaches the same API server
+    session_clients = [httpx.Client(base_url=vllm.url, timeout=120) for _ in range(SESSIONS)]
+    for turn in range(TURNS):
+        for k, client in enumerate(session_clients):
+            prompt = f"session {k} " + words(random.Random(k), 150) + f" turn {turn}"
+            responses.append(complete(vllm.url, prompt, 4, client, **{"X-Session-Id": f"agent-{k}"}))
+
+    expected = dict(prompt=0, cached=0, output=0, prefill=0.0, decode=0.0)
+    for r in responses:
+        u = r["usage"]
+        L, D = u["prompt_tokens"], u["completion_tokens"]
+        c = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        expected["prompt"] += L
+        expected["cached"] += c
+        expected["output"] += D
+        expected["prefill"] += L - c
+        expected["decode"] += gamma * (L * D + D * (D - 1) / 2)
+
+    metrics_client = httpx.Client(base_url=vllm.url, timeout=10)
+    deadline = time.monotonic() + 20  # the stat loggers record just after each response
+    while (
+        metric_sum(scrape(metrics_client), "pte_requests_total") < len(responses)
+        and time.monotonic() < deadline
+    ):
+        time.sleep(0.3)
+    m = scrape(metrics_client)
+    assert metric_sum(m, "pte_requests_total") == len(responses)
+    assert metric_sum(m, "pte_prompt_tokens_total") == expected["prompt"]
+    assert metric_sum(m, "pte_cached_tokens_total") == expected["cached"]
+    assert metric_sum(m, "pte_output_tokens_total") == expected["output"]
+    assert metric_sum(m, "pte_served_pte_total", phase="prefill") == expected["prefill"]
+    assert metric_sum(m, "pte_served_pte_total", phase="decode") == pytest.approx(
+        expected["decode"], rel=1e-9
+    )
+    # the hooks' exact totals reached the API server of each request: every request joined
+    served = expected["prefill"] + expected["decode"]
+    assert metric_sum(m, "pte_engine_served_pte_total") == pytest.approx(served, rel=1e-9)
+    for engine in ("0", "1"):  # both engines served, and each engine's two sources agree
+        assert metric_sum(m, "pte_requests_total", engine=engine) > 0
+        assert metric_sum(m, "pte_engine_served_pte_total", engine=engine) == pytest.approx(
+            metric_sum(m, "pte_served_pte_total", engine=engine), rel=1e-9
+        )
+    faults = {dict(k[1])["stage"]: v for k, v in m.items() if k[0] == "pte_plugin_faults_total"}
+    assert faults and not any(faults.values()), faults
+    # gauges merge to one series per engine (no pid label), with the right value
+    gammas = {labels: v for (name, labels), v in m.items() if name == "pte_gamma"}
+    assert len(gammas) == 2 and all("pid" not in dict(labels) for labels in gammas), gammas
+    assert all(v == pytest.approx(gamma, rel=1e-9) for v in gammas.values())
+    assert metric_sum(m, "pte_sessions_live") == SESSIONS
+
+    # each API server priced its own share; together, every request once
+    per_server = summaries(vllm.url)
+    assert sorted(per_server) == [0, 1]
+    counts = [sum(t["requests"] for t in s["models"].values()) for s in per_server.values()]
+    assert all(counts) and sum(counts) == len(responses), counts
+    for s in per_server.values():
+        hook = s["engine_hook"]
+        assert hook["engines"] == [0, 1]  # both engines said hello to both API servers
+        assert hook["results_unjoined"] == 0 and hook["requests_waiting"] == 0
+    for k, client in enumerate(session_clients):
+        assert client.get(f"/pte/sessions/agent-{k}").json()["turns"] == TURNS
+        client.close()
+
+    lines = [json.loads(line) for line in log.read_text().splitlines()]  # both servers append
+    ids = sorted(rec["request_id"].rpartition("-")[0] for rec in lines)
+    assert ids == sorted(r["id"] for r in responses)

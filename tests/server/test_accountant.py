@@ -1,0 +1,122 @@
+"""A failing exporter is counted and isolated; the others still get every record."""
+
+import json
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from pte_instrument.cost.architecture import load_config, parse_shape
+from pte_instrument.cost.devices import PROFILES
+from pte_instrument.cost.model import CostModel
+from pte_instrument.faults import FaultTracker
+from pte_instrument.server.accountant import MAX_CONSECUTIVE_FAULTS, Accountant
+from pte_instrument.server.exporters.prometheus import PrometheusExporter, metrics_for
+from pte_instrument.server.exporters.request_log import RequestLogWriter
+from pte_instrument.server.ledger import FinishedRequest
+from tests.cost.test_architecture import FIX
+
+
+class Boom:
+    def export(self, record):
+        raise RuntimeError("exporter down")
+
+
+def make(tmp_path, extra=()):
+    registry = CollectorRegistry()
+    metrics = metrics_for(registry)
+    faults = FaultTracker(on_fault=lambda s: metrics.faults.labels(s).inc())
+    cost = CostModel(parse_shape(load_config(FIX / "dense_mha.json")), PROFILES["h200"])
+    log = RequestLogWriter(tmp_path / "log.jsonl")
+    acc = Accountant(
+        cost, [*extra, ("prometheus", PrometheusExporter("m", 0, metrics)), ("request_log", log)], faults
+    )
+    return acc, registry, tmp_path / "log.jsonl"
+
+
+def req(i: int, **kw) -> FinishedRequest:
+    return FinishedRequest(
+        request_id=f"r{i}",
+        model="m",
+        prompt_tokens=100,
+        cached_tokens=0,
+        output_tokens=10,
+        finish_reason="length",
+        **kw,
+    )
+
+
+def test_failing_exporter_is_isolated(tmp_path):
+    acc, registry, log = make(tmp_path, extra=[("boom", Boom())])
+    for i in range(3):
+        assert acc.on_finished(req(i)) is not None
+    assert registry.get_sample_value("pte_plugin_faults_total", {"stage": "boom"}) == 3
+    assert (
+        registry.get_sample_value(
+            "pte_requests_total", {"model": "m", "engine": "0", "finish_reason": "length"}
+        )
+        == 3
+    )
+    assert len(log.read_text().splitlines()) == 3
+
+
+def test_accounting_fault_is_counted(tmp_path):
+    acc, registry, log = make(tmp_path)
+    assert acc.on_finished(req(0, recomputed_tokens=-5)) is None  # impossible counts
+    assert registry.get_sample_value("pte_plugin_faults_total", {"stage": "accounting"}) == 1
+    assert not log.exists()
+
+
+def test_request_log_recovers_after_a_failing_path(tmp_path):
+    blocker = tmp_path / "blocked"
+    blocker.write_text("a file where a directory should be")
+    w = RequestLogWriter(blocker / "log.jsonl")
+    acc, *_ = make(tmp_path)
+    record = acc.on_finished(req(0))
+    with pytest.raises(OSError):
+        w.export(record)
+    blocker.unlink()
+    w.export(record)
+    assert json.loads((blocker / "log.jsonl").read_text())["request_id"] == "r0"
+
+
+def test_fault_log_is_rate_limited(caplog):
+    f = FaultTracker(log_interval_s=3600)
+    with caplog.at_level("ERROR", logger="pte_instrument"):
+        for _ in range(50):
+            f.record("x", RuntimeError("again"))
+    assert f.counts["x"] == 50
+    assert len(caplog.records) == 1
+
+
+def test_an_exporter_that_keeps_failing_is_switched_off_once(tmp_path, caplog):
+    calls = []
+
+    class Flaky:
+        def export(self, record):
+            calls.append(record.request_id)
+            raise RuntimeError("still down")
+
+    acc, registry, log = make(tmp_path, extra=[("flaky", Flaky())])
+    with caplog.at_level("ERROR", logger="pte_instrument"):
+        for i in range(MAX_CONSECUTIVE_FAULTS + 50):
+            acc.on_finished(req(i))
+    assert len(calls) == MAX_CONSECUTIVE_FAULTS  # not called after the switch-off
+    assert acc.disabled == ["flaky"]
+    assert sum("switched off" in r.getMessage() for r in caplog.records) == 1
+    assert len(log.read_text().splitlines()) == MAX_CONSECUTIVE_FAULTS + 50  # others kept going
+    assert registry.get_sample_value("pte_plugin_faults_total", {"stage": "flaky"}) == MAX_CONSECUTIVE_FAULTS
+
+
+def test_a_recovering_exporter_stays_on(tmp_path):
+    state = {"n": 0}
+
+    class Sometimes:
+        def export(self, record):
+            state["n"] += 1
+            if state["n"] % 2:
+                raise RuntimeError("every other time")
+
+    acc, *_ = make(tmp_path, extra=[("sometimes", Sometimes())])
+    for i in range(3 * MAX_CONSECUTIVE_FAULTS):
+        acc.on_finished(req(i))
+    assert acc.disabled == []
