@@ -1,4 +1,4 @@
-"""Benchmark (not a test) of the batched step accumulator (issue 3): per backend and batch
+"""Benchmark (not a test) of the batched step accumulator: per backend and batch
 size, microseconds per ``StepAccumulator.update()`` call and rows per second.
 
 Backends measured: numpy (CPU), torch on CPU, and — when a GPU is present — torch and
@@ -15,7 +15,7 @@ eight distinct pre-built batches per size cycled so no cache sees one batch only
 
 Writes bench/results/accumulator-<hostname>-<YYYY-MM-DD>.json and prints a table.
 
-    python bench/accumulator_bench.py [--sizes 1 8 64 512 4096 8192] [--seconds 0.5]
+    python -m bench.accumulator_bench [--sizes 1 8 64 512 4096 8192] [--seconds 0.5]
                                       [--backends numpy torch triton] [--no-interp] [--out F]
 """
 
@@ -29,8 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout too
 
 from bench.provenance import header_line, load_avg_1m, provenance, write_results
 from pte_instrument.engine.accumulator import StepAccumulator, StepBatch
@@ -164,7 +162,7 @@ def print_table(cases: list[Case]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.accumulator_bench", description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=SIZES)
     ap.add_argument(
         "--backends", nargs="+", default=["numpy", "torch", "triton"], choices=["numpy", "torch", "triton"]

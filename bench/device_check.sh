@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
-# Device check for the batched step accumulator (issue 3), for a lent GPU host (H200):
-# no vLLM, no network; torch, triton (and transformers) installed.
+# Device check for a GPU host (H100/H200): the batched step accumulator's CUDA tests,
+# benchmark and sync proof, then γ measured on the GPU. No vLLM, no network; torch, triton
+# and transformers installed. Run from anywhere (it changes to the repository root); every
+# bench runs as a module, `python -m bench.<name>`, with the root on PYTHONPATH.
 #
 #   OUT=/some/dir bash bench/device_check.sh        # default OUT=./device-out
 #
-# Steps, each under its own timeout so one hang cannot eat the lease (~2–3 min in all):
+# Steps, each under its own timeout so one hang cannot stall the rest:
 #   1. environment (nvidia-smi, versions)                        → $OUT/env.txt
-#   2. pytest tests/test_kernels.py tests/test_accumulator.py     → $OUT/pytest.txt, junit.xml
+#   2. pytest tests/engine/test_kernels.py tests/engine/test_accumulator.py
+#                                                                 → $OUT/pytest.txt, junit.xml
 #      (the CUDA tests run here: kernels vs the numpy reference, no-sync update())
 #   2b. the CUDA-vs-reference comparison again, without pytest     → $OUT/cuda_vs_reference.txt
 #   3. the accumulator benchmark (CUDA events, no interpreter)    → $OUT/accumulator-*.json
 #   4. sync proof: 1000 update() calls per GPU backend under
 #      torch.cuda.set_sync_debug_mode("error"), then a torch.profiler trace counting
 #      cudaStreamSynchronize / cudaDeviceSynchronize / … per update → $OUT/sync_proof.json
-#   5. (hook) the later latency bench
+#   5. γ measured vs theory, Llama-3.1-8B shapes (bench.gpu_latency) → $OUT/gpu-latency-*.json, .md
 # $OUT/summary.txt lists each step's exit status; the script exits non-zero if any failed.
 # Copy $OUT/accumulator-<host>-<date>.json into bench/results/ to keep the GPU figures.
 set -u
@@ -62,7 +65,7 @@ EOF
 # 2. tests (--noconftest: these two files need no fixture from elsewhere, and a conftest
 #    written for the vLLM suite must not stop them on a host without vLLM)
 step pytest 240 "$PY" -m pytest -q -p no:cacheprovider --noconftest -rs \
-    --junitxml="$OUT/junit.xml" tests/test_kernels.py tests/test_accumulator.py
+    --junitxml="$OUT/junit.xml" tests/engine/test_kernels.py tests/engine/test_accumulator.py
 
 # 2b. the same comparison without pytest (in case the host lacks it): CUDA backends vs the
 #     numpy reference on random batches with repeated slots, sizes 0 … 8192
@@ -100,7 +103,7 @@ for backend in ("triton", "torch"):
 EOF
 
 # 3. benchmark
-step bench 150 "$PY" bench/accumulator_bench.py --seconds 0.3 --no-interp \
+step bench 150 "$PY" -m bench.accumulator_bench --seconds 0.3 --no-interp \
     --out "$OUT/accumulator-$(hostname)-$(date +%F).json"
 
 # 4. sync proof
@@ -176,10 +179,8 @@ bad = [b for b, r in result["backends"].items()
 sys.exit(1 if bad else 0)
 EOF
 
-# 5. >>> HOOK: later latency bench — append its line below this marker, e.g.
-#    step gpu_latency 120 "$PY" -m bench.gpu_latency ...
-step gpu_latency 300 "$PY" -m bench.gpu_latency --out "$OUT"  # γ measured vs theory, Llama-3.1-8B shapes (~2–4 min)
-# <<< HOOK
+# 5. γ measured vs theory on the GPU
+step gpu_latency 300 "$PY" -m bench.gpu_latency --out "$OUT"
 
 cat "$OUT/summary.txt"
 exit "$status"

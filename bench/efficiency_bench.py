@@ -1,4 +1,4 @@
-"""Benchmark (not a test) of the efficiency statistics at published scale (SPEC-EFFICIENCY §5):
+"""Benchmark (not a test) of the efficiency statistics at published scale (docs/efficiency-model.md §5):
 25 models × 14,000 instances (350k records, synthetic and seeded), 500 bootstrap resamples,
 200 held-out pool splits, solver-derived workload, visible traces.
 
@@ -6,7 +6,7 @@ Runs the whole offline path — write JSONL, load and validate, build arrays (σ
 audits), analyse, serialize the JSON report — timing each phase, and records the peak RSS.
 Writes bench/results/efficiency-<hostname>-<date>.json and prints a summary.
 
-    python bench/efficiency_bench.py [--models 25] [--instances 14000] [--bootstrap 500]
+    python -m bench.efficiency_bench [--models 25] [--instances 14000] [--bootstrap 500]
                                      [--splits 200] [--no-traces] [--seed 0]
 """
 
@@ -21,8 +21,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout too
 
 from bench.provenance import load_avg_1m, provenance, write_results
 from pte_instrument.offline.decomposition import analyze

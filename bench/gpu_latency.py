@@ -13,16 +13,18 @@ and times, with CUDA events:
 Then fits, exactly as the vLLM bench does (bench/latency/calibrate.py),
 ``t ≈ a·prefill + b·ctx + c (+ d·decode)`` and reports γ_measured = b/a beside γ_theory
 for the detected (or named) device profile, and the per-step constant c/a beside the
-weight read predicted by SPEC §5.
+weight read predicted by the roofline attribution (docs/cost-model.md §5).
 
 HF's eager forward launches ~30 kernels per layer from Python; for small steps the CPU
 may not keep up with the GPU. Each timed step is therefore queued behind a short GPU sleep
 (``torch.cuda._sleep``), so the events time the kernels back to back; the CPU-side enqueue
 time is recorded too, and points where it exceeds the GPU time are flagged ``launch_bound``.
 
-    python -m bench.gpu_latency                       # H100/H200: ~2–4 min incl. model build
+    python -m bench.gpu_latency                       # on a GPU: Llama-3.1-8B shapes
     python -m bench.gpu_latency --layers 8            # fewer layers, same per-layer shapes
-    python -m bench.gpu_latency --device cpu --tiny   # smoke test of the code path (< 60 s)
+    python -m bench.gpu_latency --device cpu --tiny   # smoke test of the code path
+
+Run from the repository root (or with it on ``PYTHONPATH``; ``pte bench gpu-latency`` does that).
 
 Writes gpu-latency-<host>-<date>.json and .md to --out (default $OUT, else bench/results).
 """
@@ -86,12 +88,6 @@ class Point:
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "median_ms": self.median_ms, "launch_bound": self.launch_bound}
-
-
-def _sys_path() -> None:
-    """Allow ``python bench/gpu_latency.py`` as well as ``python -m bench.gpu_latency``."""
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
 
 
 def build_model(shape: dict[str, Any], layers: int | None, dtype: Any, device: Any, seed: int) -> Any:
@@ -261,7 +257,6 @@ def _split_fit(points: list[Point]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    _sys_path()
     ap = argparse.ArgumentParser(prog="python -m bench.gpu_latency", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--device", default=None, help="cuda (default when present) or cpu")

@@ -19,7 +19,7 @@ Three figures per case:
 
 Writes bench/results/hook-<hostname>-<YYYY-MM-DD>.json and prints a table.
 
-    python bench/hook_bench.py [--sizes 1 8 64 256] [--steps 2000] [--repeats 3] [--step-log]
+    python -m bench.hook_bench [--sizes 1 8 64 256] [--steps 2000] [--repeats 3] [--step-log]
                                [--finish-every 8] [--out F]
 """
 
@@ -36,8 +36,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout too
 
 from bench.provenance import header_line, load_avg_1m, provenance, write_results
 from pte_instrument.cost.architecture import parse_shape
@@ -146,7 +144,7 @@ def print_table(cases: list[Case]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.hook_bench", description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=SIZES)
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=3)

@@ -14,15 +14,12 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # python bench/….py too
 
 from bench.provenance import load_avg_1m, provenance, results_path, write_results
 from pte_instrument.devtools.serving import VllmServer
@@ -78,7 +75,11 @@ def engine_hook_cost(url: str) -> tuple[int, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.overhead_bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--concurrency", type=int, default=8)

@@ -1,5 +1,6 @@
 """Provenance of a benchmark's results — date, code identity, machine — and where they are
-written. Shared by every script of ``bench/``:
+written. Shared by every script of ``bench/``, each of which runs as a module from the
+repository root (``python -m bench.<name>``; ``bench`` is not an installed package):
 
     from bench.provenance import load_avg_1m, provenance, write_results
 

@@ -1,4 +1,4 @@
-"""Memory of the API server under many distinct agent-session ids (issue 7): a real vLLM
+"""Memory of the API server under many distinct agent-session ids: a real vLLM
 server with the plugin (default ledger caps), one short request per id, each with its own
 ``X-Session-Id``; the API-server process's RSS and the ledger's counters are sampled as
 the ids pile up. A benchmark, not a test: it asserts nothing.
@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 import psutil
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # python bench/….py too
 
 from bench.provenance import load_avg_1m, provenance, results_path, write_results
 from pte_instrument.devtools.serving import VllmServer
@@ -50,7 +47,11 @@ async def send(url: str, first: int, count: int, concurrency: int) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.session_memory_bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--ids", type=int, default=100_000)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--every", type=int, default=5_000, help="ids between samples")

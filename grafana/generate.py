@@ -1,7 +1,7 @@
 """Build the pte-instrument Grafana dashboard with grafana-foundation-sdk and write it to
 ``grafana/dashboards/pte-instrument.json`` (sorted keys: regenerating gives the same bytes).
 
-    python -m grafana.generate          # or: python grafana/generate.py
+    python -m grafana.generate          # from the repository root
     python -m grafana.generate --check  # exit 1 if the committed JSON is stale
 """
 
@@ -11,9 +11,6 @@ import argparse
 import json
 import sys
 from pathlib import Path
-
-if __package__ in (None, ""):  # run as a script: make `grafana.panels` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from grafana_foundation_sdk.builders import common as common_b
 from grafana_foundation_sdk.builders import dashboard as dash_b
@@ -113,7 +110,7 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m grafana.generate", description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="fail if the committed JSON differs")
     ap.add_argument("--output", type=Path, default=OUTPUT)
     args = ap.parse_args(argv)

@@ -234,7 +234,7 @@ ROWS: tuple[Row, ...] = (
             ),
             Panel(
                 "Efficiency E0 (correct answers per 1,000 generated tokens)",
-                "Pooled ratio of sums over requests labeled through POST /pte/feedback (SPEC-EFFICIENCY.md §1).",
+                "Pooled ratio of sums over requests labeled through POST /pte/feedback (docs/efficiency-model.md §1).",
                 (
                     Query(
                         '1000 * sum by (model, benchmark) (rate(pte_correct_answers_total{model=~"$model"}[$__rate_interval]))'

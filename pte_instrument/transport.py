@@ -9,19 +9,22 @@ Why not vLLM's own stats channel: ``SchedulerStats`` is not a stable interface a
 serialization drops unknown fields. A socket of our own works for every engine (data
 parallel included), never blocks the scheduler (non-blocking send; what cannot be queued
 is dropped and counted) and needs nothing from vLLM.
+
+The messages are the declared types of ``pte_instrument.wire``; this module is the only one
+that touches their bytes.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import threading
 import uuid
 from collections.abc import Callable
-from typing import Any
 
 import zmq
+
+from pte_instrument.wire import EngineMessage, decode_batch, encode_batch
 
 ADDRESS_ENV = "PTE_ENGINE_TRANSPORT"
 HIGH_WATER_MARK = 10_000  # queued messages per socket before sends are dropped
@@ -58,9 +61,9 @@ class Sender:
             sock.connect(address_for(self._base, api_server))
         return sock
 
-    def send(self, messages: list[dict[str, Any]], api_server: int = 0) -> None:
+    def send(self, messages: list[EngineMessage], api_server: int = 0) -> None:
         try:
-            self._socket(api_server).send(json.dumps(messages).encode(), zmq.NOBLOCK)
+            self._socket(api_server).send(encode_batch(messages), zmq.NOBLOCK)
         except zmq.Again:
             self.dropped += len(messages)
 
@@ -73,7 +76,7 @@ class Receiver:
     """Binds the PULL side and hands each batch of messages to ``on_messages`` from a
     daemon thread."""
 
-    def __init__(self, address: str, on_messages: Callable[[list[dict[str, Any]]], None]) -> None:
+    def __init__(self, address: str, on_messages: Callable[[list[EngineMessage]], None]) -> None:
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.RCVHWM, HIGH_WATER_MARK)
@@ -91,6 +94,11 @@ class Receiver:
             except zmq.ContextTerminated:
                 return
             try:
-                self._on_messages(json.loads(data))
+                messages = decode_batch(data)
+            except ValueError:  # malformed: the whole batch is lost
+                self.errors += 1
+                continue
+            try:
+                self._on_messages(messages)
             except Exception:
                 self.errors += 1

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+
+from tests.exposition import samples
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL = ROOT / "models" / "tiny"
@@ -167,17 +168,4 @@ def server(tiny_model, tmp_path_factory) -> Iterator[Server]:
 
 def scrape(client: httpx.Client) -> dict[tuple[str, tuple], float]:
     """Every pte_* sample of the server's /metrics: (name, sorted labels) → value."""
-    out = {}
-    for fam in text_string_to_metric_families(client.get("/metrics").text):
-        for s in fam.samples:
-            if s.name.startswith("pte_"):
-                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
-def metric_sum(metrics: dict, name: str, **labels: str) -> float:
-    return sum(
-        v
-        for (n, labs), v in metrics.items()
-        if n == name and all(dict(labs).get(k) == val for k, val in labels.items())
-    )
+    return samples(client.get("/metrics").text)

@@ -83,8 +83,8 @@ def test_dashboard_json_has_every_panel_query_and_variable():
         assert p["gridPos"]["w"] > 0 and p["gridPos"]["h"] > 0
 
 
-def test_the_issue_s_panels_are_there():
-    """The panels the dashboard promises (issue 7), by what they query."""
+def test_the_promised_panels_are_there():
+    """The panels the dashboard promises, by what they query."""
     required = {
         "pte_served_pte_total",
         "pte_request_served_pte_bucket",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 
 from pte_instrument.server.exporters.catalog import families
 from tests.conftest import ROOT
@@ -30,3 +31,11 @@ def test_every_family_is_documented_with_its_exposed_name():
         assert f"| `{f.exposed}` | {f.type} |" in text, f.exposed
         assert f.help, f"{f.name} has no help text"
     assert any(f.exposed == "pte_requests_total" for f in fams)  # counters carry _total
+
+
+def test_the_header_cites_files_that_exist():
+    gen = load_generator()
+    cited = re.findall(r"\b(?:pte_instrument|scripts)/[\w/]+\.py\b", gen.HEADER)
+    assert "pte_instrument/server/exporters/families.py" in cited
+    for path in cited:
+        assert (ROOT / path).is_file(), f"docs/metrics.md cites {path}, which does not exist"

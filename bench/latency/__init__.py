@@ -1,4 +1,5 @@
-"""Latency validation bench (issue 5): does PTE track wall-clock time better than token counts?
+"""Latency validation bench (docs/cost-model.md §6): does PTE track wall-clock time better than
+token counts?
 
 - ``driver``     tool-integrated-reasoning agent sessions against an OpenAI-compatible server
 - ``analysis``   correlations with bootstrap intervals at step, request and turn level (numpy only)

@@ -1,5 +1,5 @@
 """Does PTE track wall-clock time? Correlations of predicted cost with measured time at three
-levels (SPEC-PTE §6), with bootstrap intervals, against token-count baselines on the same data.
+levels (docs/cost-model.md §6), with bootstrap intervals, against token-count baselines on the same data.
 
 Pure numpy; no vLLM, no plotting. Inputs are the plugin's request log (``PTE_REQUEST_LOG``)
 and the engine's step log (``PTE_STEP_LOG``), both JSONL.
@@ -15,72 +15,33 @@ import gzip
 import json
 import math
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from pte_instrument.offline.statistics import (
+    MIN_PAIRS,
+    count_chunks,
+    finite_pairs,
+    index_chunks,
+    interval_bounds,
+    pearson,
+    pearson_rows,
+    rankdata,
+    resample_ranks,
+    spearman,
+    weighted_pearson,
+)
+from pte_instrument.wire import STEP_LOG_FIELDS
+
+NO_INTERVAL = (math.nan, math.nan)  # a statistic that was not bootstrapped
+
 # ---------------------------------------------------------------------------------------
-# Correlation statistics (vectorized over bootstrap rows)
+# Correlations with bootstrap intervals (the primitives live in offline.statistics)
 # ---------------------------------------------------------------------------------------
-
-
-def rankdata(a: np.ndarray) -> np.ndarray:
-    """Average ranks (1-based, ties share the mean rank) along the last axis.
-
-    Works row-wise on 2-D input so a whole batch of bootstrap resamples is ranked in one
-    pass: sort, find the runs of equal values, give every member of a run (start+end)/2+1.
-    """
-    x = np.asarray(a, dtype=np.float64)
-    squeeze = x.ndim == 1
-    x = np.atleast_2d(x)
-    n = x.shape[1]
-    if n == 0:
-        return x[0] if squeeze else x
-    order = np.argsort(x, axis=1, kind="mergesort")
-    s = np.take_along_axis(x, order, axis=1)
-    pos = np.broadcast_to(np.arange(n), s.shape)
-    first = np.ones_like(s, dtype=bool)
-    first[:, 1:] = s[:, 1:] != s[:, :-1]
-    last = np.ones_like(s, dtype=bool)
-    last[:, :-1] = s[:, 1:] != s[:, :-1]
-    start = np.maximum.accumulate(np.where(first, pos, 0), axis=1)
-    end = np.minimum.accumulate(np.where(last, pos, n - 1)[:, ::-1], axis=1)[:, ::-1]
-    ranks = np.empty_like(s)
-    np.put_along_axis(ranks, order, (start + end) / 2.0 + 1.0, axis=1)
-    return ranks[0] if squeeze else ranks
-
-
-def pearson_rows(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Pearson r of each row of x with the same row of y (NaN where a row is constant)."""
-    x = np.atleast_2d(np.asarray(x, dtype=np.float64))
-    y = np.atleast_2d(np.asarray(y, dtype=np.float64))
-    xm = x - x.mean(axis=1, keepdims=True)
-    ym = y - y.mean(axis=1, keepdims=True)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        r = (xm * ym).sum(axis=1) / np.sqrt((xm * xm).sum(axis=1) * (ym * ym).sum(axis=1))
-    return np.clip(r, -1.0, 1.0)
-
-
-def pearson(x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarray) -> float:
-    x, y = _finite_pair(x, y)
-    return float(pearson_rows(x, y)[0]) if len(x) >= 2 else math.nan
-
-
-def spearman(x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarray) -> float:
-    x, y = _finite_pair(x, y)
-    return float(pearson_rows(rankdata(x), rankdata(y))[0]) if len(x) >= 2 else math.nan
-
-
-def _finite_pair(x: Any, y: Any) -> tuple[np.ndarray, np.ndarray]:
-    x = np.asarray(x, dtype=np.float64).ravel()
-    y = np.asarray(y, dtype=np.float64).ravel()
-    if x.shape != y.shape:
-        raise ValueError(f"length mismatch: {x.shape} vs {y.shape}")
-    ok = np.isfinite(x) & np.isfinite(y)
-    return x[ok], y[ok]
 
 
 @dataclass(frozen=True)
@@ -107,84 +68,6 @@ def _num(v: float) -> float | None:
     return None if v is None or not math.isfinite(v) else round(float(v), 6)
 
 
-def _interval(samples: np.ndarray, level: float) -> tuple[float, float]:
-    s = samples[np.isfinite(samples)]
-    if s.size < 10:
-        return (math.nan, math.nan)
-    lo, hi = np.percentile(s, [50 * (1 - level), 50 * (1 + level)])
-    return (float(lo), float(hi))
-
-
-def _resample_chunks(n: int, n_boot: int, seed: int, max_elems: int) -> Iterable[np.ndarray]:
-    """Bootstrap index rows in chunks (memory stays ~max_elems); the same seed gives the
-    same rows whatever is measured with them, so metrics compared on one level are paired."""
-    rng = np.random.default_rng(seed)
-    chunk = max(1, max_elems // max(n, 1))
-    done = 0
-    while done < n_boot:
-        b = min(chunk, n_boot - done)
-        yield rng.integers(0, n, size=(b, n))
-        done += b
-
-
-def _resample_weights(n: int, n_boot: int, seed: int, max_elems: int) -> Iterable[np.ndarray]:
-    """The same resamples as ``_resample_chunks``, as counts: W[b, i] = how often row i was
-    drawn in resample b. Statistics of a resample are then weighted sums over the original
-    rows — no gather, and no sort per resample for ranks (see ``_resample_ranks``)."""
-    for idx in _resample_chunks(n, n_boot, seed, max_elems):
-        b = idx.shape[0]
-        flat = (idx + np.arange(b)[:, None] * n).ravel()
-        yield np.bincount(flat, minlength=b * n).reshape(b, n).astype(np.float64)
-
-
-def _standardize(x: np.ndarray) -> np.ndarray:
-    sd = x.std()
-    return (x - x.mean()) / (sd if sd > 0 else 1.0)
-
-
-def _weighted_pearson(W: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Pearson r of (a, b) in each resample given by the count rows of W. a and b are
-    either original columns (n,) or per-resample values (B, n)."""
-    N = W.sum(axis=1)
-    if a.ndim == 1 and b.ndim == 1:
-        a, b = _standardize(a), _standardize(b)  # keeps E[x²] − E[x]² well conditioned
-        sa, sb = W @ a / N, W @ b / N
-        cov = W @ (a * b) / N - sa * sb
-        va = W @ (a * a) / N - sa * sa
-        vb = W @ (b * b) / N - sb * sb
-    else:
-        a = np.broadcast_to(a, W.shape)
-        b = np.broadcast_to(b, W.shape)
-        da = a - ((W * a).sum(axis=1) / N)[:, None]
-        db = b - ((W * b).sum(axis=1) / N)[:, None]
-        cov = (W * da * db).sum(axis=1)
-        va = (W * da * da).sum(axis=1)
-        vb = (W * db * db).sum(axis=1)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        r = cov / np.sqrt(va * vb)
-    # A resample with (nearly) no spread in a column: undefined, like pearson_rows.
-    r[~(va > 1e-12 * np.maximum(np.abs(va).max(initial=0), 1e-300)) | ~(vb > 0)] = np.nan
-    return np.clip(r, -1.0, 1.0)
-
-
-def _resample_ranks(W: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """Average rank (ties shared) that each original row's value has inside each resample.
-
-    In resample b, the copies of a tie group g (original rows with equal value) number
-    G = Σ_{i∈g} W[b, i] and come after the C copies of smaller values, so they share rank
-    C + (G + 1)/2 — rankdata of the resample, without sorting it."""
-    order = np.argsort(x, kind="mergesort")
-    xs = x[order]
-    new = np.ones(len(xs), dtype=bool)
-    new[1:] = xs[1:] != xs[:-1]
-    starts = np.flatnonzero(new)
-    gid = np.empty(len(x), dtype=np.int64)
-    gid[order] = np.cumsum(new) - 1
-    G = np.add.reduceat(W[:, order], starts, axis=1)
-    avg = np.cumsum(G, axis=1) - G + (G + 1) / 2
-    return avg[:, gid]
-
-
 @dataclass(frozen=True)
 class _Boot:
     pearson: np.ndarray  # (B,) per metric
@@ -198,11 +81,11 @@ def _bootstrap_many(xs: Sequence[np.ndarray], y: np.ndarray, n_boot: int, seed: 
     n = len(y)
     rs: list[list[np.ndarray]] = [[] for _ in xs]
     rhos: list[list[np.ndarray]] = [[] for _ in xs]
-    for W in _resample_weights(n, n_boot, seed, max_elems):
-        ry = _resample_ranks(W, y)
+    for W in count_chunks(n, n_boot, np.random.default_rng(seed), max_elems):
+        ry = resample_ranks(W, y)
         for k, x in enumerate(xs):
-            rs[k].append(_weighted_pearson(W, x, y))
-            rhos[k].append(_weighted_pearson(W, _resample_ranks(W, x), ry))
+            rs[k].append(weighted_pearson(W, x, y))
+            rhos[k].append(weighted_pearson(W, resample_ranks(W, x), ry))
     return [_Boot(np.concatenate(a), np.concatenate(b)) for a, b in zip(rs, rhos, strict=True)]
 
 
@@ -211,14 +94,13 @@ def bootstrap_corr(
 ) -> Corr:
     """Pearson and Spearman of (x, y) with percentile intervals from ``n_boot`` resamples
     of the pairs (non-finite pairs dropped first)."""
-    x, y = _finite_pair(x, y)
+    x, y = finite_pairs(x, y)
     n = len(x)
-    r = float(pearson_rows(x, y)[0]) if n >= 2 else math.nan
-    rho = float(pearson_rows(rankdata(x), rankdata(y))[0]) if n >= 2 else math.nan
-    if n < 3 or n_boot <= 0:
-        return Corr(n, r, (math.nan, math.nan), rho, (math.nan, math.nan))
+    r, rho = pearson(x, y), spearman(x, y)
+    if n < MIN_PAIRS or n_boot <= 0:
+        return Corr(n, r, NO_INTERVAL, rho, NO_INTERVAL)
     (b,) = _bootstrap_many([x], y, n_boot, seed, max_elems)
-    return Corr(n, r, _interval(b.pearson, level), rho, _interval(b.spearman, level))
+    return Corr(n, r, interval_bounds(b.pearson, level), rho, interval_bounds(b.spearman, level))
 
 
 def bootstrap_pearson_diff(
@@ -235,15 +117,11 @@ def bootstrap_pearson_diff(
     a, b, y = (np.asarray(v, dtype=np.float64).ravel() for v in (a, b, y))
     ok = np.isfinite(a) & np.isfinite(b) & np.isfinite(y)
     a, b, y = a[ok], b[ok], y[ok]
-    n = len(y)
-    if n < 3:
-        return (math.nan, math.nan, math.nan)
-    d = float(pearson_rows(a, y)[0] - pearson_rows(b, y)[0])
-    if n_boot <= 0:
-        return (d, math.nan, math.nan)
+    d = pearson(a, y) - pearson(b, y)  # NaN below MIN_PAIRS rows
+    if len(y) < MIN_PAIRS or n_boot <= 0:
+        return (d, *NO_INTERVAL)
     ba, bb = _bootstrap_many([a, b], y, n_boot, seed, max_elems)
-    lo, hi = _interval(ba.pearson - bb.pearson, level)
-    return (d, lo, hi)
+    return (d, *interval_bounds(ba.pearson - bb.pearson, level))
 
 
 def bootstrap_metrics(
@@ -268,7 +146,7 @@ def bootstrap_metrics(
     yb = y[base]
     boots = (
         _bootstrap_many([xs[k][base] for k in shared], yb, n_boot, seed, max_elems)
-        if n >= 3 and n_boot > 0
+        if n >= MIN_PAIRS and n_boot > 0
         else []
     )
     by_k = dict(zip(shared, boots, strict=False))
@@ -284,20 +162,19 @@ def bootstrap_metrics(
             out[k] = (c, d)
             continue
         xb = xs[k][base]
-        r = float(pearson_rows(xb, yb)[0]) if n >= 2 else math.nan
-        rho = float(pearson_rows(rankdata(xb), rankdata(yb))[0]) if n >= 2 else math.nan
+        r, rho = pearson(xb, yb), spearman(xb, yb)
         bk = by_k.get(k)
         if bk is None:
-            c = Corr(n, r, (math.nan, math.nan), rho, (math.nan, math.nan))
+            c = Corr(n, r, NO_INTERVAL, rho, NO_INTERVAL)
         else:
-            c = Corr(n, r, _interval(bk.pearson, level), rho, _interval(bk.spearman, level))
+            c = Corr(n, r, interval_bounds(bk.pearson, level), rho, interval_bounds(bk.spearman, level))
         d = None
         if primary is not None and k != primary:
-            rp = float(pearson_rows(xs[primary][base], yb)[0]) if n >= 2 else math.nan
+            rp = pearson(xs[primary][base], yb)
             ci = (
-                _interval(pb.pearson - bk.pearson, level)
+                interval_bounds(pb.pearson - bk.pearson, level)
                 if (pb is not None and bk is not None)
-                else (math.nan, math.nan)
+                else NO_INTERVAL
             )
             d = (rp - r, *ci)
         out[k] = (c, d)
@@ -360,10 +237,10 @@ def bootstrap_turn_corr(
     r = pearson(mx, my)
     rho = spearman(mx, my)
     S = X.shape[0]
-    if n_cols < 3 or S < 2 or n_boot <= 0:
-        return Corr(n_cols, r, (math.nan, math.nan), rho, (math.nan, math.nan))
+    if n_cols < MIN_PAIRS or S < 2 or n_boot <= 0:
+        return Corr(n_cols, r, NO_INTERVAL, rho, NO_INTERVAL)
     rs, rhos = [], []
-    for idx in _resample_chunks(S, n_boot, seed, 4_000_000 // max(n_cols, 1)):
+    for idx in index_chunks(S, n_boot, np.random.default_rng(seed), 4_000_000 // max(n_cols, 1)):
         bx, by = _nanmean0(X[idx]), _nanmean0(Y[idx])  # (B, T)
         ok = np.isfinite(bx).all(axis=1) & np.isfinite(by).all(axis=1)
         rr = np.full(len(idx), np.nan)
@@ -372,7 +249,8 @@ def bootstrap_turn_corr(
         rh[ok] = pearson_rows(rankdata(bx[ok]), rankdata(by[ok]))
         rs.append(rr)
         rhos.append(rh)
-    return Corr(n_cols, r, _interval(np.concatenate(rs), level), rho, _interval(np.concatenate(rhos), level))
+    r_ci, rho_ci = interval_bounds(np.concatenate(rs), level), interval_bounds(np.concatenate(rhos), level)
+    return Corr(n_cols, r, r_ci, rho, rho_ci)
 
 
 # ---------------------------------------------------------------------------------------
@@ -417,8 +295,8 @@ REQUEST_FIELDS = (
     "gamma", "hoi", "pte_reference", "pte_served", "pte_ideal", "pte_prefill", "pte_decode",
     "queued_s", "prefill_s", "decode_s", "inference_s", "e2e_s", "finished_at", "num_preemptions",
 )  # fmt: skip
-# Engine-side fields exist only with the scheduler hook; two spellings of the roofline one
-# (the brief's and the ledger's) are accepted.
+# Engine-side fields exist only with the scheduler hook. The roofline one is read under both
+# spellings: ``engine_roofline_pte`` and the request ledger's ``engine_pte_roofline``.
 ENGINE_FIELDS: dict[str, tuple[str, ...]] = {
     "engine_pte_served": (),
     "engine_recompute_tokens": (),
@@ -527,8 +405,8 @@ class StepTable:
         return StepTable(self.header, {k: v[mask] for k, v in self.cols.items()}, self.ctx[mask])
 
 
-STEP_FIELDS = ("engine", "step", "t", "dt_s", "n_reqs", "tokens", "prefill", "recompute", "decode_tokens",
-               "pte", "roofline_pte", "weights_pte", "hook_s")  # fmt: skip
+# The step log's scalar columns, from its declaration (ctx, per KV group, is read apart).
+STEP_FIELDS = tuple(f for f in STEP_LOG_FIELDS if f != "ctx")
 
 
 def step_table(records: Sequence[Mapping[str, Any]]) -> StepTable:
@@ -615,7 +493,7 @@ def request_metrics(t: RequestTable, gamma_calibrated: float | None = None,
         )
     if t.has("engine_roofline_pte"):
         m.append(Metric("roofline (engine)", "model", t["engine_roofline_pte"],
-                        "SPEC §5 attribution: max(compute, weights + KV) per step, shared"))  # fmt: skip
+                        "docs/cost-model.md §5 attribution: max(compute, weights + KV) per step, shared"))  # fmt: skip
     if request_model is not None:
         m.append(Metric("fitted request model", "model", request_model.predict_requests(t),
                         "a·prefill + b·Σctx + c·(D−1) + e, fitted at concurrency 1"))  # fmt: skip
@@ -638,9 +516,8 @@ def step_metrics(s: StepTable, fit: Any | None = None) -> list[Metric]:
         m.append(Metric("PTE (γ calibrated)", "pte", prefill + fit.gamma_measured * s.ctx_w,
                         f"prefill + {fit.gamma_measured:.4g}·ctx"))  # fmt: skip
     if np.isfinite(s["roofline_pte"]).any():
-        m.append(
-            Metric("roofline (logged)", "model", s["roofline_pte"], "max(tokens, weights + KV) — SPEC §5")
-        )
+        roofline_note = "max(tokens, weights + KV), docs/cost-model.md §5"
+        m.append(Metric("roofline (logged)", "model", s["roofline_pte"], roofline_note))
     if fit is not None:
         m.append(Metric("calibrated step model", "model", fit.predict_steps(s), fit.formula()))
     return m

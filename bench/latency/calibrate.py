@@ -1,4 +1,4 @@
-"""γ calibrated from measured time (SPEC-PTE §3, last paragraph).
+"""γ calibrated from measured time (docs/cost-model.md §3, last paragraph).
 
 Least squares of measured step time on the work the cost model counts:
 
@@ -7,11 +7,12 @@ Least squares of measured step time on the work the cost model counts:
 
 γ_measured = b/a: the time of reading one context token during decode, in units of the time
 of prefilling one token — exactly what γ_theory = KV_bytes·HOI/(2·N_active) predicts from
-datasheets. c/a is the per-step constant in prefill-token units; SPEC §5's roofline predicts
-it as the weight read, W_bytes·HOI/(2·N_active).
+datasheets. c/a is the per-step constant in prefill-token units; the roofline of
+docs/cost-model.md §5 predicts it as the weight read, W_bytes·HOI/(2·N_active).
 
-Pure numpy (``measure_host_profile`` imports torch when called). Bootstrap intervals come from refitting on multinomial resamples of the rows,
-all resamples at once through batched normal equations.
+Pure numpy (``measure_host_profile`` imports torch when called). Bootstrap intervals come from
+refitting on resamples of the rows (count matrices and percentile intervals of
+:mod:`pte_instrument.offline.statistics`), all resamples at once through batched normal equations.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from pte_instrument.cost.devices import DeviceProfile
+from pte_instrument.offline.statistics import count_chunks, interval_bounds, percentile_interval
 
 
 @dataclass(frozen=True)
@@ -37,9 +39,10 @@ class LinearFit:
     n: int
 
     def ci(self, level: float = 0.95) -> np.ndarray:
+        """(k, 2) percentile interval of each coefficient over the bootstrap refits."""
         if self.boot.size == 0:
             return np.full((len(self.terms), 2), np.nan)
-        return np.nanpercentile(self.boot, [50 * (1 - level), 50 * (1 + level)], axis=0).T
+        return np.stack(percentile_interval(self.boot, level), axis=1)
 
 
 def fit_linear(
@@ -66,18 +69,12 @@ def fit_linear(
     ss_tot = float(((y - y.mean()) ** 2).sum())
     r2 = 1 - ss_res / ss_tot if ss_tot > 0 else math.nan
     boots = []
-    if n_boot > 0:
-        rng = np.random.default_rng(seed)
-        chunk = max(1, max_elems // n)
-        done = 0
-        while done < n_boot:
-            b = min(chunk, n_boot - done)
-            w = rng.multinomial(n, np.full(n, 1.0 / n), size=b).astype(np.float64)  # (b, n)
-            G = np.einsum("bn,ni,nj->bij", w, As, As)
-            h = np.einsum("bn,ni,n->bi", w, As, y)
-            G += 1e-12 * np.eye(k)  # a resample without any prefill step would be singular
-            boots.append(np.linalg.solve(G, h[..., None])[..., 0] / scale)
-            done += b
+    # Resample counts w (b, n): the weighted normal equations refit every resample at once.
+    for w in count_chunks(n, n_boot, np.random.default_rng(seed), max_elems):
+        G = np.einsum("bn,ni,nj->bij", w, As, As)
+        h = np.einsum("bn,ni,n->bi", w, As, y)
+        G += 1e-12 * np.eye(k)  # a resample without any prefill step would be singular
+        boots.append(np.linalg.solve(G, h[..., None])[..., 0] / scale)
     boot = np.concatenate(boots) if boots else np.empty((0, k))
     return LinearFit(terms, coef_s / scale, boot, r2, math.sqrt(ss_res / n), n)
 
@@ -107,7 +104,7 @@ class Calibration:
     gamma_ci: tuple[float, float]
     gamma_theory: float | None
     const_pte: float  # per-step constant in prefill-token units (c/a)
-    const_pte_theory: float | None  # the weight read W·HOI/(2·N_active) (SPEC §5)
+    const_pte_theory: float | None  # the weight read W·HOI/(2·N_active) (docs/cost-model.md §5)
     shares: dict[str, float]  # each term's share of the total predicted time
     mean_time_s: float
     notes: list[str] = field(default_factory=list)
@@ -207,10 +204,7 @@ def calibrate(
         ia, ib = fit.terms.index("prefill"), fit.terms.index("ctx")
         with np.errstate(invalid="ignore", divide="ignore"):
             g = np.where(fit.boot[:, ia] > 0, fit.boot[:, ib] / fit.boot[:, ia], np.nan)
-        g = g[np.isfinite(g)]
-        if g.size >= 10:
-            lo, hi = np.percentile(g, [50 * (1 - level_ci), 50 * (1 + level_ci)])
-            g_ci = (float(lo), float(hi))
+        g_ci = interval_bounds(g, level_ci)
     # Shares of total predicted time: which term the measured time is made of.
     totals = {}
     for k in fit.terms:

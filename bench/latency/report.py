@@ -269,7 +269,7 @@ def diagnose_request(a: LatencyAnalysis, lv: A.LevelResult) -> str:
             parts.append(
                 f"A per-decode-step constant ({c * 1e3:.2f} ms per step{equiv}) makes up {share:.0%} of request "
                 "time: the weight read and the engine's own per-step work, paid once per generated token "
-                "whatever the context. PTE has no term for it; SPEC §5's roofline attribution adds the weight "
+                "whatever the context. PTE has no term for it; the roofline attribution (docs/cost-model.md §5) adds the weight "
                 f"read (roofline r = {_fmt(_r(lv, 'roofline (engine)'))}), output tokens count the steps "
                 f"(r = {_fmt(_r(lv, 'output tokens'))})."
             )

@@ -52,8 +52,8 @@ class PresetDefaults:
     kv_cache_gib: int
 
 
-# Sized for the 2-core development machine: tiny ≈ 3 min in all, small ≈ 20 min (a small
-# session of 6 turns takes ~45 s alone there: ~4 ms per prefill token, ~45 ms per decode step).
+# Sized for a small CPU host (two cores); each results folder's run.json records how long the
+# preset took there.
 PRESET_DEFAULTS = {
     "tiny": PresetDefaults("1,16", 24, 8, "8,96", "8,60", "300,900", "20,300", 4096, 1),
     "small": PresetDefaults("1,16", 12, 8, "16,160", "8,60", "400,1400", "50,600", 8192, 4),

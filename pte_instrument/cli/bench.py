@@ -1,11 +1,12 @@
 """``pte bench …``: the benchmarks of the source tree's ``bench/`` folder.
 
 ``bench/`` is not part of the installed package (it needs a checkout: the tiny model builder,
-vLLM, results folders), so each bench runs as module ``bench.<name>`` in a subprocess with the
-repository root — found next to this package, which is where an editable install
-(``pip install -e .``, what ``make`` does) leaves it — first on ``sys.path``. The working
-directory stays the caller's, so relative paths (``--out``) mean what they say. Every
-argument after the bench's name is passed through unchanged:
+vLLM, results folders), so each bench runs as ``python -m bench.<name>`` in a subprocess whose
+environment has the repository root — found next to this package, which is where an editable
+install (``pip install -e .``, what ``make`` does) leaves it — first on ``PYTHONPATH``. Children
+of the bench (the vLLM server) inherit that environment, so they import the checkout's package
+too. The working directory stays the caller's, so relative paths (``--out``) mean what they
+say. Every argument after the bench's name is passed through unchanged:
 
     pte bench latency --model-preset tiny --concurrency 1,16
     pte bench latency --help
@@ -18,7 +19,10 @@ import argparse
 import os
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+
+from pte_instrument.cli.errors import UsageError
 
 # name → (module under the repository root, file that must exist, help)
 BENCHES: dict[str, tuple[str, str, str]] = {
@@ -41,24 +45,23 @@ def repo_root(start: Path | None = None) -> Path | None:
     return root if (root / "bench").is_dir() else None
 
 
-# Runs a module of the checkout as __main__ with the checkout first on sys.path, whatever
-# the working directory (``python -m`` would look in the working directory instead).
-_RUNNER = (
-    "import runpy, sys; root, mod = sys.argv[1:3]; sys.path.insert(0, root); "
-    "sys.argv = [mod, *sys.argv[3:]]; runpy.run_module(mod, run_name='__main__', alter_sys=True)"
-)
-
-
 def bench_command(name: str, args: list[str], root: Path) -> list[str]:
+    """The command line that runs bench ``name`` of the checkout at ``root`` with ``args``; run it
+    with :func:`bench_env`'s environment."""
     module, marker, _ = BENCHES[name]
     if not (root / marker).is_file():
         raise FileNotFoundError(f"{root / marker} not found")
-    return [sys.executable, "-c", _RUNNER, str(root), module, *args]
+    return [sys.executable, "-m", module, *args]
+
+
+def bench_env(root: Path, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``environ`` (default: this process's environment) with ``root`` first on ``PYTHONPATH``."""
+    env = dict(os.environ if environ is None else environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(root), *filter(None, [env.get("PYTHONPATH")])])
+    return env
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from pte_instrument.cli.main import UsageError
-
     root = repo_root()
     if root is None:
         raise UsageError(
@@ -69,9 +72,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         cmd = bench_command(args.bench_name, list(args.bench_args), root)
     except FileNotFoundError as e:
         raise UsageError(str(e)) from None
-    env = dict(os.environ)  # children (the vLLM server) import the checkout's package too
-    env["PYTHONPATH"] = os.pathsep.join([str(root), *filter(None, [env.get("PYTHONPATH")])])
-    return subprocess.call(cmd, env=env)
+    return subprocess.call(cmd, env=bench_env(root))
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -1,6 +1,8 @@
 """``pte efficiency`` and ``pte report``: hooks that add the two subcommands to the ``pte``
 argparse CLI. Each handler returns an exit code; bad input gives one line on stderr and
-exit code 2, never a traceback. Human output is markdown; ``--json`` is stable JSON."""
+exit code 2, never a traceback (the convention of :mod:`pte_instrument.cli.errors`). Human
+output is markdown; ``--json`` is stable JSON. matplotlib and pyarrow are imported only by
+the commands that use them (``--plots``, Parquet input)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import math
 import sys
 from typing import Any
 
-from pte_instrument.cli.main import EXIT_BAD_INPUT, print_json
+from pte_instrument.cli.errors import UsageError, print_json, report_error, report_warning
 from pte_instrument.cost.architecture import ArchitectureError, KVGroup, ModelShape, load_config, parse_shape
 from pte_instrument.cost.devices import DeviceProfile, UnknownDeviceError, resolve_device
 from pte_instrument.cost.model import CostModel
@@ -19,18 +21,11 @@ from pte_instrument.offline.records import RecordError, build_tables, join_reque
 MAX_WARNINGS = 20
 
 
-class _InputError(Exception):
-    pass
-
-
 def _warn_problems(command: str, problems: list[Any]) -> None:
     for p in problems[:MAX_WARNINGS]:
-        print(f"pte {command}: warning: {p.describe()}", file=sys.stderr)
+        report_warning(command, p.describe())
     if len(problems) > MAX_WARNINGS:
-        print(
-            f"pte {command}: warning: … and {len(problems) - MAX_WARNINGS} more (listed in the report)",
-            file=sys.stderr,
-        )
+        report_warning(command, f"… and {len(problems) - MAX_WARNINGS} more (listed in the report)")
 
 
 def _write_plots(command: str, plot: Any, data: Any, out_dir: str) -> None:
@@ -41,7 +36,7 @@ def _write_plots(command: str, plot: Any, data: Any, out_dir: str) -> None:
     try:
         paths = plot(data, out_dir)
     except PlotError as e:
-        raise _InputError(str(e)) from None
+        raise UsageError(str(e)) from None
     for path in paths:
         print(f"pte {command}: wrote {path}", file=sys.stderr)
 
@@ -49,12 +44,10 @@ def _write_plots(command: str, plot: Any, data: Any, out_dir: str) -> None:
 def _run(command: str, fn: Any, args: argparse.Namespace) -> int:
     try:
         return fn(args)
-    except (_InputError, RecordError, AnalysisError, ArchitectureError, UnknownDeviceError) as e:
-        print(f"pte {command}: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    except (UsageError, RecordError, AnalysisError, ArchitectureError, UnknownDeviceError) as e:
+        return report_error(command, e)
     except OSError as e:
-        print(f"pte {command}: error: {e.strerror or e}: {e.filename or ''}".rstrip(": "), file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return report_error(command, f"{e.strerror or e}: {e.filename or ''}".rstrip(": "))
 
 
 # =========================================================================== efficiency
@@ -73,7 +66,7 @@ def _non_negative(v: str) -> int:
 def add_efficiency_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "efficiency",
-        help="evaluation records → reasoning-efficiency decomposition (SPEC-EFFICIENCY)",
+        help="evaluation records → reasoning-efficiency decomposition (docs/efficiency-model.md)",
         description="Decompose token efficiency E0 against a reference model: outcome, "
         "workload and trace layers with bootstrap intervals, solver-derived workload audits "
         "and a diagnostic signature per model. Records: JSONL, CSV or Parquet.",
@@ -122,7 +115,7 @@ def run_efficiency(args: argparse.Namespace) -> int:
 def _efficiency(args: argparse.Namespace) -> int:
     pool = [m.strip() for m in args.pool.split(",") if m.strip()] if args.pool else None
     if pool is not None and args.workload != "solver":
-        raise _InputError("--pool applies only with --workload solver")
+        raise UsageError("--pool applies only with --workload solver")
     loaded = load_records(args.records, strict=args.strict)
     if args.request_log:
         loaded.records, more = join_request_log(loaded.records, args.request_log)
@@ -130,20 +123,20 @@ def _efficiency(args: argparse.Namespace) -> int:
     tables = build_tables(loaded.records)
     if args.benchmark is not None:
         if args.benchmark not in tables:
-            raise _InputError(
+            raise UsageError(
                 f"benchmark {args.benchmark!r} not in the records (benchmarks: {', '.join(tables)})"
             )
         tables = {args.benchmark: tables[args.benchmark]}
     missing = [b for b, t in tables.items() if args.reference not in t.models]
     if missing:
-        raise _InputError(
+        raise UsageError(
             f"reference model {args.reference!r} has no records in benchmark(s) {', '.join(missing)}"
         )
     if pool is not None:
         for b, t in tables.items():
             unknown = [m for m in pool if m not in t.models]
             if unknown:
-                raise _InputError(f"pool model(s) {', '.join(unknown)} not in benchmark {b!r}")
+                raise UsageError(f"pool model(s) {', '.join(unknown)} not in benchmark {b!r}")
     _warn_problems("efficiency", loaded.problems)
     results = [
         analyze(

@@ -1,31 +1,26 @@
 """The ``pte`` command. Every subcommand prints a human table by default and stable JSON
-(sorted keys) with ``--json``. Bad input: one clear line on stderr, exit code 2."""
+(sorted keys) with ``--json``. Bad input: one clear line on stderr, exit code 2
+(:mod:`pte_instrument.cli.errors`).
+
+``gamma``, ``devices`` and ``demo`` live here; ``efficiency`` and ``report`` in
+:mod:`pte_instrument.cli.efficiency`, ``bench`` in :mod:`pte_instrument.cli.bench`. Those
+modules import only :mod:`pte_instrument.cli.errors` of this package, never this module."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
+from pte_instrument.cli.bench import add_bench_parser
+from pte_instrument.cli.efficiency import add_efficiency_parser, add_report_parser
+from pte_instrument.cli.errors import UsageError, print_json, report_error
 from pte_instrument.cost.architecture import ArchitectureError, load_config, parse_shape
 from pte_instrument.cost.devices import PROFILES, UnknownDeviceError, measure_profile, resolve_device
 from pte_instrument.cost.model import CostModel
-
-EXIT_BAD_INPUT = 2
-
-
-class UsageError(Exception):
-    """Bad input from the user: reported in one line, never as a traceback."""
-
-
-def print_json(data: Any) -> None:
-    # allow_nan=False: every command turns undefined numbers into null; a NaN here is a bug
-    print(json.dumps(data, indent=2, sort_keys=True, allow_nan=False))
 
 
 def _table(title: str, columns: list[str], rows: list[list[Any]]) -> Table:
@@ -140,27 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--turns", type=int, default=4)
     m.set_defaults(func=cmd_demo)
 
-    for hook in _optional_subcommands():
-        hook(sub)
+    add_efficiency_parser(sub)
+    add_report_parser(sub)
+    add_bench_parser(sub)
     return parser
-
-
-def _optional_subcommands() -> list[Callable[[Any], None]]:
-    """Subcommands contributed by other modules of the package."""
-    hooks: list[Callable[[Any], None]] = []
-    try:
-        from pte_instrument.cli.efficiency import add_efficiency_parser, add_report_parser
-    except ImportError:
-        pass
-    else:
-        hooks += [add_efficiency_parser, add_report_parser]
-    try:
-        from pte_instrument.cli.bench import add_bench_parser
-    except ImportError:
-        pass
-    else:
-        hooks.append(add_bench_parser)
-    return hooks
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,8 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except UsageError as e:
-        print(f"pte {args.command}: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return report_error(args.command, e)
 
 
 if __name__ == "__main__":

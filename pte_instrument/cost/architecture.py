@@ -1,5 +1,5 @@
 """Read a model's architecture from a Hugging Face config: KV-cache bytes read per
-context token at decode, and active matmul parameters per token (SPEC-PTE §3).
+context token at decode, and active matmul parameters per token (docs/cost-model.md §3).
 
 Pure functions over a plain ``dict``; no vLLM, no transformers.
 """

@@ -1,5 +1,5 @@
-"""The PTE cost model (SPEC-PTE §1–3): γ from a model shape and a device profile, and the
-three PTE variants of a turn and a trajectory.
+"""The PTE cost model (docs/cost-model.md §1–3): γ from a model shape and a device profile,
+and the three PTE variants of a turn and a trajectory.
 
 Every function here accepts numpy arrays as well as scalars, so the live path and the
 offline reports share one formula.
@@ -111,7 +111,7 @@ class TurnTokens:
 
 @dataclass(frozen=True)
 class TurnCost:
-    """PTE of a turn under the three variants of SPEC-PTE §2, split by phase."""
+    """PTE of a turn under the three variants of docs/cost-model.md §2, split by phase."""
 
     reference_prefill: float
     reference_decode: float

@@ -1,4 +1,4 @@
-"""Exact step-level accounting in the engine process (SPEC-PTE §4–5), vLLM-free: the
+"""Exact step-level accounting in the engine process (docs/cost-model.md §4–5), vLLM-free: the
 scheduler adapter hands it plain numbers; it keeps per-request totals in the batched
 accumulator and reports each finished request once, through a transport.
 
@@ -8,9 +8,10 @@ in one vectorized pass — one accumulator update over the rows of all its steps
 roofline attribution and the step-log lines of each of them — when it holds
 ``JOURNAL_STEPS`` steps, when something reads totals (``flush`` with finished requests,
 ``conservation``, ``close``), and at once for a step with speculative drafts (and while
-drafts are unsettled), so ``accepted()`` works on per-step state as before. Each numpy call
-costs ~0.5–1 µs whatever its size; the pass needs ~60 of them, paid once per journal instead
-of once per step.
+drafts are unsettled), so ``accepted()`` works on per-step state. At these sizes a numpy
+call costs about the same whatever its size, and far more than a list append; the pass
+needs a few dozen of them, paid once per journal instead of once per step (the measured
+cost per step: ``python -m bench.hook_bench``, bench/results/hook-*.json).
 
 The only state one step leaves for the next is per slot: the high-water mark H (a row's
 tokens below H are recompute), the rejected drafts not yet charged, and the latest step's
@@ -21,9 +22,8 @@ each row's H from the state and the slot's earlier rows.
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from itertools import accumulate
 from pathlib import Path
@@ -34,17 +34,18 @@ import numpy as np
 from pte_instrument.cost.model import CostModel
 from pte_instrument.engine.accumulator import StepAccumulator
 from pte_instrument.engine.kernels import reference as ref
+from pte_instrument.wire import RequestTotals, StepLogHeader, StepLogLine, encode_step_log
 
 # Per-slot host state, one int64 array row each (slot-indexed, so a step is vectorized).
 HIGH_WATER, REJECTED, SCHED_END, SPEC, CACHED = range(5)
 N_STATE = 5
-JOURNAL_STEPS = 32  # steps journaled before one vectorized pass (SPEC: ≤ 1 % of throughput)
+JOURNAL_STEPS = 32  # steps journaled before one vectorized pass (the hook must stay ≤ 1% of engine time)
 _KEY_BITS = 32  # slot·2³² + end sorts rows by slot, then end (ends < 2³² tokens)
 
 
 class _Journal:
     """Steps captured but not yet processed: the rows of all of them, concatenated in step
-    order, as plain lists (appending to a list costs ~50 ns; a numpy call ~0.5–1 µs).
+    order, as plain lists (a list append is far cheaper than a numpy call).
     ``spec``: drafts of the latest step, if it has any (a step with drafts is processed at
     once, so it is the latest). ``meta``, with the step log on: per step [step, unix time,
     hook s, end of hook, dt s] (dt None until the model's outputs are back)."""
@@ -64,7 +65,7 @@ class _Journal:
 @dataclass
 class EngineAccounting:
     cost_model: CostModel
-    send: Callable[[list[dict[str, Any]]], None]
+    send: Callable[[list[RequestTotals]], None]
     engine: int = 0
     backend: str = "numpy"
     step_log: str | None = None
@@ -74,17 +75,17 @@ class EngineAccounting:
     journal_steps: int = JOURNAL_STEPS  # 1: process every step at once
     acc: StepAccumulator = field(init=False)
     slot_of: dict[str, int] = field(default_factory=dict, init=False)  # live requests
-    finished: list[tuple[str, str, int, dict[str, int]]] = field(default_factory=list, init=False)
+    finished: list[tuple[str, str, int, Mapping[str, int]]] = field(default_factory=list, init=False)
     steps: int = field(default=0, init=False)
     # the hook's own time, all steps: on_schedule, and journal passes wherever they run
     hook_s: float = field(default=0.0, init=False)
 
     def __post_init__(self) -> None:
-        # validate=False: the batches are built here, and the check costs ~10 µs a step
+        # validate=False: the batches are built here, and the check would cost more than the step
         self.acc = StepAccumulator.from_cost_model(self.cost_model, backend=self.backend, validate=False)
         self.gammas = np.array([g.gamma for g in self.cost_model.groups])
         shape = self.cost_model.shape
-        # Weight read per step in prefill-token units (SPEC §5): W_bytes·HOI/(2·N_active).
+        # Weight read per step in prefill-token units (docs/cost-model.md §5): W_bytes·HOI/(2·N_active).
         self.weights_pte = (
             shape.n_total * self.weight_bytes * self.cost_model.device.hoi / (2 * shape.n_active)
         )
@@ -99,16 +100,18 @@ class EngineAccounting:
         self._drafts: set[int] = set()  # slots whose drafts accepted() has not settled yet
         self._rejected = False  # whether some slot has rejected drafts not yet charged
         self._log = None
-        self._pending_step: dict[str, Any] | None = None  # processed, waiting for its dt_s
+        self._pending_step: StepLogLine | None = None  # processed, waiting for its dt_s
+        self._pending_t0 = 0.0  # when the pending step's wall time started
         if self.step_log:
             path = Path(f"{self.step_log}.engine{self.engine}" if self.engine else self.step_log)
             path.parent.mkdir(parents=True, exist_ok=True)
             self._log = path.open("a", buffering=1 << 16)
-            header = {"header": True, "engine": self.engine, "gammas": self.gammas.tolist(),
-                      "windows": [g.window for g in self.cost_model.groups], "n_active": shape.n_active,
-                      "n_total": shape.n_total, "hoi": self.cost_model.device.hoi,
-                      "device": self.cost_model.device.name, "weights_pte": self.weights_pte}  # fmt: skip
-            self._log.write(json.dumps(header) + "\n")
+            header = StepLogHeader(
+                engine=self.engine, gammas=self.gammas.tolist(), windows=[g.window for g in self.cost_model.groups],
+                n_active=shape.n_active, n_total=shape.n_total, hoi=self.cost_model.device.hoi,
+                device=self.cost_model.device.name, weights_pte=self.weights_pte,
+            )  # fmt: skip
+            self._log.write(encode_step_log(header))
 
     @property
     def live(self) -> int:
@@ -172,8 +175,8 @@ class EngineAccounting:
             if self._journal.meta:
                 self._journal.meta[-1][2:4] = t_end - t_start, t_end
             elif self._pending_step is not None:  # processed at once
-                self._pending_step["hook_s"] = t_end - t_start
-                self._pending_step["_t0"] = t_end
+                self._pending_step.hook_s = t_end - t_start
+                self._pending_t0 = t_end
 
     def on_step_done(self) -> None:
         """The model ran: the step's wall time is schedule end → outputs back."""
@@ -184,8 +187,8 @@ class EngineAccounting:
         """The latest step's wall time ends (its outputs are back, or the next step is being
         scheduled); a second call for the same step changes nothing."""
         step = self._pending_step
-        if step is not None and step["dt_s"] is None:
-            step["dt_s"] = now - step["_t0"]
+        if step is not None and step.dt_s is None:
+            step.dt_s = now - self._pending_t0
             self._emit_pending()
         meta = self._journal.meta
         if meta and meta[-1][4] is None:
@@ -215,7 +218,7 @@ class EngineAccounting:
 
     def _process(self) -> None:
         """Every journaled step into the accumulator (one update), the roofline and the
-        step log. Written for few numpy calls (~0.5–1 µs each at these sizes)."""
+        step log. Written for few numpy calls, whose fixed cost dominates at these sizes."""
         j = self._journal
         if not j.sizes:
             return
@@ -271,7 +274,7 @@ class EngineAccounting:
         self._attribute(packed, sizes, j.meta)
 
     def _attribute(self, packed: np.ndarray, sizes: list[int], meta: list[list[Any]]) -> None:
-        """Roofline attribution (SPEC §5), step by step: a compute-bound step charges each
+        """Roofline attribution (docs/cost-model.md §5), step by step: a compute-bound step charges each
         request its tokens; a memory-bound one splits the weights evenly over its requests
         and charges each its own KV reads. Then the step-log lines."""
         R, m = packed.shape[1], len(sizes)
@@ -329,26 +332,22 @@ class EngineAccounting:
         roofline = np.maximum(step_tokens, memory).tolist()
         write = self._log.write  # type: ignore[union-attr]
         for i, (step, t, hook, t_end, dt) in enumerate(meta):
-            line = {
-                "engine": self.engine, "step": step, "t": t, "n_reqs": sizes[i], "tokens": int(tokens[i]),
-                "prefill": int(prefill[i]), "recompute": int(recompute[i]), "decode_tokens": int(decode[i]),
-                "spec_tokens": int(spec_tokens[i]), "ctx": ctx[i], "pte": pte[i], "roofline_pte": roofline[i],
-                "weights_pte": self.weights_pte, "hook_s": hook,
-            }  # fmt: skip
-            if i + 1 < len(meta):
-                line["dt_s"] = dt  # closed: only the latest step can still be running
-                write(json.dumps(line) + "\n")
+            line = StepLogLine(
+                engine=self.engine, step=step, t=t, n_reqs=sizes[i], tokens=int(tokens[i]), prefill=int(prefill[i]),
+                recompute=int(recompute[i]), decode_tokens=int(decode[i]), spec_tokens=int(spec_tokens[i]),
+                ctx=ctx[i], pte=pte[i], roofline_pte=roofline[i], weights_pte=self.weights_pte, hook_s=hook, dt_s=dt,
+            )  # fmt: skip
+            if i + 1 < len(meta):  # closed: only the latest step can still be running
+                write(encode_step_log(line))
             else:
-                line["_t0"], line["dt_s"] = t_end, dt
-                self._pending_step = line
+                self._pending_step, self._pending_t0 = line, t_end
 
     def _emit_pending(self) -> None:
         """Write the pending step line once its wall time is known."""
         step = self._pending_step
-        if step is not None and step["dt_s"] is not None and self._log is not None:
+        if step is not None and step.dt_s is not None and self._log is not None:
             self._pending_step = None
-            del step["_t0"]
-            self._log.write(json.dumps(step) + "\n")
+            self._log.write(encode_step_log(step))
 
     def _process_now(self) -> None:
         """A journal pass outside on_schedule, before totals are read: its time counts in
@@ -360,14 +359,15 @@ class EngineAccounting:
         spent = self.clock() - t_start
         self.hook_s += spent
         if self._pending_step is not None:
-            self._pending_step["hook_s"] += spent
+            self._pending_step.hook_s += spent
             self._emit_pending()
 
     # --- finish -------------------------------------------------------------------------
 
-    def on_finished(self, rid: str, reason: str, num_computed: int, counts: dict[str, int]) -> None:
-        """``counts``: prompt_tokens, output_tokens, num_preemptions as the engine saw them,
-        so the API server can still account a request its stat logger never reports."""
+    def on_finished(self, rid: str, reason: str, num_computed: int, counts: Mapping[str, int]) -> None:
+        """``counts``: prompt_tokens, output_tokens, num_preemptions as the engine saw them
+        (so the API server can still account a request its stat logger never reports) and
+        api_server, the API server the totals must reach."""
         slot = self.slot_of.pop(rid, -1)  # -1: never scheduled (aborted while waiting)
         if slot >= 0:
             self._settle_drafts(slot, num_computed)
@@ -383,26 +383,30 @@ class EngineAccounting:
         slots = np.array([slot for _, _, slot, _ in done if slot >= 0], dtype=np.int64)
         rows = self.acc.read(slots)
         served = ref.served_pte(rows, self.gammas)
-        cols = self.acc.columns
         messages, k = [], 0
         for rid, reason, slot, counts in done:
-            msg: dict[str, Any] = {"request_id": rid, "external_id": self.external_id(rid), "engine": self.engine,
-                                   "finish_reason": reason, **counts, "engine_live": self.live,
-                                   "engine_steps": self.steps, "engine_hook_s": self.hook_s}  # fmt: skip
-            if slot >= 0:
-                row, pte_served = rows[k], served[k]
-                k += 1
-                msg.update({c: float(v) for c, v in zip(cols, row, strict=True)})
-                msg["rejected_tokens"] += float(self.state[REJECTED, slot])  # rejected in the final step
-                msg["cached_tokens"] = int(self.state[CACHED, slot])
-                msg["pte_served"] = float(pte_served)
-                msg["pte_recompute"] = float(row[ref.RECOMPUTE])
-                msg["pte_roofline"] = float(self.roofline[slot])
-                self.roofline[slot] = 0.0
-            else:
-                msg.update(dict.fromkeys(cols, 0.0))
-                msg.update(cached_tokens=0, pte_served=0.0, pte_recompute=0.0, pte_roofline=0.0)
-            messages.append(msg)
+            common = {"request_id": rid, "external_id": self.external_id(rid), "engine": self.engine,
+                      "finish_reason": reason, **counts, "engine_live": self.live, "engine_steps": self.steps,
+                      "engine_hook_s": self.hook_s}  # fmt: skip
+            if slot < 0:  # never scheduled: no work
+                messages.append(RequestTotals(**common, ctx=(0.0,) * self.acc.n_groups))
+                continue
+            row = rows[k].tolist()
+            messages.append(RequestTotals(
+                **common,
+                cached_tokens=int(self.state[CACHED, slot]),
+                prefill=row[ref.PREFILL],
+                recompute=row[ref.RECOMPUTE],
+                decode_tokens=row[ref.DECODE_TOKENS],
+                spec_tokens=row[ref.SPEC_TOKENS],
+                rejected_tokens=row[ref.REJECTED_TOKENS] + float(self.state[REJECTED, slot]),  # + the final step's
+                ctx=tuple(row[ref.CTX0 :]),
+                pte_served=float(served[k]),
+                pte_recompute=row[ref.RECOMPUTE],
+                pte_roofline=float(self.roofline[slot]),
+            ))  # fmt: skip
+            self.roofline[slot] = 0.0
+            k += 1
         self.acc.release(slots)
         self.send(messages)
         if self._log is not None:

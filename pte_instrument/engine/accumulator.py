@@ -1,4 +1,4 @@
-"""The batched step accumulator (issue 3): per-request PTE state updated with one batch of
+"""The batched step accumulator (docs/cost-model.md §4): per-request PTE state updated with one batch of
 rows per call — one scheduler step, or several concatenated (the engine hook journals
 steps and adds them in one call) — on whichever backend fits the host.
 
@@ -289,8 +289,9 @@ class StepAccumulator:
     capacity:  initial number of slots; doubled when allocate() finds none free (a host
                decision between steps: the device copy is enqueued, not waited for).
     history:   rows in the ring of per-update totals; the last ``history - 1`` are kept.
-    validate:  check each batch on the host (slots allocated, no negative field): a few µs,
-               and it turns what would be an out-of-bounds GPU write into a ValueError.
+    validate:  check each batch on the host (slots allocated, no negative field): a small
+               host-side cost that turns what would be an out-of-bounds GPU write into a
+               ValueError.
     """
 
     def __init__(
@@ -332,7 +333,8 @@ class StepAccumulator:
 
     @classmethod
     def from_cost_model(cls, model: Any, **kwargs: Any) -> StepAccumulator:
-        """Windows from a ``core.cost.CostModel`` (anything with ``.groups`` of ``.window``)."""
+        """Windows from a ``pte_instrument.cost.model.CostModel`` (anything with ``.groups`` of
+        ``.window``)."""
         return cls(windows=tuple(g.window for g in model.groups), **kwargs)
 
     # --- slots ---------------------------------------------------------------------------

@@ -1,8 +1,8 @@
-"""Reasoning-efficiency decomposition (SPEC-EFFICIENCY) and agent inefficiency patterns
-(SPEC-PTE §7): offline analysis over evaluation records and trajectory logs.
+"""Reasoning-efficiency decomposition (docs/efficiency-model.md) and agent inefficiency
+patterns (docs/cost-model.md §7): offline analysis over evaluation records and trajectory logs.
 
-The statistics (:mod:`.stats`) are plain numpy; records, reports, plots and the CLI hooks
-sit beside them, one concern per module.
+The statistics (:mod:`.decomposition` on top of :mod:`.statistics`) are plain numpy; records,
+reports, plots and the CLI hooks sit beside them, one concern per module.
 """
 
 from pte_instrument.offline.decomposition import (
@@ -13,8 +13,8 @@ from pte_instrument.offline.decomposition import (
     analyze,
     compression_ratio,
     loop_audit,
-    spearman,
 )
+from pte_instrument.offline.statistics import pearson, spearman
 
 __all__ = [
     "AnalysisError",
@@ -24,5 +24,6 @@ __all__ = [
     "analyze",
     "compression_ratio",
     "loop_audit",
+    "pearson",
     "spearman",
 ]

@@ -1,10 +1,11 @@
-"""Reasoning-efficiency statistics (SPEC-EFFICIENCY §1–4), pure numpy.
+"""The reasoning-efficiency decomposition (docs/efficiency-model.md §1–4), pure numpy.
 
 One benchmark at a time, the data is a (model × instance) grid (:class:`EvalTable`). Every
 reported quantity is a ratio of *sums over instances*, so one matrix product of bootstrap
 count weights (resamples × instances) with the per-instance values gives every quantity for
 every resample at once — no Python loop over instances or resamples. All models share the
-same count matrix, so the bootstrap is paired wherever models share instances.
+same count matrix, so the bootstrap is paired wherever models share instances. Counts,
+intervals and rank correlations come from :mod:`pte_instrument.offline.statistics`.
 
 Three *views* of a benchmark, each an exact decomposition on its own instance set:
 
@@ -22,7 +23,6 @@ the per-model tables use each model's own instances. Terms are stored as contrib
 from __future__ import annotations
 
 import math
-import warnings
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,9 +30,10 @@ from typing import Any
 
 import numpy as np
 
+from pte_instrument.offline.statistics import bootstrap_weights, percentile_interval, spearman
+
 DEFAULT_BOOTSTRAP = 500
 DEFAULT_SPLITS = 200
-INTERVAL = (2.5, 97.5)  # percentile bootstrap, 95 %
 LOOP_WINDOW = 256  # words at the end of a truncated trace examined for loops
 NGRAM = 4
 TOP_K = (1, 3, 5)
@@ -74,34 +75,6 @@ def loop_audit(
         return repeated, math.nan
     in_prompt = set(_ngrams(prompt.split(), n))
     return repeated, sum(g in in_prompt for g in grams) / len(grams)
-
-
-# =========================================================================== ranks
-
-
-def rankdata(x: Any) -> np.ndarray:
-    """Ranks from 1, ties sharing their average rank (as Spearman's ρ needs)."""
-    x = np.asarray(x, dtype=np.float64)
-    _, inverse, counts = np.unique(x, return_inverse=True, return_counts=True)
-    ends = np.cumsum(counts)  # 1-based rank of each tie group's last member
-    return (ends - (counts - 1) / 2.0)[inverse]
-
-
-def pearson(a: Any, b: Any) -> float:
-    a = np.asarray(a, dtype=np.float64) - np.mean(a)
-    b = np.asarray(b, dtype=np.float64) - np.mean(b)
-    denom = math.sqrt(float(a @ a) * float(b @ b))
-    return float(a @ b) / denom if denom > 0 else math.nan
-
-
-def spearman(a: Any, b: Any, min_n: int = 3) -> float:
-    """Spearman's ρ over the pairs where both are finite; NaN below ``min_n`` pairs (two
-    points always give ±1, which says nothing) or when one side is constant."""
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    ok = np.isfinite(a) & np.isfinite(b)
-    if ok.sum() < min_n:
-        return math.nan
-    return pearson(rankdata(a[ok]), rankdata(b[ok]))
 
 
 # =========================================================================== data
@@ -257,7 +230,7 @@ class SolverResult:
 
 @dataclass(frozen=True)
 class Signature:
-    """Which Δlog term costs a model most against the reference (SPEC-EFFICIENCY §4)."""
+    """Which Δlog term costs a model most against the reference (docs/efficiency-model.md §4)."""
 
     label: str
     view: str | None = None
@@ -366,7 +339,7 @@ def _sums(weights: np.ndarray, stack: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def quantities(s: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Every quantity of SPEC-EFFICIENCY §1–3 from the sums of one instance set.
+    """Every quantity of docs/efficiency-model.md §1–3 from the sums of one instance set.
 
     E0 = 1000·ΣS/ΣT (pooled ratio of sums); r_ctx = 1 − mean C; r_logic = ΣS/Σ(1−C);
     E[T]; V̄O = mean(T/W); κ = E[T]/(E[W]·V̄O) = E[W·VO]/(E[W]·E[VO]) since W·VO = T;
@@ -438,37 +411,10 @@ def dlog_terms(
 # =========================================================================== bootstrap
 
 
-def bootstrap_weights(n: int, n_boot: int, rng: np.random.Generator) -> np.ndarray:
-    """(n_boot, n) counts: how often each resample drew each instance. One index matrix and
-    one bincount; float64 so a matrix product turns it into weighted sums."""
-    if n_boot <= 0 or n == 0:
-        return np.zeros((0, n))
-    idx = rng.integers(0, n, size=(n_boot, n))
-    idx += np.arange(n_boot)[:, None] * n  # row b's draws land in bins [b·n, (b+1)·n)
-    return np.bincount(idx.ravel(), minlength=n_boot * n).reshape(n_boot, n).astype(np.float64)
-
-
-def interval(samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Percentile interval along axis 0. Resamples where a quantity is undefined (no correct
-    answer drawn, say) are left out of that quantity's interval."""
-    if samples.shape[0] == 0:
-        nan = np.full(samples.shape[1:], np.nan)
-        return nan, nan
-    finite = np.isfinite(samples)
-    if finite.all():  # the common case; nanpercentile is an order of magnitude slower
-        lo, hi = np.percentile(samples, INTERVAL, axis=0)
-        return lo, hi
-    x = np.where(finite, samples, np.nan)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns: interval is NaN
-        lo, hi = np.nanpercentile(x, INTERVAL, axis=0)
-    return lo, hi
-
-
 def _estimates(point: np.ndarray, boot: np.ndarray | None) -> list[Estimate]:
     if boot is None or boot.shape[0] == 0:
         return [Estimate(float(v)) for v in point]
-    lo, hi = interval(boot)
+    lo, hi = percentile_interval(boot)
     return [Estimate(float(v), float(a), float(b)) for v, a, b in zip(point, lo, hi, strict=True)]
 
 

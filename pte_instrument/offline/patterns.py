@@ -1,5 +1,5 @@
 """Agent trajectories priced in PTE, and the tool-integrated reasoning inefficiency patterns
-of SPEC-PTE §7.
+of docs/cost-model.md §7.
 
 Trajectory schema (JSONL, one trajectory per line; docs/efficiency.md has the full table)::
 
@@ -30,8 +30,9 @@ from typing import Any
 import numpy as np
 
 from pte_instrument.cost.model import CostModel, TurnCost, price_turn, session_turns
-from pte_instrument.offline.decomposition import DEFAULT_BOOTSTRAP, Estimate, interval, spearman
+from pte_instrument.offline.decomposition import DEFAULT_BOOTSTRAP, Estimate
 from pte_instrument.offline.records import Problem, RecordError, drop_duplicates
+from pte_instrument.offline.statistics import bootstrap_means, interval_bounds, spearman
 
 PATTERNS = (
     "confirmatory_tool_use",
@@ -419,13 +420,6 @@ def _mean(x: np.ndarray) -> float:
     return float(x.mean()) if x.size else math.nan
 
 
-def _boot_means(x: np.ndarray, n_boot: int, rng: np.random.Generator) -> np.ndarray:
-    """(n_boot,) means of resampled ``x``: one index matrix, one gather, one mean."""
-    if x.size == 0 or n_boot == 0:
-        return np.full(n_boot, np.nan)
-    return x[rng.integers(0, x.size, size=(n_boot, x.size))].mean(axis=1)
-
-
 def group_report(
     priced: Sequence[PricedTrajectory],
     variant: str = "served",
@@ -458,14 +452,13 @@ def group_report(
     rho = spearman(idx, grid[np.isfinite(grid)])
 
     rng = np.random.default_rng([seed, zlib.crc32(first.model.encode()), zlib.crc32(first.task.encode())])
-    bc, bi = _boot_means(pte[correct], n_boot, rng), _boot_means(pte[~correct], n_boot, rng)
+    bc, bi = bootstrap_means(pte[correct], n_boot, rng), bootstrap_means(pte[~correct], n_boot, rng)
     with np.errstate(invalid="ignore", divide="ignore"):
         br = bi / bc
     mc, mi = _mean(pte[correct]), _mean(pte[~correct])
 
     def est(value: float, boot: np.ndarray) -> Estimate:
-        lo, hi = interval(boot[:, None])
-        return Estimate(value, float(lo[0]), float(hi[0]))
+        return Estimate(value, *interval_bounds(boot))
 
     ratio = mi / mc if mc > 0 else math.nan
     return GroupReport(

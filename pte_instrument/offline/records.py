@@ -1,5 +1,6 @@
-"""Evaluation records (SPEC-EFFICIENCY): load them from JSONL, CSV or Parquet, validate every
-row, and arrange them per benchmark as the arrays the statistics need.
+"""Evaluation records (the observables of docs/efficiency-model.md; schema in docs/efficiency.md):
+load them from JSONL, CSV or Parquet, validate every row, and arrange them per benchmark as the
+arrays the statistics need.
 
 Nothing is dropped silently: every rejected row becomes a :class:`Problem` naming its file
 line (or Parquet row), model and instance, and the report lists them. ``strict=True`` turns

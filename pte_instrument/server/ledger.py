@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from pte_instrument.cost.model import CostModel, TurnTokens, price_turn
+from pte_instrument.wire import RequestTotals
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ class FinishedRequest:
     turn: int | None = None
     reusable_tokens: int = 0  # context the session's previous turn already paid for
     pause_s: float | None = None  # tool pause between the previous turn's end and this arrival
-    engine_totals: dict[str, float] | None = None  # exact step-level totals from the engine hook
+    engine_totals: RequestTotals | None = None  # exact step-level totals from the engine hook
     benchmark: str = "none"  # allow-listed evaluation label (X-PTE-Benchmark)
 
 
@@ -125,15 +126,15 @@ def price_request(model: CostModel, req: FinishedRequest, finished_at: float) ->
     )
 
 
-def _engine_fields(totals: dict[str, float] | None) -> dict[str, float | None]:
+def _engine_fields(totals: RequestTotals | None) -> dict[str, float | None]:
     if totals is None:
         return {}
     return {
-        "engine_pte_served": totals["pte_served"],
-        "engine_pte_roofline": totals["pte_roofline"],
-        "engine_prefill_tokens": totals["prefill"],
-        "engine_recompute_tokens": totals["recompute"],
-        "engine_decode_tokens": totals["decode_tokens"],
-        "engine_spec_tokens": totals["spec_tokens"],
-        "engine_rejected_tokens": totals["rejected_tokens"],
+        "engine_pte_served": totals.pte_served,
+        "engine_pte_roofline": totals.pte_roofline,
+        "engine_prefill_tokens": totals.prefill,
+        "engine_recompute_tokens": totals.recompute,
+        "engine_decode_tokens": totals.decode_tokens,
+        "engine_spec_tokens": totals.spec_tokens,
+        "engine_rejected_tokens": totals.rejected_tokens,
     }

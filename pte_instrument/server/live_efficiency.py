@@ -1,4 +1,4 @@
-"""Live outcome-layer efficiency (SPEC-EFFICIENCY §1) per (model, benchmark label):
+"""Live outcome-layer efficiency (docs/efficiency-model.md §1) per (model, benchmark label):
 truncation rate and E[T] from every finished request, and — from correctness labels
 posted back by an evaluation harness — r_logic and E0. Pooled ratios of sums, as the
 spec requires; bounded memory (the labels join a window of recent requests)."""
@@ -6,10 +6,11 @@ spec requires; bounded memory (the labels join a window of recent requests)."""
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from pte_instrument.server.bounded import BoundedDict
 
 
 @dataclass
@@ -57,8 +58,8 @@ class LiveEfficiency:
     def __init__(self, window: int = 50_000) -> None:
         self.window = window
         self.cells: dict[tuple[str, str], Outcome] = {}
-        self._requests: OrderedDict[str, _Recent] = OrderedDict()
-        self._sessions: OrderedDict[str, list[str]] = OrderedDict()
+        self._requests: BoundedDict[str, _Recent] = BoundedDict(window)
+        self._sessions: BoundedDict[str, list[str]] = BoundedDict(window)
         self._lock = threading.Lock()
 
     def observe(self, request_id: str, session_id: str | None, model: str, benchmark: str,
@@ -69,14 +70,11 @@ class LiveEfficiency:
             cell.requests += 1
             cell.truncated += truncated
             cell.output_tokens += output_tokens
-            self._requests[request_id] = _Recent(model, benchmark, output_tokens, truncated)
+            self._requests.put(request_id, _Recent(model, benchmark, output_tokens, truncated))
             if session_id is not None:
-                self._sessions.setdefault(session_id, []).append(request_id)
-                self._sessions.move_to_end(session_id)
-            while len(self._requests) > self.window:
-                self._requests.popitem(last=False)
-            while len(self._sessions) > self.window:
-                self._sessions.popitem(last=False)
+                ids = self._sessions.get(session_id) or []
+                ids.append(request_id)
+                self._sessions.put(session_id, ids)
 
     def label(
         self, correct: bool, request_ids: Sequence[str] = (), session_id: str | None = None

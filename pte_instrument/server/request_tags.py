@@ -4,8 +4,9 @@ benchmark label a request carries until the server reports it finished. Both bou
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
+
+from pte_instrument.server.bounded import BoundedDict
 
 MAX_SESSION_ID_LEN = 128
 
@@ -39,20 +40,19 @@ class PendingTags:
 
     def __init__(self, capacity: int = 20000) -> None:
         self.capacity = capacity
-        self.dropped = 0
-        self._map: OrderedDict[str, RequestTag] = OrderedDict()
+        self._map: BoundedDict[str, RequestTag] = BoundedDict(capacity)
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._map)
 
+    @property
+    def dropped(self) -> int:
+        return self._map.dropped
+
     def put(self, key: str, tag: RequestTag) -> None:
         with self._lock:
-            self._map[key] = tag
-            self._map.move_to_end(key)
-            while len(self._map) > self.capacity:
-                self._map.popitem(last=False)
-                self.dropped += 1
+            self._map.put(key, tag)
 
     def pop(self, *keys: str) -> RequestTag | None:
         """The tag of the first key present (callers try several spellings of an id)."""

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import os
 import threading
-import time
-from collections import OrderedDict
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from pte_instrument.cost.model import CostModel
 from pte_instrument.faults import FaultTracker, install_log_handler, log
+from pte_instrument.server.engine_join import EngineInbox
 from pte_instrument.server.exporters.prometheus import LedgerMetrics, PrometheusExporter, metrics_for
 from pte_instrument.server.exporters.request_log import RequestLogWriter
 from pte_instrument.server.exporters.summary import EfficiencyExporter, ModelTotals
@@ -24,7 +23,6 @@ from pte_instrument.server.sessions import SessionLedger, SessionState
 from pte_instrument.settings import Settings
 from pte_instrument.transport import ADDRESS_ENV, Receiver, address_for
 
-MAX_ENGINE_RESULTS = 20_000
 STAGES = (
     "setup",
     "adapter",
@@ -67,13 +65,8 @@ class Runtime:
         self.cost_models: dict[tuple[str, int], CostModel] = {}
         self.api_keys: list[str] = []
         self.request_log = RequestLogWriter(settings.request_log) if settings.request_log else None
-        self.engine_hooks: set[int] = set()  # engines whose scheduler hook said hello
-        self.engine_live: dict[int, int] = {}  # requests each engine's hook still tracks
-        self.engine_cost: dict[int, tuple[int, float]] = {}  # (steps, seconds in the hook)
+        self.inbox = EngineInbox(self.faults, lambda stage, n: self.metrics.faults.labels(stage).inc(n))
         self.requests_waiting = 0  # finished requests waiting for their engine totals
-        self._engine_results: OrderedDict[str, dict[str, Any]] = OrderedDict()
-        self._engine_lock = threading.Lock()
-        self.engine_results_dropped = 0
         self.receiver: Receiver | None = None
         self.api_server = 0  # this process's index among the API servers
         self.otel: Any = None
@@ -92,51 +85,9 @@ class Runtime:
             return
         self.api_server = api_server
         try:
-            self.receiver = Receiver(address_for(address, api_server), self._on_engine_messages)
+            self.receiver = Receiver(address_for(address, api_server), self.inbox.on_messages)
         except Exception as e:
             self.faults.record("transport", e)
-
-    def _on_engine_messages(self, messages: list[dict[str, Any]]) -> None:
-        with self._engine_lock:
-            for m in messages:
-                if m.get("hello"):
-                    self.engine_hooks.add(int(m["engine"]))
-                    continue
-                if "faults" in m:  # the hook's faults since its last report
-                    for stage, n in m["faults"].items():
-                        self.metrics.faults.labels(stage).inc(n)
-                        self.faults.counts[stage] = self.faults.counts.get(stage, 0) + n
-                    continue
-                engine = int(m["engine"])
-                self.engine_live[engine] = int(m.get("engine_live", 0))
-                self.engine_cost[engine] = (int(m.get("engine_steps", 0)), float(m.get("engine_hook_s", 0.0)))
-                m["received_at"] = time.monotonic()
-                self._engine_results[m["external_id"]] = m
-                while len(self._engine_results) > MAX_ENGINE_RESULTS:  # never joined: bounded
-                    self._engine_results.popitem(last=False)
-                    self.engine_results_dropped += 1
-
-    def take_engine_result(self, *keys: str) -> dict[str, Any] | None:
-        with self._engine_lock:
-            for key in keys:
-                found = self._engine_results.pop(key, None)
-                if found is not None:
-                    return found
-        return None
-
-    def take_orphans(self, older_than_s: float) -> list[dict[str, Any]]:
-        """Engine results no stat-logger record claimed in time: requests vLLM's stat
-        logger never reports (a client that disconnected: aborted)."""
-        cutoff = time.monotonic() - older_than_s
-        out = []
-        with self._engine_lock:
-            while self._engine_results:
-                key, oldest = next(iter(self._engine_results.items()))
-                if oldest["received_at"] > cutoff:
-                    break
-                del self._engine_results[key]
-                out.append(oldest)
-        return out
 
     def _session_closed(self, state: SessionState, reason: str) -> None:
         try:
@@ -181,15 +132,7 @@ class Runtime:
                 "pending_requests": len(self.pending),
                 "pending_dropped": self.pending.dropped,
             },
-            "engine_hook": {
-                "engines": sorted(self.engine_hooks),
-                "live_requests": {str(k): v for k, v in self.engine_live.items()},
-                "results_unjoined": len(self._engine_results),
-                "results_dropped": self.engine_results_dropped,
-                "requests_waiting": self.requests_waiting,
-                "steps": {str(k): v[0] for k, v in self.engine_cost.items()},
-                "hook_seconds": {str(k): v[1] for k, v in self.engine_cost.items()},
-            },
+            "engine_hook": {**self.inbox.summary(), "requests_waiting": self.requests_waiting},
             "efficiency": self.efficiency.snapshot(),
             "faults": dict(self.faults.counts),
         }

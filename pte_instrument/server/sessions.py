@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from pte_instrument.cost.model import reusable_prefix
+from pte_instrument.server.bounded import BoundedDict
 from pte_instrument.server.ledger import RequestRecord
 
 # Fields of a turn row shown by the HTTP routes and the demo.
@@ -88,7 +89,7 @@ class SessionLedger:
         self.on_close = on_close
         self.clock = clock
         self.stats = LedgerStats()
-        self._sessions: OrderedDict[str, SessionState] = OrderedDict()  # least recently seen first
+        self._sessions: BoundedDict[str, SessionState] = BoundedDict(max_sessions)  # least recently seen first
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -114,10 +115,12 @@ class SessionLedger:
             if s is None:
                 s = SessionState(record.session_id, record.model, now, now, deque(maxlen=self.max_turns),
                                  totals=dict.fromkeys(SUMMED, 0.0))  # fmt: skip
-                self._sessions[record.session_id] = s
+                for _, old in self._sessions.put(record.session_id, s):
+                    self.stats.sessions_evicted += 1
+                    closed.append((old, "evicted"))
                 self.stats.sessions_opened += 1
             else:
-                self._sessions.move_to_end(record.session_id)
+                self._sessions.touch(record.session_id)
             if len(s.turns) == self.max_turns:
                 s.turns_dropped += 1
                 self.stats.turns_dropped += 1
@@ -128,10 +131,6 @@ class SessionLedger:
             s.last_finished_at = record.finished_at
             for k in SUMMED:
                 s.totals[k] += getattr(record, k) or 0.0
-            while len(self._sessions) > self.max_sessions:
-                _, old = self._sessions.popitem(last=False)
-                self.stats.sessions_evicted += 1
-                closed.append((old, "evicted"))
             closed += self._expire_locked(now)
         self._notify(closed)
 
@@ -144,11 +143,11 @@ class SessionLedger:
 
     def _expire_locked(self, now: float) -> list[tuple[SessionState, str]]:
         closed = []
-        while self._sessions:
-            oldest = next(iter(self._sessions.values()))
+        while (entry := self._sessions.oldest()) is not None:
+            oldest = entry[1]
             if now - oldest.last_seen <= self.idle_ttl_s:
                 break
-            self._sessions.popitem(last=False)
+            self._sessions.pop_oldest()
             self.stats.sessions_expired += 1
             closed.append((oldest, "idle"))
         return closed

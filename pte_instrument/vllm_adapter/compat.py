@@ -63,6 +63,17 @@ def external_request_id(internal: str) -> str:
     return head if dash and len(tail) == 8 and all(ch in "0123456789abcdef" for ch in tail) else internal
 
 
+def finished_counts(request: Any) -> dict[str, int]:
+    """What the engine knows of a finished ``vllm.v1.request.Request``: enough to account a
+    request whose stats the API server never gets, and the API server it came from."""
+    return {
+        "prompt_tokens": request.num_prompt_tokens,
+        "output_tokens": request.num_output_tokens,
+        "num_preemptions": request.num_preemptions,
+        "api_server": request.client_index,
+    }
+
+
 def request_keys(request_id: str) -> tuple[str, ...]:
     """Spellings of the X-Request-Id the session middleware registered: vLLM names a
     request ``<kind>-<X-Request-Id>`` (``chatcmpl-…``) and the completions API appends

@@ -12,18 +12,19 @@ from __future__ import annotations
 
 import os
 import time
-from collections import defaultdict
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from pte_instrument.engine.accounting import EngineAccounting
+from pte_instrument.engine.report import EngineReporter
 from pte_instrument.failpoints import failpoint
 from pte_instrument.faults import FaultTracker, install_log_handler, log
 from pte_instrument.settings import Settings
 from pte_instrument.transport import ADDRESS_ENV, Sender
 from pte_instrument.vllm_adapter import compat
+from pte_instrument.wire import RequestTotals
 
 MAX_FAULTS = 100  # then the hook turns itself off, with one log line
 
@@ -47,7 +48,7 @@ class _PteHook:
                 return
             cfg = self.vllm_config  # type: ignore[attr-defined]
             engine = compat.engine_index(cfg)
-            self._pte_sender = Sender(address)
+            self._pte_reporter = EngineReporter(Sender(address), engine, self._pte_faults)
             self._pte = EngineAccounting(
                 compat.cost_model_from_vllm(cfg, settings),
                 self._pte_send,
@@ -57,32 +58,17 @@ class _PteHook:
                 external_id=compat.external_request_id,
                 weight_bytes=compat.weight_bytes(cfg),
             )
-            self._pte_faults_sent: dict[str, int] = {}
-            # every API server learns that this engine's totals will come
-            for api_server in range(compat.api_server_count(cfg)):
-                self._pte_sender.send([{"hello": True, "engine": engine}], api_server)
+            self._pte_reporter.hello(compat.api_server_count(cfg))
             log.info(
                 "pte-instrument engine hook active (engine %d, %s accumulator)", engine, self._pte.acc.backend
             )
         except Exception as e:
             self._pte_fault("setup", e)
 
-    def _pte_send(self, messages: list[dict[str, Any]]) -> None:
-        """Each request's totals to the API server that submitted it; the hook's new faults
-        (counted once, whichever server merges them) to API server 0."""
+    def _pte_send(self, totals: list[RequestTotals]) -> None:
         try:
             failpoint("transport")
-            by_server: defaultdict[int, list[dict[str, Any]]] = defaultdict(list)
-            for m in messages:
-                by_server[int(m.pop("api_server", 0))].append(m)
-            counts = dict(self._pte_faults.counts)
-            new = {k: n - self._pte_faults_sent.get(k, 0) for k, n in counts.items()}
-            new = {k: n for k, n in new.items() if n > 0}
-            if new:
-                by_server[0].append({"faults": new, "engine": self._pte.engine if self._pte else 0})
-            for api_server, batch in by_server.items():
-                self._pte_sender.send(batch, api_server)
-            self._pte_faults_sent = counts
+            self._pte_reporter.send(totals)
         except Exception as e:  # those totals are lost; the API server prices without them
             self._pte_fault("transport", e)
 
@@ -146,12 +132,7 @@ class _PteHook:
         if self._pte is not None:
             try:
                 reason = request.get_finished_reason()
-                counts = {
-                    "prompt_tokens": request.num_prompt_tokens,
-                    "output_tokens": request.num_output_tokens,
-                    "num_preemptions": request.num_preemptions,
-                    "api_server": request.client_index,  # where the totals must go
-                }
+                counts = compat.finished_counts(request)
                 self._pte.on_finished(request.request_id, str(reason), request.num_computed_tokens, counts)
             except Exception as e:
                 self._pte_fault("finish", e)
@@ -160,6 +141,7 @@ class _PteHook:
     def shutdown(self) -> None:
         if self._pte is not None:
             self._pte.close()
+            self._pte_reporter.close()
         super().shutdown()  # type: ignore[misc]
 
 

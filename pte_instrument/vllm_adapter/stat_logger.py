@@ -9,7 +9,6 @@ indexes as the ``engine`` label). Nothing here may raise into vLLM: a fault is c
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from dataclasses import replace
 from typing import Any
 
@@ -19,12 +18,10 @@ from vllm.v1.metrics.stats import FinishedRequestStats, IterationStats, Schedule
 
 from pte_instrument.faults import install_log_handler, log
 from pte_instrument.server.accountant import Accountant
+from pte_instrument.server.engine_join import RequestJoin
 from pte_instrument.server.ledger import FinishedRequest
 from pte_instrument.server.runtime import get_runtime
 from pte_instrument.vllm_adapter import compat
-
-ENGINE_JOIN_TIMEOUT_S = 2.0
-ORPHAN_AFTER_S = 5.0  # engine results unclaimed this long are requests the stat logger never saw
 
 
 def finished_request(stats: FinishedRequestStats, model: str, engine: int) -> FinishedRequest:
@@ -45,22 +42,6 @@ def finished_request(stats: FinishedRequestStats, model: str, engine: int) -> Fi
     )
 
 
-def orphan_request(totals: dict[str, Any], model: str) -> FinishedRequest:
-    """A request known only from the engine hook (vLLM reports no stats for aborts)."""
-    return FinishedRequest(
-        request_id=str(totals["external_id"]),
-        model=model,
-        engine=int(totals["engine"]),
-        prompt_tokens=int(totals["prompt_tokens"]),
-        cached_tokens=int(totals["cached_tokens"]),
-        output_tokens=int(totals["output_tokens"]),
-        finish_reason=str(totals["finish_reason"]),
-        num_preemptions=int(totals["num_preemptions"]),
-        recomputed_tokens=int(totals["recompute"]),
-        engine_totals=totals,
-    )
-
-
 class PteStatLogger(AggregateStatLoggerBase):
     """One logger for every engine of this API server: an accountant per engine (its
     ``engine`` label); the ledgers, routes and transport of the process are shared."""
@@ -72,8 +53,14 @@ class PteStatLogger(AggregateStatLoggerBase):
         self.accountants: dict[int, Accountant] = {}
         self.runtime = get_runtime()
         self._next_expiry = 0.0
-        self._waiting: list[tuple[FinishedRequest, float]] = []
-        self._priced_without_engine: OrderedDict[str, None] = OrderedDict()
+        self.join = RequestJoin(
+            self.runtime.inbox,
+            self.model,
+            compat.request_keys,
+            self._tagged,
+            self._price,
+            self.runtime.faults,
+        )
         settings = self.runtime.settings
         if not settings.enabled:
             log.info("pte-instrument disabled (PTE_ENABLED=0)")
@@ -110,7 +97,7 @@ class PteStatLogger(AggregateStatLoggerBase):
             except Exception as e:
                 self.runtime.faults.record("adapter", e)
                 continue
-            self._waiting.append((request, now + ENGINE_JOIN_TIMEOUT_S))
+            self.join.finished(request, now)
         self._price_ready(now)
         if now >= self._next_expiry:  # close idle sessions even when no turn arrives
             self._next_expiry = now + 1.0
@@ -127,43 +114,8 @@ class PteStatLogger(AggregateStatLoggerBase):
         )
 
     def _price_ready(self, now: float) -> None:
-        """Price finished requests, joined with the engine hook's exact totals. Those
-        usually arrive first (sent before the engine returns its outputs); a request
-        waits for them at most ENGINE_JOIN_TIMEOUT_S, and only when a hook is running."""
-        waiting, self._waiting = self._waiting, []
-        for request, deadline in waiting:
-            try:
-                totals = self.runtime.take_engine_result(*compat.request_keys(request.request_id))
-                if totals is None and self.runtime.engine_hooks and now < deadline:
-                    self._waiting.append((request, deadline))
-                    continue
-                if totals is None and self.runtime.engine_hooks:
-                    self.runtime.faults.record(
-                        "engine_join", TimeoutError(f"no engine totals for {request.request_id}")
-                    )
-                    self._priced_without_engine[request.request_id] = None  # their late totals: no 2nd entry
-                    while len(self._priced_without_engine) > 10_000:
-                        self._priced_without_engine.popitem(last=False)
-                if totals is not None:
-                    request = replace(
-                        request, recomputed_tokens=int(totals["recompute"]), engine_totals=totals
-                    )
-            except Exception as e:
-                self.runtime.faults.record("engine_join", e)
-            self._price(request)
-
-        self.runtime.requests_waiting = len(self._waiting)
-        for totals in self.runtime.take_orphans(ORPHAN_AFTER_S):
-            try:
-                late = str(totals["external_id"])
-                if late in self._priced_without_engine:  # already priced: one entry per request
-                    del self._priced_without_engine[late]
-                    continue
-                request = self._tagged(orphan_request(totals, self.model))
-            except Exception as e:
-                self.runtime.faults.record("engine_join", e)
-                continue
-            self._price(request)
+        self.join.price_ready(now)
+        self.runtime.requests_waiting = len(self.join.waiting)
 
     def _price(self, request: FinishedRequest) -> None:
         accountant = self.accountants.get(request.engine)

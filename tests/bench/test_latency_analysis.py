@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from bench.latency import analysis as A
 from bench.latency.calibrate import calibrate_requests, calibrate_steps, fit_linear, gamma_at_hoi
 from bench.latency.driver import DriverConfig, plan_session
 from bench.latency.report import Phase, analyse_logs, write_report
+from pte_instrument.offline import statistics as S
 
 # ----------------------------------------------------------------------------- statistics
 
@@ -65,12 +67,12 @@ def test_count_weighted_resamples_equal_gathered_ones() -> None:
     rng = np.random.default_rng(9)
     x = rng.integers(0, 15, 60).astype(float)  # many ties
     y = x + rng.integers(0, 5, 60)
-    idx = next(A._resample_chunks(60, 4, 3, 10_000))
-    W = next(A._resample_weights(60, 4, 3, 10_000))
+    idx = next(S.index_chunks(60, 4, np.random.default_rng(3), 10_000))
+    W = next(S.count_chunks(60, 4, np.random.default_rng(3), 10_000))
     want_r = A.pearson_rows(x[idx], y[idx])
     want_rho = A.pearson_rows(A.rankdata(x[idx]), A.rankdata(y[idx]))
-    np.testing.assert_allclose(A._weighted_pearson(W, x, y), want_r, rtol=1e-9)
-    got_rho = A._weighted_pearson(W, A._resample_ranks(W, x), A._resample_ranks(W, y))
+    np.testing.assert_allclose(S.weighted_pearson(W, x, y), want_r, rtol=1e-9)
+    got_rho = S.weighted_pearson(W, S.resample_ranks(W, x), S.resample_ranks(W, y))
     np.testing.assert_allclose(got_rho, want_rho, rtol=1e-9)
 
 
@@ -349,7 +351,7 @@ def test_session_plans_are_seeded_and_vary() -> None:
 def test_bench_cli_passes_arguments_through() -> None:
     import argparse
 
-    from pte_instrument.cli.bench import add_bench_parser, bench_command, repo_root
+    from pte_instrument.cli.bench import add_bench_parser, bench_command, bench_env, repo_root
 
     p = argparse.ArgumentParser()
     add_bench_parser(p.add_subparsers(dest="command", required=True))
@@ -358,4 +360,7 @@ def test_bench_cli_passes_arguments_through() -> None:
     root = repo_root()
     assert root is not None
     cmd = bench_command("latency", args.bench_args, root)
-    assert cmd[3:6] == [str(root), "bench.latency.run", "--model-preset"]
+    # the bench runs as a module of the checkout: the root first on the child's PYTHONPATH
+    assert cmd[1:4] == ["-m", "bench.latency.run", "--model-preset"]
+    assert cmd[4:] == ["tiny", "--help"]
+    assert bench_env(root, {})["PYTHONPATH"].split(os.pathsep)[0] == str(root)

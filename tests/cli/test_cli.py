@@ -10,7 +10,9 @@ from tests.cost.test_architecture import FIX
 
 
 def pte(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pte_instrument.cli.main", *args], capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-m", "pte_instrument.cli.main", *args], capture_output=True, text=True
+    )
 
 
 def test_gamma_json_worked_example():

@@ -82,7 +82,7 @@ def test_fp8_kv_cache_halves_gamma():
 
 
 def test_llama31_8b_worked_example():
-    """SPEC-PTE §3: 32 layers, d 4096, 32 q / 8 kv heads, N ≈ 8.0e9, HOI 756.5 → γ ≈ 0.0062."""
+    """docs/cost-model.md §3: 32 layers, d 4096, 32 q / 8 kv heads, N ≈ 8.0e9, HOI 756.5 → γ ≈ 0.0062."""
     s = shape("llama31_8b", n_active_override=8.0e9)
     m = CostModel(s, resolve_device("h100-pcie-sparse"))
     assert m.device.hoi == pytest.approx(756.5)

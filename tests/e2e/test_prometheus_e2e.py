@@ -21,7 +21,9 @@ import pytest
 from grafana.panels import QUERIES, RATE, VARIABLES
 from pte_instrument.devtools.serving import free_port
 from pte_instrument.devtools.workload import WorkloadConfig, run_workload
-from tests.conftest import metric_sum, scrape, start_server
+from tests import exposition
+from tests.conftest import scrape, start_server
+from tests.exposition import metric_sum
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
@@ -248,14 +250,8 @@ def test_dashboard_query_returns_data(scraped: Stack, title: str, expr: str, opt
     assert any(math.isfinite(v) for v in values), f"{title}: only NaN/Inf for {expr!r}: {result}"
 
 
-def pte_exposition(text: str) -> str:
-    """Only the plugin's families: its HELP/TYPE comments and samples."""
-    keep = [line for line in text.splitlines() if line.startswith(("pte_", "# HELP pte_", "# TYPE pte_"))]
-    return "\n".join(keep) + "\n"
-
-
 def test_promtool_finds_nothing_in_the_plugin_exposition(scraped: Stack):
-    text = pte_exposition(scraped.client.get("/metrics").text)
+    text = exposition.only(scraped.client.get("/metrics").text)
     assert "pte_session_served_pte_bucket" in text and "pte_requests_total" in text
     proc = subprocess.run(
         [PROMTOOL, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60

@@ -13,8 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.conftest import metric_sum, scrape, start_server
+from tests.conftest import scrape, start_server
 from tests.e2e.test_vllm_plugin import independent_gamma, words
+from tests.exposition import metric_sum
 
 HOOK = ["--scheduler-cls", "pte_instrument.vllm_adapter.scheduler.PteScheduler"]
 SESSIONS, TURNS = 2, 3

@@ -9,7 +9,8 @@ import random
 import pytest
 
 from pte_instrument.devtools.workload import AgentSession, WorkloadConfig
-from tests.conftest import API_KEY, metric_sum
+from tests.conftest import API_KEY
+from tests.exposition import metric_sum
 
 BLOCK = 128  # vLLM's KV block on the CPU build: the prefix cache holds whole blocks
 

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from tests.conftest import metric_sum
+from tests.exposition import metric_sum
 
 
 def independent_gamma(config: dict) -> float:

@@ -1,6 +1,6 @@
-"""StepAccumulator (issue 3): request-level meaning (the exact decode integral of
-core.cost, chunked prefill, preemption, cache hits), slots, conservation, backends in
-agreement over simulated multi-request workloads, and no host sync in update().
+"""StepAccumulator (docs/cost-model.md §4): request-level meaning (the exact decode integral
+of pte_instrument.cost.model, chunked prefill, preemption, cache hits), slots, conservation,
+backends in agreement over simulated multi-request workloads, and no host sync in update().
 
 Seeds are fresh per test and printed in failures; PTE_TEST_SEED replays one."""
 

@@ -5,6 +5,7 @@ import json
 import os
 import secrets
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -13,15 +14,27 @@ from pte_instrument.cost.devices import DeviceProfile
 from pte_instrument.cost.model import CostModel
 from pte_instrument.engine.accounting import JOURNAL_STEPS, EngineAccounting
 from pte_instrument.engine.kernels import reference as ref
+from pte_instrument.wire import RequestTotals
 
 # γ = 2 · 1 / (2 · 100) = 0.01; weights: n_total 100 · 2 B · HOI 1 / (2 · 100) = 1 PTE per step
 SHAPE = ModelShape("unit", 1, 8, 1, 1, 8, "mha", 2, (KVGroup(1, 2.0, None),), 100.0, 100.0)
 COST = CostModel(SHAPE, DeviceProfile("unit", 1.0, 1.0, "test"))
 
 
+def flat(m: RequestTotals) -> dict:
+    """A request's totals as one flat mapping (per-group contexts as ctx0, ctx1, …)."""
+    d = msgspec.structs.asdict(m)
+    d.update({f"ctx{g}": v for g, v in enumerate(d.pop("ctx"))})
+    return d
+
+
+def collect(into: list):
+    return lambda messages: into.extend(map(flat, messages))
+
+
 def run(tmp_path, steps, finish):
     sent = []
-    ea = EngineAccounting(COST, sent.extend, step_log=str(tmp_path / "steps.jsonl"))
+    ea = EngineAccounting(COST, collect(sent), step_log=str(tmp_path / "steps.jsonl"))
     for rows in steps:
         ea.on_schedule([r[0] for r in rows], [list(col) for col in zip(*(r[1:] for r in rows), strict=True)])
         ea.on_step_done()
@@ -67,7 +80,7 @@ def test_preemption_counts_recompute_and_cache_hits_are_free(tmp_path):
 
 def test_rejected_drafts_and_unscheduled_aborts(tmp_path):
     sent = []
-    ea = EngineAccounting(COST, sent.extend)
+    ea = EngineAccounting(COST, collect(sent))
     ea.on_schedule(["c"], [[0], [10], [10], [0]])
     ea.on_schedule(["c"], [[10], [3], [10], [2]])  # 1 + 2 drafts
     ea.accepted("c", 11)  # both drafts rejected: vLLM rolled back to 11
@@ -251,7 +264,7 @@ def test_journal_equals_per_step_accounting(tmp_path, seed, cost, asynchronous, 
         log = tmp_path / f"steps-{trial}.jsonl"
         sent: list[dict] = []
         ea = EngineAccounting(
-            cost, sent.extend, backend=backend, step_log=str(log), journal_steps=journal_steps
+            cost, collect(sent), backend=backend, step_log=str(log), journal_steps=journal_steps
         )
         oracle = PerStepOracle(cost)
         for call in calls:
@@ -291,7 +304,7 @@ def test_journal_equals_per_step_accounting(tmp_path, seed, cost, asynchronous, 
 
 def test_journal_processes_when_full_and_before_totals_are_read(tmp_path):
     sent = []
-    ea = EngineAccounting(COST, sent.extend, step_log=str(tmp_path / "s.jsonl"), journal_steps=4)
+    ea = EngineAccounting(COST, collect(sent), step_log=str(tmp_path / "s.jsonl"), journal_steps=4)
     ea.on_schedule(["a"], [[0], [10], [10], [0]])
     for k in range(6):
         ea.on_schedule(["a"], [[10 + k], [1], [10], [0]])

@@ -1,4 +1,4 @@
-"""The step-accumulator kernels (issue 3): the numpy reference against hand arithmetic and a
+"""The step-accumulator kernels (docs/cost-model.md §4): the numpy reference against hand arithmetic and a
 position-by-position brute force, and every other backend against the reference on fresh
 random batches (the seed is in each failure message; set PTE_TEST_SEED to replay one).
 
@@ -68,7 +68,7 @@ def random_packed(rng: np.random.Generator, size: int, slots: int) -> np.ndarray
 
 
 def brute_force(packed: np.ndarray, windows: tuple[int | None, ...]) -> np.ndarray:
-    """The meaning, one position at a time (issue 3's contract, literally)."""
+    """The meaning, one position at a time (docs/cost-model.md §4, literally)."""
     G = len(windows)
     out = np.zeros((ref.N_FIXED + G, packed.shape[1]), dtype=np.int64)
     for j, (_slot, c, n, P, H, spec, rejected) in enumerate(packed.T.tolist()):
@@ -259,7 +259,7 @@ def test_torch_cpu_matches_reference(seed: int) -> None:
 def test_triton_interpreter_matches_reference(seed: int) -> None:
     from pte_instrument.engine.kernels.triton_backend import accumulate_triton
 
-    # Interpreted Triton costs ~10 ms per 1024-row program: small sizes, one medium case.
+    # Interpreted Triton pays per 1024-row program: small sizes, one medium case.
     _check_against_reference(accumulate_triton, "cpu", seed, [0, 1, 5, 300], zeroes_next_row=True)
 
 

@@ -1,4 +1,4 @@
-"""Efficiency statistics (SPEC-EFFICIENCY): hand-computed cases for every quantity, the exact
+"""Efficiency statistics (docs/efficiency-model.md): hand-computed cases for every quantity, the exact
 Δlog identities on random data, solver workload and its audits, the paired bootstrap."""
 
 import math
@@ -11,14 +11,12 @@ from pte_instrument.offline import decomposition as stats
 from pte_instrument.offline.decomposition import (
     EvalTable,
     analyze,
-    bootstrap_weights,
     compression_ratio,
     dlog_terms,
     loop_audit,
     quantities,
-    rankdata,
-    spearman,
 )
+from pte_instrument.offline.statistics import bootstrap_weights, rankdata, spearman
 
 log = math.log
 

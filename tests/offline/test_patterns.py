@@ -1,5 +1,5 @@
 """Agent trajectories: PTE pricing through the core cost model, the four inefficiency
-detectors of SPEC-PTE §7 on hand-made trajectories, and the per-group report."""
+detectors of docs/cost-model.md §7 on hand-made trajectories, and the per-group report."""
 
 import json
 import math

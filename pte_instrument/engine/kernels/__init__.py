@@ -1,4 +1,4 @@
-"""Batched step-accumulator kernels (issue 3).
+"""Batched step-accumulator kernels (docs/cost-model.md §4).
 
 ``reference``      numpy: the meaning, and the CPU backend (imports numpy only)
 ``torch_backend``  the same arithmetic on torch tensors (CPU or CUDA)

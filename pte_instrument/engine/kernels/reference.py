@@ -1,5 +1,5 @@
 """The batched step accumulator, in numpy: the reference that defines what every backend
-computes (issue 3, SPEC-PTE §4). The torch and Triton backends are tested against it.
+computes (docs/cost-model.md §4). The torch and Triton backends are tested against it.
 
 One scheduler step is a batch of B rows, packed as one ``(7, B)`` int64 array whose rows
 are the fields below (one contiguous array, so a GPU backend needs one host→device copy):
@@ -22,11 +22,11 @@ Positions scheduled are p ∈ [c, c+n). With E = max(P, H):
     first      the step that completes the prompt for the first time (H < P, c < P ≤ c+n)
                samples output token 0 from position P-1, attending over P entries
 
-Against SPEC-PTE §4 taken literally (decode cost γ·(n·c + n(n−1)/2): token j of a step
-reads c+j entries): here position p reads p+1 entries, its own included, and the prompt's
-last position samples too. That makes a request's total exactly §2's request-level term,
-Σ_{j<D} (L+j) = core.cost.context_sum(L, D) (output 0 reads L entries, output j reads L+j);
-§4's literal form would give Σ_{j<D-1} (L+j).
+So n decode positions starting at c read Σ_{p=c}^{c+n-1} (p+1) = n·c + n(n+1)/2 context
+tokens (uncapped), and the first sample adds P. A request of prompt L that decodes D tokens
+therefore reads exactly the request-level term of docs/cost-model.md §2,
+Σ_{j<D} (L+j) = pte_instrument.cost.model.context_sum(L, D): output 0 reads the L prompt
+entries (the first sample), output j ≥ 1 is sampled at position L+j-1 and reads L+j.
 
 State columns per slot: prefill, recompute, decode_tokens, spec_tokens, rejected_tokens,
 ctx[0..G-1] (one per KV group). Every contribution is an integer and the state is float64,
@@ -81,8 +81,9 @@ def window_array(windows: Sequence[int | None]) -> np.ndarray:
 
 def context_sum_int(L: np.ndarray, D: np.ndarray, W: int) -> np.ndarray:
     """Σ_{j<D} min(L+j, W) in closed form, exactly, in int64 (L ≥ 1, D ≥ 0): the value of
-    core.cost.context_sum(L, D, W). The first m = clip(W-L+1, 0, D) terms are uncapped
-    (L+j ≤ W) and sum to m·L + m(m-1)/2; the other D-m read the whole window: (D-m)·W."""
+    pte_instrument.cost.model.context_sum(L, D, W). The first m = clip(W-L+1, 0, D) terms
+    are uncapped (L+j ≤ W) and sum to m·L + m(m-1)/2; the other D-m read the whole window:
+    (D-m)·W."""
     if W >= UNLIMITED:
         return D * L + D * (D - 1) // 2
     m = np.clip(W - L + 1, 0, D)
@@ -93,8 +94,9 @@ def step_contributions(packed: np.ndarray, windows: np.ndarray, out: np.ndarray 
     """What each row of one step adds to its slot: a ``(n_columns, B)`` float64 array
     (column-major, so each column is written contiguously; every value is an integer).
 
-    Written for few numpy calls (each costs ~0.5 µs at scheduler batch sizes), so some
-    closed forms are rearranged; the docstring of each line says what it equals."""
+    Written for few numpy calls (at scheduler batch sizes the fixed cost of each call
+    outweighs its arithmetic), so some closed forms are rearranged; the comment on each
+    line says what it equals."""
     _slot, c, n, P, H, spec, rejected = packed
     if out is None:
         out = np.empty((N_FIXED + len(windows), packed.shape[1]), dtype=np.float64)
@@ -128,8 +130,8 @@ def step_contributions(packed: np.ndarray, windows: np.ndarray, out: np.ndarray 
 
 class Workspace:
     """Scratch arrays reused across steps. glibc serves allocations over ~128 KiB with a
-    fresh mmap, and faulting its pages in costs more than the arithmetic: at B = 8192 the
-    (n_columns, B) buffers made step_contributions 580 µs instead of 120 µs."""
+    fresh mmap, and at large batches faulting its pages in costs more than the arithmetic
+    on the (n_columns, B) buffers."""
 
     def __init__(self) -> None:
         self._values = np.empty(0, dtype=np.float64)
@@ -156,7 +158,7 @@ def accumulate(
 ) -> np.ndarray:
     """Add one step into ``state`` (shape (capacity, n_columns), float64, C-contiguous);
     return the step's column sums (float64). Repeated slots add up (np.add.at on the
-    flattened state: unbuffered, and ~6× faster than the 2-D fancy-index form)."""
+    flattened state: unbuffered, and faster than the 2-D fancy-index form)."""
     ncol = state.shape[1]
     if not state.flags.c_contiguous:
         raise ValueError("state must be C-contiguous (it is updated through a flat view)")

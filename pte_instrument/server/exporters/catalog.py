@@ -1,16 +1,13 @@
-"""The plugin's metric families as data: name, type, labels, help and the sample names a
-scrape shows. Read from the live definitions (``PteMetrics``),
-so the metrics reference, the dashboard checks and the Prometheus test cannot drift from
-the code."""
+"""The plugin's metric families as a scrape shows them: name, type, labels, help and the
+sample names. Read from the table ``PteMetrics`` is created from
+(``families.FAMILIES``), so the metrics reference, the dashboard checks and the
+Prometheus test cannot drift from the code."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry
-from prometheus_client.metrics import MetricWrapperBase
-
-from pte_instrument.server.exporters.prometheus import PteMetrics
+from pte_instrument.server.exporters.families import FAMILIES, FamilySpec
 
 # Sample suffixes each type adds to its family name in the text exposition.
 _SUFFIXES = {
@@ -40,24 +37,11 @@ class Family:
         return self.name + "_total" if self.type == "counter" else self.name
 
 
+def family(spec: FamilySpec) -> Family:
+    """A table row as a scrape shows it: buckets as floats with ``+Inf`` appended."""
+    return Family(spec.name, spec.kind, spec.labels, spec.help, spec.source, spec.upper_bounds)
+
+
 def families() -> list[Family]:
     """Every ``pte_*`` family, sorted by name."""
-    # PteMetrics directly, not metrics_for(): its per-registry cache would keep every
-    # throwaway registry's metrics alive.
-    metrics = PteMetrics(CollectorRegistry())
-    out: list[Family] = []
-    for attr, metric in vars(metrics).items():
-        if isinstance(metric, MetricWrapperBase):
-            # Label names and buckets are not part of an empty family's collect() output;
-            # the wrapper keeps them in attributes stable across prometheus_client releases.
-            out.append(
-                Family(
-                    metric._name,
-                    metric._type,
-                    tuple(metric._labelnames),
-                    metric._documentation,
-                    "ledger" if attr in PteMetrics.LEDGER else "request",
-                    tuple(getattr(metric, "_upper_bounds", ())),
-                )
-            )
-    return sorted(out, key=lambda f: f.name)
+    return sorted((family(spec) for spec in FAMILIES), key=lambda f: f.name)

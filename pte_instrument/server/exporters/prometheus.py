@@ -1,6 +1,5 @@
-"""Prometheus metrics. Names follow the Prometheus conventions (``pte_`` prefix,
-``_total`` counters, base units); labels are bounded: model, engine, phase,
-finish_reason, stage, device. Never a request or session id.
+"""Prometheus metrics: the families of ``families.FAMILIES`` (names, labels, help, buckets),
+created per registry, and the exporter that feeds them from finished requests.
 
 PTE (prefill token equivalents) is the unit of every ``pte_*_pte`` series.
 
@@ -15,244 +14,82 @@ from __future__ import annotations
 
 import threading
 import weakref
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 
 from pte_instrument.cost.model import CostModel
 from pte_instrument.failpoints import failpoint
+from pte_instrument.server.exporters.families import FAMILIES, FamilySpec
 from pte_instrument.server.ledger import RequestRecord
 from pte_instrument.server.request_tags import PendingTags
 from pte_instrument.server.sessions import SessionLedger
 
-# 1 PTE … 100M PTE, a factor ~3.16 apart: a short chat to a 100k-token agent turn.
-PTE_BUCKETS = (*(float(f"{m}e{e}") for e in range(8) for m in (1, 3.16)), 1e8)
+_KINDS: dict[str, type[MetricWrapperBase]] = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
+
+
+def create(spec: FamilySpec, registry: CollectorRegistry) -> MetricWrapperBase:
+    """The Prometheus family a table row describes, registered in ``registry``."""
+    options: dict[str, Any] = {}
+    if spec.kind == "histogram":
+        options["buckets"] = spec.buckets
+    if spec.kind == "gauge":
+        options["multiprocess_mode"] = spec.multiprocess_mode
+    return _KINDS[spec.kind](spec.name, spec.help, spec.labels, registry=registry, **options)
 
 
 class PteMetrics:
-    """The plugin's metric families, created once per registry."""
+    """The plugin's metric families, created once per registry from ``FAMILIES``.
+
+    The annotations only type the attributes the table creates (tests check both agree)."""
+
+    requests: Counter
+    served: Counter
+    reference: Counter
+    ideal: Counter
+    recompute: Counter
+    eviction: Counter
+    prompt_tokens: Counter
+    cached_tokens: Counter
+    output_tokens: Counter
+    request_pte: Histogram
+    gamma: Gauge
+    hoi: Gauge
+    n_active: Gauge
+    kv_bytes: Gauge
+    engine_served: Counter
+    engine_recompute: Counter
+    engine_roofline: Counter
+    spec_drafts: Counter
+    spec_rejected: Counter
+    engine_gap: Gauge
+    eval_requests: Counter
+    eval_truncated: Counter
+    eval_output_tokens: Counter
+    eval_labeled: Counter
+    eval_labeled_truncated: Counter
+    eval_labeled_output_tokens: Counter
+    correct_answers: Counter
+    session_turns: Histogram
+    session_pte: Histogram
+    session_eviction: Histogram
+    tool_pause: Histogram
+    sessions_closed: Counter
+    session_ids_rejected: Counter
+    faults: Counter
+    sessions_live: Gauge
+    sessions_opened: Counter
+    turn_rows_dropped: Counter
+    tags_dropped: Counter
+
+    LEDGER = tuple(spec.attr for spec in FAMILIES if spec.source == "ledger")
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        req = ["model", "engine"]
-        self.requests = Counter(
-            "pte_requests",
-            "Finished requests priced by pte-instrument.",
-            [*req, "finish_reason"],
-            registry=registry,
-        )
-        self.served = Counter(
-            "pte_served_pte",
-            "Served PTE: the work the server really did (prefix-cache hits free, recompute included), by phase.",
-            [*req, "phase"],
-            registry=registry,
-        )
-        self.reference = Counter(
-            "pte_reference_pte",
-            "Reference PTE: the published definition, full prompt re-prefilled every turn, by phase.",
-            [*req, "phase"],
-            registry=registry,
-        )
-        self.ideal = Counter(
-            "pte_ideal_pte",
-            "Ideal PTE: cost had the KV cache survived every tool pause.",
-            req,
-            registry=registry,
-        )
-        self.recompute = Counter(
-            "pte_recompute_tax_pte",
-            "PTE spent re-prefilling tokens already computed once (preemption, KV loss).",
-            req,
-            registry=registry,
-        )
-        self.eviction = Counter(
-            "pte_eviction_tax_pte",
-            "PTE spent re-prefilling context a session's previous turn had already paid for.",
-            req,
-            registry=registry,
-        )
-        self.prompt_tokens = Counter(
-            "pte_prompt_tokens", "Prompt tokens of finished requests.", req, registry=registry
-        )
-        self.cached_tokens = Counter(
-            "pte_cached_tokens", "Prompt tokens served from the prefix cache.", req, registry=registry
-        )
-        self.output_tokens = Counter(
-            "pte_output_tokens", "Generated tokens of finished requests.", req, registry=registry
-        )
-        self.request_pte = Histogram(
-            "pte_request_served_pte",
-            "Served PTE per finished request.",
-            req,
-            buckets=PTE_BUCKETS,
-            registry=registry,
-        )
-        self.gamma = Gauge(
-            "pte_gamma",
-            "Decode-vs-prefill price of one context token (gamma), from theory.",
-            [*req, "device"],
-            registry=registry,
-            multiprocess_mode="mostrecent",  # equal in every process: one series, no pid label
-        )
-        self.hoi = Gauge(
-            "pte_hardware_operational_intensity",
-            "Peak FLOP/s divided by memory bandwidth (FLOP per byte) of the device profile.",
-            [*req, "device"],
-            registry=registry,
-            multiprocess_mode="mostrecent",  # equal in every process: one series, no pid label
-        )
-        self.n_active = Gauge(
-            "pte_active_parameters",
-            "Matmul weights used per token (N_active).",
-            req,
-            registry=registry,
-            multiprocess_mode="mostrecent",
-        )
-        self.kv_bytes = Gauge(
-            "pte_kv_cache_bytes_per_token",
-            "KV-cache bytes read per context token per decoded token.",
-            req,
-            registry=registry,
-            multiprocess_mode="mostrecent",
-        )
-        # --- exact engine-side accounting (scheduler hook) ---
-        self.engine_served = Counter(
-            "pte_engine_served_pte",
-            "Served PTE priced step by step in the engine (exact).",
-            req,
-            registry=registry,
-        )
-        self.engine_recompute = Counter(
-            "pte_engine_recompute_tax_pte",
-            "PTE of tokens recomputed after preemption or KV loss, seen by the engine.",
-            req,
-            registry=registry,
-        )
-        self.engine_roofline = Counter(
-            "pte_engine_roofline_pte",
-            "Roofline-attributed cost (SPEC-PTE §5), in prefill-token units.",
-            req,
-            registry=registry,
-        )
-        self.spec_drafts = Counter(
-            "pte_spec_draft_tokens", "Speculative draft tokens scheduled.", req, registry=registry
-        )
-        self.spec_rejected = Counter(
-            "pte_spec_rejected_tokens",
-            "Speculative draft tokens rejected: wasted work.",
-            req,
-            registry=registry,
-        )
-        self.engine_gap = Gauge(
-            "pte_engine_estimate_gap_pte",
-            "Σ (engine exact served PTE − stat-logger estimate) over finished requests.",
-            req,
-            registry=registry,
-            multiprocess_mode="sum",  # a running sum that may go negative: not a counter
-        )
-        # --- live efficiency (SPEC-EFFICIENCY §1), by model and allow-listed benchmark label ---
-        ev = ["model", "benchmark"]
-        self.eval_requests = Counter(
-            "pte_eval_requests", "Finished requests by benchmark label.", ev, registry=registry
-        )
-        self.eval_truncated = Counter(
-            "pte_eval_truncated",
-            "Requests that hit their output budget (finish_reason length).",
-            ev,
-            registry=registry,
-        )
-        self.eval_output_tokens = Counter(
-            "pte_eval_output_tokens",
-            "Generated tokens by benchmark label (E[T] = this / requests).",
-            ev,
-            registry=registry,
-        )
-        self.eval_labeled = Counter(
-            "pte_eval_labeled",
-            "Instances (requests or sessions) with a correctness label (POST /pte/feedback).",
-            ev,
-            registry=registry,
-        )
-        self.eval_labeled_truncated = Counter(
-            "pte_eval_labeled_truncated", "Labeled instances that were truncated.", ev, registry=registry
-        )
-        self.eval_labeled_output_tokens = Counter(
-            "pte_eval_labeled_output_tokens",
-            "Generated tokens of labeled instances (E0's denominator).",
-            ev,
-            registry=registry,
-        )
-        self.correct_answers = Counter(
-            "pte_correct_answers",
-            "Labeled instances answered correctly (never a truncated one).",
-            ev,
-            registry=registry,
-        )
-        # --- sessions (observed when a session closes: idle TTL or the live-session cap) ---
-        self.session_turns = Histogram(
-            "pte_session_turns",
-            "Turns per closed agent session.",
-            ["model"],
-            buckets=(1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233),
-            registry=registry,
-        )
-        self.session_pte = Histogram(
-            "pte_session_served_pte",
-            "Served PTE per closed agent session.",
-            ["model"],
-            buckets=PTE_BUCKETS,
-            registry=registry,
-        )
-        self.session_eviction = Histogram(
-            "pte_session_eviction_tax_pte",
-            "Eviction tax (PTE) per closed agent session.",
-            ["model"],
-            buckets=(0.0, *PTE_BUCKETS),
-            registry=registry,
-        )
-        self.tool_pause = Histogram(
-            "pte_tool_pause_seconds",
-            "Pause between a session's turn ending and its next turn arriving.",
-            ["model"],
-            buckets=(0.01, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 300, 900, 3600),
-            registry=registry,
-        )
-        self.sessions_closed = Counter(
-            "pte_sessions_closed",
-            "Agent sessions closed, by reason (idle: TTL; evicted: live-session cap).",
-            ["model", "reason"],
-            registry=registry,
-        )
-        self.session_ids_rejected = Counter(
-            "pte_session_ids_rejected",
-            "Requests whose session id was unusable (served, not tracked), by reason.",
-            ["reason"],
-            registry=registry,
-        )
-        self.faults = Counter(
-            "pte_plugin_faults",
-            "Faults inside pte-instrument, by stage; serving continued.",
-            ["stage"],
-            registry=registry,
-        )
-        # --- session-ledger state (process-wide, no labels), published by LedgerMetrics ---
-        self.sessions_live = Gauge(
-            "pte_sessions_live",
-            "Agent sessions currently tracked.",
-            registry=registry,
-            multiprocess_mode="livesum",  # each API server's ledger, summed over live processes
-        )
-        self.sessions_opened = Counter("pte_sessions_opened", "Agent sessions opened.", registry=registry)
-        self.turn_rows_dropped = Counter(
-            "pte_session_turn_rows_dropped",
-            "Turn rows not kept past the per-session cap (totals still count).",
-            registry=registry,
-        )
-        self.tags_dropped = Counter(
-            "pte_session_tags_dropped",
-            "Session tags of requests that never finished, dropped past the cap.",
-            registry=registry,
-        )
-
-    LEDGER = ("sessions_live", "sessions_opened", "turn_rows_dropped", "tags_dropped")
+        for spec in FAMILIES:
+            setattr(self, spec.attr, create(spec, registry))
 
     def evaluated(self, model: str, benchmark: str, output_tokens: int, truncated: bool) -> None:
         for labeled in (self.eval_labeled, self.eval_labeled_truncated, self.eval_labeled_output_tokens,
@@ -311,12 +148,97 @@ def metrics_for(registry: CollectorRegistry = REGISTRY) -> PteMetrics:
         return _metrics[registry]
 
 
+@dataclass(frozen=True)
+class _RequestSeries:
+    """The children every finished request of one (model, engine) feeds."""
+
+    served_prefill: Counter
+    served_decode: Counter
+    reference_prefill: Counter
+    reference_decode: Counter
+    ideal: Counter
+    recompute: Counter
+    eviction: Counter
+    prompt_tokens: Counter
+    cached_tokens: Counter
+    output_tokens: Counter
+    request_pte: Histogram
+
+    @classmethod
+    def bind(cls, m: PteMetrics, lab: tuple[str, str]) -> _RequestSeries:
+        return cls(
+            m.served.labels(*lab, "prefill"),
+            m.served.labels(*lab, "decode"),
+            m.reference.labels(*lab, "prefill"),
+            m.reference.labels(*lab, "decode"),
+            m.ideal.labels(*lab),
+            m.recompute.labels(*lab),
+            m.eviction.labels(*lab),
+            m.prompt_tokens.labels(*lab),
+            m.cached_tokens.labels(*lab),
+            m.output_tokens.labels(*lab),
+            m.request_pte.labels(*lab),
+        )
+
+
+@dataclass(frozen=True)
+class _EngineSeries:
+    """The children fed by the scheduler hook's exact accounting."""
+
+    served: Counter
+    recompute: Counter
+    roofline: Counter
+    spec_drafts: Counter
+    spec_rejected: Counter
+    gap: Gauge
+
+    @classmethod
+    def bind(cls, m: PteMetrics, lab: tuple[str, str]) -> _EngineSeries:
+        return cls(
+            m.engine_served.labels(*lab),
+            m.engine_recompute.labels(*lab),
+            m.engine_roofline.labels(*lab),
+            m.spec_drafts.labels(*lab),
+            m.spec_rejected.labels(*lab),
+            m.engine_gap.labels(*lab),
+        )
+
+
 class PrometheusExporter:
+    """Feeds one (model, engine)'s records to the families.
+
+    Label children are looked up once, not per request. Each group is bound on first use
+    rather than here, so a series still appears only once it has data, as before: no
+    zero ``pte_engine_*`` series without the scheduler hook, no pause histogram for a
+    model without sessions."""
+
     def __init__(self, model: str, engine: int, metrics: PteMetrics) -> None:
         self.m = metrics
         self.labels = (model, str(engine))
+        self._requests_by_reason: dict[str, Counter] = {}  # finish reasons are few: stop, length, abort…
+
+    @cached_property
+    def _request(self) -> _RequestSeries:
+        return _RequestSeries.bind(self.m, self.labels)
+
+    @cached_property
+    def _engine(self) -> _EngineSeries:
+        return _EngineSeries.bind(self.m, self.labels)
+
+    @cached_property
+    def _tool_pause(self) -> Histogram:
+        return self.m.tool_pause.labels(self.labels[0])  # by model only
+
+    def _requests(self, finish_reason: str) -> Counter:
+        child = self._requests_by_reason.get(finish_reason)
+        if child is None:
+            # labels() returns the same child for the same values, so a racing thread is harmless.
+            child = self.m.requests.labels(*self.labels, finish_reason)
+            self._requests_by_reason[finish_reason] = child
+        return child
 
     def publish_cost_model(self, cost: CostModel) -> None:
+        # Once per engine at start-up: nothing to cache.
         m, lab = self.m, self.labels
         m.gamma.labels(*lab, cost.device.name).set(cost.gamma)
         m.hoi.labels(*lab, cost.device.name).set(cost.device.hoi)
@@ -325,25 +247,26 @@ class PrometheusExporter:
 
     def export(self, r: RequestRecord) -> None:
         failpoint("prometheus")
-        m, lab = self.m, self.labels
-        m.requests.labels(*lab, r.finish_reason).inc()
-        m.served.labels(*lab, "prefill").inc(r.pte_prefill)
-        m.served.labels(*lab, "decode").inc(r.pte_decode)
-        m.reference.labels(*lab, "prefill").inc(r.prompt_tokens)  # reference re-prefills the whole prompt
-        m.reference.labels(*lab, "decode").inc(r.pte_reference - r.prompt_tokens)
-        m.ideal.labels(*lab).inc(r.pte_ideal)
-        m.recompute.labels(*lab).inc(r.pte_recompute)
-        m.eviction.labels(*lab).inc(r.pte_eviction_tax)
-        m.prompt_tokens.labels(*lab).inc(r.prompt_tokens)
-        m.cached_tokens.labels(*lab).inc(r.cached_tokens)
-        m.output_tokens.labels(*lab).inc(r.output_tokens)
-        m.request_pte.labels(*lab).observe(r.pte_served)
+        self._requests(r.finish_reason).inc()
+        s = self._request
+        s.served_prefill.inc(r.pte_prefill)
+        s.served_decode.inc(r.pte_decode)
+        s.reference_prefill.inc(r.prompt_tokens)  # reference re-prefills the whole prompt
+        s.reference_decode.inc(r.pte_reference - r.prompt_tokens)
+        s.ideal.inc(r.pte_ideal)
+        s.recompute.inc(r.pte_recompute)
+        s.eviction.inc(r.pte_eviction_tax)
+        s.prompt_tokens.inc(r.prompt_tokens)
+        s.cached_tokens.inc(r.cached_tokens)
+        s.output_tokens.inc(r.output_tokens)
+        s.request_pte.observe(r.pte_served)
         if r.pause_s is not None:
-            m.tool_pause.labels(r.model).observe(r.pause_s)
+            self._tool_pause.observe(r.pause_s)
         if r.engine_pte_served is not None:
-            m.engine_served.labels(*lab).inc(r.engine_pte_served)
-            m.engine_recompute.labels(*lab).inc(r.engine_recompute_tokens)
-            m.engine_roofline.labels(*lab).inc(r.engine_pte_roofline)
-            m.spec_drafts.labels(*lab).inc(r.engine_spec_tokens)
-            m.spec_rejected.labels(*lab).inc(r.engine_rejected_tokens)
-            m.engine_gap.labels(*lab).inc(r.engine_pte_served - r.pte_served)
+            e = self._engine
+            e.served.inc(r.engine_pte_served)
+            e.recompute.inc(r.engine_recompute_tokens)
+            e.roofline.inc(r.engine_pte_roofline)
+            e.spec_drafts.inc(r.engine_spec_tokens)
+            e.spec_rejected.inc(r.engine_rejected_tokens)
+            e.gap.inc(r.engine_pte_served - r.pte_served)

@@ -1,0 +1,40 @@
+"""The engine hook's side of the transport: each finished request's totals go to the API
+server that submitted it, and the hook's new faults, once, to API server 0 (so that with
+several API servers they are counted once in the merged metrics)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from pte_instrument.faults import FaultTracker
+from pte_instrument.transport import Sender
+from pte_instrument.wire import EngineFaults, EngineHello, EngineMessage, RequestTotals
+
+
+class EngineReporter:
+    def __init__(self, sender: Sender, engine: int, faults: FaultTracker) -> None:
+        self.sender = sender
+        self.engine = engine
+        self.faults = faults
+        self._faults_sent: dict[str, int] = {}
+
+    def hello(self, api_servers: int) -> None:
+        """Every API server learns that this engine's totals will come."""
+        for api_server in range(api_servers):
+            self.sender.send([EngineHello(self.engine)], api_server)
+
+    def send(self, totals: list[RequestTotals]) -> None:
+        by_server: defaultdict[int, list[EngineMessage]] = defaultdict(list)
+        for m in totals:
+            by_server[m.api_server].append(m)
+        counts = dict(self.faults.counts)
+        new = {k: n - self._faults_sent.get(k, 0) for k, n in counts.items()}
+        new = {k: n for k, n in new.items() if n > 0}
+        if new:
+            by_server[0].append(EngineFaults(self.engine, new))
+        for api_server, batch in by_server.items():
+            self.sender.send(batch, api_server)
+        self._faults_sent = counts
+
+    def close(self) -> None:
+        self.sender.close()

@@ -1,0 +1,165 @@
+"""The plugin's metric families as data: one row per family. ``PteMetrics`` creates its
+Prometheus families from this table, and the metric catalog (metrics reference, dashboard
+checks, Prometheus test) reads it, so none of them can drift from the others.
+
+Names follow the Prometheus conventions (``pte_`` prefix, base units; prometheus_client
+adds a counter's ``_total``); labels are bounded: model, engine, phase, finish_reason,
+stage, device, benchmark, reason. Never a request or session id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Kind = Literal["counter", "gauge", "histogram"]
+Source = Literal["request", "ledger"]
+# How prometheus_client's multiprocess mode merges a gauge across processes.
+GaugeMode = Literal["all", "liveall", "min", "livemin", "max", "livemax", "sum", "livesum",
+                    "mostrecent", "livemostrecent"]  # fmt: skip
+
+INF = float("inf")
+
+# 1 PTE … 100M PTE, a factor ~3.16 apart: a short chat to a 100k-token agent turn.
+PTE_BUCKETS = (*(float(f"{m}e{e}") for e in range(8) for m in (1, 3.16)), 1e8)
+
+REQ = ("model", "engine")
+EVAL = ("model", "benchmark")
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """One metric family: what prometheus_client is given to create it, and where it is fed."""
+
+    attr: str  # attribute of PteMetrics holding the family
+    name: str  # family name, a counter's without `_total`
+    kind: Kind
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()  # histograms only, as given to prometheus_client
+    multiprocess_mode: GaugeMode | None = None  # gauges only: every gauge declares how it merges
+    source: Source = "request"  # "request": per request, session, engine; "ledger": session-ledger state
+
+    def __post_init__(self) -> None:
+        problems = _problems(self)
+        if problems:
+            raise ValueError(f"metric family {self.name!r}: {'; '.join(problems)}")
+
+    @property
+    def upper_bounds(self) -> tuple[float, ...]:
+        """A histogram's bucket bounds as a scrape shows them: floats, ``+Inf`` last
+        (prometheus_client appends it when the table leaves it out)."""
+        if self.kind != "histogram":
+            return ()
+        bounds = tuple(float(b) for b in self.buckets)
+        return bounds if bounds[-1] == INF else (*bounds, INF)
+
+
+def _problems(f: FamilySpec) -> list[str]:
+    """What makes a row invalid; caught at import rather than at the first scrape."""
+    out = []
+    if not f.name.startswith("pte_"):
+        out.append("name lacks the pte_ prefix")
+    if f.kind == "counter" and f.name.endswith("_total"):
+        out.append("counter name ends in _total (prometheus_client adds it)")
+    if (f.kind == "histogram") != bool(f.buckets):
+        out.append("buckets are for histograms, and every histogram needs them")
+    if list(f.buckets) != sorted(set(f.buckets)):
+        out.append("buckets not strictly increasing")
+    if (f.kind == "gauge") != (f.multiprocess_mode is not None):
+        out.append("multiprocess_mode is for gauges, and every gauge needs one")
+    if f.source == "ledger" and f.labels:
+        out.append("ledger state is process-wide: no labels")
+    if not f.help:
+        out.append("no help text")
+    return out
+
+
+# fmt: off
+FAMILIES: tuple[FamilySpec, ...] = (
+    FamilySpec("requests", "pte_requests", "counter",
+               "Finished requests priced by pte-instrument.", (*REQ, "finish_reason")),
+    FamilySpec("served", "pte_served_pte", "counter",
+               "Served PTE: the work the server really did (prefix-cache hits free, recompute included), by phase.",
+               (*REQ, "phase")),
+    FamilySpec("reference", "pte_reference_pte", "counter",
+               "Reference PTE: the published definition, full prompt re-prefilled every turn, by phase.",
+               (*REQ, "phase")),
+    FamilySpec("ideal", "pte_ideal_pte", "counter",
+               "Ideal PTE: cost had the KV cache survived every tool pause.", REQ),
+    FamilySpec("recompute", "pte_recompute_tax_pte", "counter",
+               "PTE spent re-prefilling tokens already computed once (preemption, KV loss).", REQ),
+    FamilySpec("eviction", "pte_eviction_tax_pte", "counter",
+               "PTE spent re-prefilling context a session's previous turn had already paid for.", REQ),
+    FamilySpec("prompt_tokens", "pte_prompt_tokens", "counter", "Prompt tokens of finished requests.", REQ),
+    FamilySpec("cached_tokens", "pte_cached_tokens", "counter", "Prompt tokens served from the prefix cache.", REQ),
+    FamilySpec("output_tokens", "pte_output_tokens", "counter", "Generated tokens of finished requests.", REQ),
+    FamilySpec("request_pte", "pte_request_served_pte", "histogram",
+               "Served PTE per finished request.", REQ, buckets=PTE_BUCKETS),
+    # --- the cost model, once per engine; equal in every process: "mostrecent" keeps one
+    # series with no pid label ---
+    FamilySpec("gamma", "pte_gamma", "gauge",
+               "Decode-vs-prefill price of one context token (gamma), from theory.",
+               (*REQ, "device"), multiprocess_mode="mostrecent"),
+    FamilySpec("hoi", "pte_hardware_operational_intensity", "gauge",
+               "Peak FLOP/s divided by memory bandwidth (FLOP per byte) of the device profile.",
+               (*REQ, "device"), multiprocess_mode="mostrecent"),
+    FamilySpec("n_active", "pte_active_parameters", "gauge",
+               "Matmul weights used per token (N_active).", REQ, multiprocess_mode="mostrecent"),
+    FamilySpec("kv_bytes", "pte_kv_cache_bytes_per_token", "gauge",
+               "KV-cache bytes read per context token per decoded token.", REQ, multiprocess_mode="mostrecent"),
+    # --- exact engine-side accounting (scheduler hook) ---
+    FamilySpec("engine_served", "pte_engine_served_pte", "counter",
+               "Served PTE priced step by step in the engine (exact).", REQ),
+    FamilySpec("engine_recompute", "pte_engine_recompute_tax_pte", "counter",
+               "PTE of tokens recomputed after preemption or KV loss, seen by the engine.", REQ),
+    FamilySpec("engine_roofline", "pte_engine_roofline_pte", "counter",
+               "Roofline-attributed cost (docs/cost-model.md §5), in prefill-token units.", REQ),
+    FamilySpec("spec_drafts", "pte_spec_draft_tokens", "counter", "Speculative draft tokens scheduled.", REQ),
+    FamilySpec("spec_rejected", "pte_spec_rejected_tokens", "counter",
+               "Speculative draft tokens rejected: wasted work.", REQ),
+    # A running sum that may go negative: a gauge, not a counter; summed across processes.
+    FamilySpec("engine_gap", "pte_engine_estimate_gap_pte", "gauge",
+               "Σ (engine exact served PTE − stat-logger estimate) over finished requests.",
+               REQ, multiprocess_mode="sum"),
+    # --- live efficiency (docs/efficiency-model.md §1), by model and allow-listed benchmark label ---
+    FamilySpec("eval_requests", "pte_eval_requests", "counter", "Finished requests by benchmark label.", EVAL),
+    FamilySpec("eval_truncated", "pte_eval_truncated", "counter",
+               "Requests that hit their output budget (finish_reason length).", EVAL),
+    FamilySpec("eval_output_tokens", "pte_eval_output_tokens", "counter",
+               "Generated tokens by benchmark label (E[T] = this / requests).", EVAL),
+    FamilySpec("eval_labeled", "pte_eval_labeled", "counter",
+               "Instances (requests or sessions) with a correctness label (POST /pte/feedback).", EVAL),
+    FamilySpec("eval_labeled_truncated", "pte_eval_labeled_truncated", "counter",
+               "Labeled instances that were truncated.", EVAL),
+    FamilySpec("eval_labeled_output_tokens", "pte_eval_labeled_output_tokens", "counter",
+               "Generated tokens of labeled instances (E0's denominator).", EVAL),
+    FamilySpec("correct_answers", "pte_correct_answers", "counter",
+               "Labeled instances answered correctly (never a truncated one).", EVAL),
+    # --- sessions (observed when a session closes: idle TTL or the live-session cap) ---
+    FamilySpec("session_turns", "pte_session_turns", "histogram", "Turns per closed agent session.",
+               ("model",), buckets=(1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233)),
+    FamilySpec("session_pte", "pte_session_served_pte", "histogram", "Served PTE per closed agent session.",
+               ("model",), buckets=PTE_BUCKETS),
+    FamilySpec("session_eviction", "pte_session_eviction_tax_pte", "histogram",
+               "Eviction tax (PTE) per closed agent session.", ("model",), buckets=(0.0, *PTE_BUCKETS)),
+    FamilySpec("tool_pause", "pte_tool_pause_seconds", "histogram",
+               "Pause between a session's turn ending and its next turn arriving.",
+               ("model",), buckets=(0.01, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 300, 900, 3600)),
+    FamilySpec("sessions_closed", "pte_sessions_closed", "counter",
+               "Agent sessions closed, by reason (idle: TTL; evicted: live-session cap).", ("model", "reason")),
+    FamilySpec("session_ids_rejected", "pte_session_ids_rejected", "counter",
+               "Requests whose session id was unusable (served, not tracked), by reason.", ("reason",)),
+    FamilySpec("faults", "pte_plugin_faults", "counter",
+               "Faults inside pte-instrument, by stage; serving continued.", ("stage",)),
+    # --- session-ledger state (process-wide, no labels), published by LedgerMetrics ---
+    # "livesum": each API server's ledger, summed over live processes.
+    FamilySpec("sessions_live", "pte_sessions_live", "gauge", "Agent sessions currently tracked.",
+               multiprocess_mode="livesum", source="ledger"),
+    FamilySpec("sessions_opened", "pte_sessions_opened", "counter", "Agent sessions opened.", source="ledger"),
+    FamilySpec("turn_rows_dropped", "pte_session_turn_rows_dropped", "counter",
+               "Turn rows not kept past the per-session cap (totals still count).", source="ledger"),
+    FamilySpec("tags_dropped", "pte_session_tags_dropped", "counter",
+               "Session tags of requests that never finished, dropped past the cap.", source="ledger"),
+)
+# fmt: on

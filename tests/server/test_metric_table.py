@@ -1,0 +1,175 @@
+"""The metric table is what a scrape shows: the families ``PteMetrics`` registers, read
+back from prometheus_client's text exposition, match the table and the hand-written
+names, types and labels below (the contract dashboards and queries depend on). The
+exporter binds its label children once and still exposes a series only once it has data."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from pte_instrument.server.exporters.families import FAMILIES, FamilySpec
+from pte_instrument.server.exporters.prometheus import PrometheusExporter, PteMetrics
+from pte_instrument.server.ledger import RequestRecord
+from tests import exposition
+
+M, E = ("model", "engine"), ("model", "benchmark")
+# Exposed name (a counter's with _total) -> (type, label names), written out by hand.
+EXPECTED: dict[str, tuple[str, tuple[str, ...]]] = {
+    "pte_requests_total": ("counter", (*M, "finish_reason")),
+    "pte_served_pte_total": ("counter", (*M, "phase")),
+    "pte_reference_pte_total": ("counter", (*M, "phase")),
+    "pte_ideal_pte_total": ("counter", M),
+    "pte_recompute_tax_pte_total": ("counter", M),
+    "pte_eviction_tax_pte_total": ("counter", M),
+    "pte_prompt_tokens_total": ("counter", M),
+    "pte_cached_tokens_total": ("counter", M),
+    "pte_output_tokens_total": ("counter", M),
+    "pte_request_served_pte": ("histogram", M),
+    "pte_gamma": ("gauge", (*M, "device")),
+    "pte_hardware_operational_intensity": ("gauge", (*M, "device")),
+    "pte_active_parameters": ("gauge", M),
+    "pte_kv_cache_bytes_per_token": ("gauge", M),
+    "pte_engine_served_pte_total": ("counter", M),
+    "pte_engine_recompute_tax_pte_total": ("counter", M),
+    "pte_engine_roofline_pte_total": ("counter", M),
+    "pte_spec_draft_tokens_total": ("counter", M),
+    "pte_spec_rejected_tokens_total": ("counter", M),
+    "pte_engine_estimate_gap_pte": ("gauge", M),
+    "pte_eval_requests_total": ("counter", E),
+    "pte_eval_truncated_total": ("counter", E),
+    "pte_eval_output_tokens_total": ("counter", E),
+    "pte_eval_labeled_total": ("counter", E),
+    "pte_eval_labeled_truncated_total": ("counter", E),
+    "pte_eval_labeled_output_tokens_total": ("counter", E),
+    "pte_correct_answers_total": ("counter", E),
+    "pte_session_turns": ("histogram", ("model",)),
+    "pte_session_served_pte": ("histogram", ("model",)),
+    "pte_session_eviction_tax_pte": ("histogram", ("model",)),
+    "pte_tool_pause_seconds": ("histogram", ("model",)),
+    "pte_sessions_closed_total": ("counter", ("model", "reason")),
+    "pte_session_ids_rejected_total": ("counter", ("reason",)),
+    "pte_plugin_faults_total": ("counter", ("stage",)),
+    "pte_sessions_live": ("gauge", ()),
+    "pte_sessions_opened_total": ("counter", ()),
+    "pte_session_turn_rows_dropped_total": ("counter", ()),
+    "pte_session_tags_dropped_total": ("counter", ()),
+}
+# How each gauge merges across API-server processes.
+GAUGE_MODES = {
+    "pte_gamma": "mostrecent",
+    "pte_hardware_operational_intensity": "mostrecent",
+    "pte_active_parameters": "mostrecent",
+    "pte_kv_cache_bytes_per_token": "mostrecent",
+    "pte_engine_estimate_gap_pte": "sum",  # a running sum that may go negative
+    "pte_sessions_live": "livesum",
+}
+LEDGER = {"sessions_live", "sessions_opened", "turn_rows_dropped", "tags_dropped"}
+
+
+
+def exposed_name(spec: FamilySpec) -> str:
+    return spec.name + "_total" if spec.kind == "counter" else spec.name
+
+
+@pytest.fixture(scope="module")
+def scraped() -> dict[str, tuple[str, str, list]]:
+    registry = CollectorRegistry()
+    metrics = PteMetrics(registry)
+    for spec in FAMILIES:
+        if spec.labels:  # a labelled family shows no sample before its first child
+            getattr(metrics, spec.attr).labels(*("v" for _ in spec.labels))
+    return exposition.families(generate_latest(registry).decode("utf-8"))
+
+
+def test_the_table_is_the_hand_written_contract():
+    assert {exposed_name(s): (s.kind, s.labels) for s in FAMILIES} == EXPECTED
+    assert {s.name: s.multiprocess_mode for s in FAMILIES if s.kind == "gauge"} == GAUGE_MODES
+    assert {s.attr for s in FAMILIES if s.source == "ledger"} == LEDGER == set(PteMetrics.LEDGER)
+    assert len({s.attr for s in FAMILIES}) == len({s.name for s in FAMILIES}) == len(FAMILIES)
+
+
+def test_the_registry_exposes_exactly_the_table(scraped):
+    table = {s.name: s for s in FAMILIES}  # the parser names a counter's family without _total
+    created = {s.name + "_created" for s in FAMILIES if s.kind != "gauge"}
+    assert {n for n in scraped if n not in created} == table.keys()
+    for name, spec in table.items():
+        kind, help_text, samples = scraped[name]
+        assert (kind, help_text) == (spec.kind, spec.help), name
+        labels = {tuple(sorted(k for k in s.labels if k != "le")) for s in samples}
+        assert labels == {tuple(sorted(spec.labels))}, name  # the exposition sorts them
+        assert [float(s.labels["le"]) for s in samples if "le" in s.labels] == list(spec.upper_bounds), name
+
+
+def test_histogram_bounds_end_in_inf_as_prometheus_client_adds_it():
+    pause = next(s for s in FAMILIES if s.name == "pte_tool_pause_seconds")
+    assert pause.buckets[-1] == 3600 and pause.upper_bounds[-2:] == (3600.0, float("inf"))
+    assert all(type(b) is float for b in pause.upper_bounds)
+
+
+def test_pte_metrics_attributes_are_typed_as_the_table_says():
+    hints = typing.get_type_hints(PteMetrics)
+    assert {a: h.__name__.lower() for a, h in hints.items()} == {s.attr: s.kind for s in FAMILIES}
+    metrics = PteMetrics(CollectorRegistry())
+    for spec in FAMILIES:
+        assert isinstance(getattr(metrics, spec.attr), hints[spec.attr]), spec.attr
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        dict(name="requests", kind="counter"),  # no pte_ prefix
+        dict(name="pte_requests_total", kind="counter"),  # prometheus_client adds _total
+        dict(name="pte_x", kind="gauge"),  # a gauge must say how it merges
+        dict(name="pte_x", kind="counter", multiprocess_mode="sum"),
+        dict(name="pte_x", kind="histogram"),  # no buckets
+        dict(name="pte_x", kind="histogram", buckets=(2.0, 1.0)),
+        dict(name="pte_x", kind="counter", buckets=(1.0,)),
+        dict(name="pte_x", kind="counter", labels=("model",), source="ledger"),
+        dict(name="pte_x", kind="counter", help=""),
+    ],
+)
+def test_a_bad_row_is_refused(row):
+    with pytest.raises(ValueError, match="metric family"):
+        FamilySpec(**{"attr": "x", "help": "Something.", **row})
+
+
+def record(**kw) -> RequestRecord:
+    base = {f.name: 1.0 for f in dataclasses.fields(RequestRecord) if f.default is dataclasses.MISSING}
+    base.update(request_id="r", session_id=None, turn=None, model="m", engine=0, finish_reason="stop",
+                device="h200", pause_s=None, prompt_tokens=100, cached_tokens=10, output_tokens=7,
+                pte_prefill=90.0, pte_decode=3.0, pte_reference=120.0, pte_served=93.0)  # fmt: skip
+    return RequestRecord(**{**base, **kw})
+
+
+def test_the_exporter_binds_once_and_exposes_series_only_with_data():
+    registry = CollectorRegistry()
+    exporter = PrometheusExporter("m", 0, PteMetrics(registry))
+    lab = {"model": "m", "engine": "0"}
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, {**lab, **labels})
+
+    assert value("pte_served_pte_total", phase="prefill") is None  # nothing before the first request
+    exporter.export(record())
+    exporter.export(record(finish_reason="length"))
+    exporter.export(record())
+    assert value("pte_requests_total", finish_reason="stop") == 2
+    assert value("pte_requests_total", finish_reason="length") == 1
+    assert value("pte_served_pte_total", phase="prefill") == 270
+    assert value("pte_reference_pte_total", phase="prefill") == 300
+    assert value("pte_reference_pte_total", phase="decode") == 60
+    assert value("pte_request_served_pte_count") == 3
+    # No scheduler hook and no session: those series stay absent, not at 0.
+    assert value("pte_engine_served_pte_total") is None
+    assert registry.get_sample_value("pte_tool_pause_seconds_count", {"model": "m"}) is None
+
+    exporter.export(record(pause_s=2.0, engine_pte_served=95.0, engine_pte_roofline=80.0,
+                           engine_recompute_tokens=4, engine_spec_tokens=6, engine_rejected_tokens=2))  # fmt: skip
+    assert value("pte_engine_served_pte_total") == 95
+    assert value("pte_engine_estimate_gap_pte") == 2
+    assert value("pte_spec_rejected_tokens_total") == 2
+    assert registry.get_sample_value("pte_tool_pause_seconds_count", {"model": "m"}) == 1
