@@ -23,8 +23,14 @@ def _parse(spec: str) -> dict[str, float]:
     return points
 
 
+def fires(stage: str) -> bool:
+    """Whether the failpoint of ``stage`` fires now: for a fault that is not an exception
+    of its own (a disk that fills in the middle of a write)."""
+    return bool(_points and (p := _points.get(stage)) and _rng.random() < p)
+
+
 def failpoint(stage: str) -> None:
-    if _points and (p := _points.get(stage)) and _rng.random() < p:
+    if fires(stage):
         raise InjectedFault(f"injected fault in {stage}")
 
 

@@ -34,18 +34,23 @@ class FaultTracker:
         self._last_log: dict[str, float] = {}
         self._lock = threading.Lock()
 
-    def record(self, stage: str, exc: BaseException) -> None:
+    def record(self, stage: str, exc: BaseException, *, logged: bool = False) -> None:
+        """``logged``: the caller has already explained this fault in a line of its own."""
         with self._lock:
             self.counts[stage] += 1
             n = self.counts[stage]
             now = time.monotonic()
-            due = now - self._last_log.get(stage, -self._interval) >= self._interval
+            due = not logged and now - self._last_log.get(stage, -self._interval) >= self._interval
             if due:
                 self._last_log[stage] = now
         if self._on_fault is not None:
             with contextlib.suppress(Exception):  # the fault counter must not raise either
                 self._on_fault(stage)
-        if n == 1:
+        if logged:
+            return
+        if n == 1 and isinstance(exc, OSError):  # disk, permissions: the message says it all
+            log.error("pte-instrument: fault in stage %r (serving continues): %s", stage, exc)
+        elif n == 1:
             log.error("pte-instrument: fault in stage %r (serving continues)", stage, exc_info=exc)
         elif due:
             log.error("pte-instrument: %d faults so far in stage %r, latest: %r", n, stage, exc)

@@ -6,12 +6,53 @@ each) and the default is used instead.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from pte_instrument.cost.architecture import N_ACTIVE_MAX, N_ACTIVE_MIN
+from pte_instrument.cost.devices import HOI_MAX, device_names
+
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The documented range of a numeric setting (docs/configuration.md). Finite always:
+    a value such as 1e308 parses as a float but overflows γ or the ledgers' arithmetic."""
+
+    low: float
+    high: float
+    low_open: bool = False  # ``low`` itself excluded: a positive quantity
+    whole: bool = False
+    unit: str = ""
+
+    def admits(self, value: float) -> bool:
+        above = value > self.low if self.low_open else value >= self.low  # NaN: False
+        return above and value <= self.high and (not self.whole or value == int(value))
+
+    def describe(self) -> str:
+        kind = "whole number" if self.whole else "number"
+        if self.low_open:
+            return f"a positive {kind} of at most {_plain(self.high)}{self.unit}"
+        return f"a {kind} from {_plain(self.low)} to {_plain(self.high)}{self.unit}"
+
+
+def _plain(x: float) -> str:
+    """1000000 rather than 1e+06 where the digits stay readable."""
+    return str(int(x)) if x == int(x) and abs(x) < 1e9 else f"{x:g}"
+
+
+BOUNDS: dict[str, Bounds] = {
+    "PTE_HOI": Bounds(0.0, HOI_MAX, low_open=True, unit=" FLOP/byte"),
+    "PTE_N_ACTIVE": Bounds(N_ACTIVE_MIN, N_ACTIVE_MAX, unit=" parameters"),
+    "PTE_MAX_SESSIONS": Bounds(1, 1_000_000, whole=True),
+    "PTE_MAX_TURNS": Bounds(1, 100_000, whole=True),
+    "PTE_FEEDBACK_WINDOW": Bounds(1, 10_000_000, whole=True),
+    "PTE_SESSION_IDLE_TTL_S": Bounds(0.0, 31_536_000, low_open=True, unit=" s"),  # one year
+}
 
 
 @dataclass(frozen=True)
@@ -51,25 +92,31 @@ class Settings:
             errors.append(f"{name}={raw!r} is not a boolean (use 1/0, true/false); using {default}")
             return default
 
-        def positive(name: str) -> float | None:
+        def number(name: str, default: float | None) -> float | None:
+            """The value within BOUNDS[name], else ``default`` (None: no override)."""
             raw = env.get(name)
             if raw is None or not raw.strip():
-                return None
+                return default
+            bounds = BOUNDS[name]
             try:
                 value = float(raw)
             except ValueError:
-                value = float("nan")
-            if not value > 0 or value == float("inf"):
-                errors.append(f"{name}={raw!r} must be a positive number; ignoring it")
-                return None
-            return value
+                value = math.nan
+            if bounds.admits(value):
+                return int(value) if bounds.whole else value
+            fallback = "ignoring it" if default is None else f"using {default:g}"
+            errors.append(f"{name}={raw!r} must be {bounds.describe()}; {fallback}")
+            return default
 
         def count(name: str, default: int) -> int:
-            value = positive(name)
-            if value is not None and value != int(value):
-                errors.append(f"{name}={env[name]!r} must be a whole number; using {default}")
-                value = None
-            return default if value is None else int(value)
+            return int(number(name, default) or default)
+
+        device = (env.get("PTE_DEVICE") or "auto").strip()
+        if device.lower() not in device_names():  # else the cost model could not be built
+            errors.append(
+                f"PTE_DEVICE={device!r} is not a device profile (known: {', '.join(device_names())}); using auto"
+            )
+            device = "auto"
 
         header = (env.get("PTE_SESSION_HEADER") or "X-Session-Id").strip()
         if not header.isascii() or not header.replace("-", "").replace("_", "").isalnum():
@@ -85,14 +132,14 @@ class Settings:
             backend = "auto"
         return cls(
             enabled=flag("PTE_ENABLED", True),
-            device=(env.get("PTE_DEVICE") or "auto").strip(),
-            hoi=positive("PTE_HOI"),
-            n_active=positive("PTE_N_ACTIVE"),
+            device=device,
+            hoi=number("PTE_HOI", None),
+            n_active=number("PTE_N_ACTIVE", None),
             request_log=(env.get("PTE_REQUEST_LOG") or "").strip() or None,
             session_header=header,
             session_from_user=flag("PTE_SESSION_FROM_USER", False),
             max_sessions=count("PTE_MAX_SESSIONS", 5000),
-            session_idle_ttl_s=positive("PTE_SESSION_IDLE_TTL_S") or 3600.0,
+            session_idle_ttl_s=number("PTE_SESSION_IDLE_TTL_S", 3600.0) or 3600.0,
             max_turns=count("PTE_MAX_TURNS", 64),
             feedback_window=count("PTE_FEEDBACK_WINDOW", 50_000),
             otel=flag("PTE_OTEL", otel_default) and not flag("OTEL_SDK_DISABLED", False),

@@ -35,10 +35,14 @@ class RequestTotals(msgspec.Struct, tag="totals", frozen=True):
     Σ context per KV-cache group. ``engine_*`` fields report the hook's state when sent."""
 
     request_id: str  # the engine's id
-    external_id: str  # the id the API server knows
+    external_id: str  # the id the API server knows (a parallel-sampling child: its parent's)
     engine: int
     finish_reason: str
+    child_index: int | None = None  # parallel sampling (n > 1): which of the parent's samples
     api_server: int = 0  # vLLM's client index: the API server that submitted the request
+    arrival_time: float = 0.0  # unix time the API server received the request (vLLM's)
+    finished_at: float = 0.0  # unix time the engine freed it
+    scheduled: bool = False  # whether the engine ever ran it (False: aborted while queued)
     prompt_tokens: int = 0
     output_tokens: int = 0
     num_preemptions: int = 0
@@ -52,6 +56,7 @@ class RequestTotals(msgspec.Struct, tag="totals", frozen=True):
     pte_served: float = 0.0
     pte_recompute: float = 0.0
     pte_roofline: float = 0.0
+    pte_rejected: float = 0.0  # PTE of speculative drafts computed and then rejected: wasted
     engine_live: int = 0  # requests the hook still tracks
     engine_steps: int = 0
     engine_hook_s: float = 0.0  # the hook's own time, all steps

@@ -17,7 +17,7 @@ from rich.table import Table
 
 from pte_instrument.cli.bench import add_bench_parser
 from pte_instrument.cli.efficiency import add_efficiency_parser, add_report_parser
-from pte_instrument.cli.errors import UsageError, print_json, report_error
+from pte_instrument.cli.errors import UsageError, print_json, report_error, report_warning
 from pte_instrument.cost.architecture import ArchitectureError, load_config, parse_shape
 from pte_instrument.cost.devices import PROFILES, UnknownDeviceError, measure_profile, resolve_device
 from pte_instrument.cost.model import CostModel
@@ -40,6 +40,8 @@ def cmd_gamma(args: argparse.Namespace) -> int:
     except (ArchitectureError, UnknownDeviceError) as e:
         raise UsageError(str(e)) from None
     info = model.describe()
+    if info["assumed"]:  # γ rests on a guess: say so, whatever the output format
+        report_warning("gamma", "; ".join(info["assumed"]))
     if args.json:
         print_json(info)
         return 0
@@ -63,6 +65,7 @@ def cmd_gamma(args: argparse.Namespace) -> int:
     ]
     if info["moe_experts"]:
         rows.append(["MoE", f"{info['moe_experts_per_token']} of {info['moe_experts']} experts per token"])
+    rows += [["assumed", a] for a in info["assumed"]]
     Console().print(_table(f"γ for {args.model}", ["quantity", "value"], rows))
     return 0
 

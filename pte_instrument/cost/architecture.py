@@ -7,6 +7,7 @@ Pure functions over a plain ``dict``; no vLLM, no transformers.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,8 +41,20 @@ KV_DTYPE_BYTES: dict[str, float] = {
 }
 
 
+# An N_active override outside this is no model: a single weight at least, and 10^14 is far
+# above any model built; outside it γ underflows or overflows.
+N_ACTIVE_MIN = 1.0
+N_ACTIVE_MAX = 1e14
+# Config sizes above 2^53 are no longer exact as floats (and no real model has them).
+_MAX_SIZE = 2**53
+
+
 class ArchitectureError(ValueError):
     """The config lacks what the cost model needs; the message names the fields."""
+
+
+class _NonFiniteNumber(ValueError):
+    """A JSON number the cost model cannot use: NaN, ±Infinity or past float range."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +81,7 @@ class ModelShape:
     n_total: float  # all matmul weights (every expert), the weight bytes read per step
     moe_experts: int = 0
     moe_experts_per_token: int = 0
+    assumed: tuple[str, ...] = ()  # fields the config lacked, each with the value assumed
 
     @property
     def kv_bytes_per_token(self) -> float:
@@ -81,16 +95,34 @@ def load_config(path: str | Path) -> dict[str, Any]:
     if p.is_dir():
         p = p / "config.json"
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ArchitectureError(f"cannot read model config {p}: not UTF-8 text") from None
     except OSError as e:
         raise ArchitectureError(f"cannot read model config {p}: {e.strerror or e}") from None
     try:
-        cfg = json.loads(text)
+        cfg = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
     except json.JSONDecodeError as e:
         raise ArchitectureError(f"{p} is not valid JSON: {e}") from None
+    except _NonFiniteNumber as e:
+        raise ArchitectureError(f"{p} is not valid JSON: {e}") from None
+    except RecursionError:  # the json module recurses once per nesting level
+        raise ArchitectureError(f"{p} is not valid JSON: nested too deeply") from None
     if not isinstance(cfg, dict):
         raise ArchitectureError(f"{p} must hold a JSON object, got {type(cfg).__name__}")
     return cfg
+
+
+def _reject_constant(literal: str) -> float:
+    # Python's json accepts NaN and Infinity; the JSON standard and the cost model do not.
+    raise _NonFiniteNumber(f"{literal} is not a finite number")
+
+
+def _finite_float(literal: str) -> float:
+    value = float(literal)
+    if not math.isfinite(value):  # e.g. 1e400, which float() turns into inf
+        raise _NonFiniteNumber(f"{literal} is out of range")
+    return value
 
 
 def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -122,10 +154,15 @@ def _require(cfg: dict[str, Any], names: list[str]) -> dict[str, Any]:
         raise ArchitectureError(
             f"model_type {kind!r}: config lacks field(s) needed for the cost model: {hint}"
         )
-    bad = [n for n, v in values.items() if not isinstance(v, (int, float)) or v <= 0]
+    bad = [n for n, v in values.items() if not _is_size(v)]
     if bad:
-        raise ArchitectureError(f"config field(s) must be positive numbers: {', '.join(bad)}")
+        raise ArchitectureError(f"config field(s) must be positive finite numbers: {', '.join(bad)}")
     return values
+
+
+def _is_size(v: Any) -> bool:
+    # NaN fails both comparisons; bool is an int but never a size
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < _MAX_SIZE
 
 
 def kv_dtype_bytes(dtype: str | None, default: float = 2) -> float:
@@ -188,13 +225,19 @@ def parse_shape(
         int(v["num_attention_heads"]),
         int(v["vocab_size"]),
     )
+    is_mla = cfg.get("kv_lora_rank") is not None
+    assumed: list[str] = []  # said in one warning line, and shown beside γ
     n_kv = int(_get(cfg, "num_key_value_heads") or n_heads)
     if cfg.get("multi_query") is True:  # gpt_bigcode / falcon flag
         n_kv = 1
+    elif _get(cfg, "num_key_value_heads") is None and not is_mla:
+        # A remote-code model may name it otherwise; MHA is the largest KV it can have.
+        assumed.append("num_key_value_heads missing: assumed = num_attention_heads (MHA)")
     head_dim = int(cfg.get("head_dim") or d // n_heads)
-    model_dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
-    kv_bytes = kv_dtype_bytes(kv_cache_dtype, default=kv_dtype_bytes(str(model_dtype)))
-    is_mla = cfg.get("kv_lora_rank") is not None
+    model_dtype = cfg.get("torch_dtype") or cfg.get("dtype")
+    if model_dtype is None and kv_cache_dtype in (None, "auto", ""):
+        assumed.append("torch_dtype missing: assumed bfloat16 (2 bytes per KV element)")
+    kv_bytes = kv_dtype_bytes(kv_cache_dtype, default=kv_dtype_bytes(str(model_dtype or "bfloat16")))
 
     # --- attention weights and KV bytes per layer ---
     if is_mla:
@@ -224,8 +267,9 @@ def parse_shape(
     if n_experts and not top_k:
         raise ArchitectureError(f"model_type {model_type!r}: MoE config lacks num_experts_per_tok")
     moe_ffn = cfg.get("moe_intermediate_size") or ffn
-    if ffn is None and not n_experts:
-        ffn = 4 * d if not gated else None
+    if ffn is None and not n_experts and not gated:
+        ffn = 4 * d
+        assumed.append("intermediate_size missing: assumed 4 × hidden_size (ungated MLP)")
     if ffn is None and not moe_ffn:
         raise ArchitectureError(
             f"model_type {model_type!r}: config lacks field(s) needed for the cost model: intermediate_size"
@@ -254,8 +298,11 @@ def parse_shape(
     n_active = n_layers * attn_w + n_dense_layers * dense_mlp + n_moe_layers * moe_active + lm_head
     n_total = n_layers * attn_w + n_dense_layers * dense_mlp + n_moe_layers * moe_total + lm_head
     if n_active_override is not None:
-        if n_active_override <= 0:
-            raise ArchitectureError("n_active override must be positive")
+        if not N_ACTIVE_MIN <= n_active_override <= N_ACTIVE_MAX:  # NaN fails both comparisons
+            raise ArchitectureError(
+                f"N_active override must be a number from {N_ACTIVE_MIN:g} to {N_ACTIVE_MAX:g}, "
+                f"got {n_active_override!r}"
+            )
         n_active = float(n_active_override)
         n_total = max(n_total, n_active)
 
@@ -275,4 +322,5 @@ def parse_shape(
         n_total=float(n_total),
         moe_experts=n_experts,
         moe_experts_per_token=top_k,
+        assumed=tuple(assumed),
     )

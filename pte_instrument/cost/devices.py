@@ -113,6 +113,14 @@ _NAME_HINTS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("mi300x",), "mi300x"),
 )
 DEFAULT_DEVICE = "h100-sxm"
+# An HOI override beyond this is no hardware: datasheet GPUs sit near 100–1,000 FLOP/byte,
+# and a larger figure only drives γ towards overflow.
+HOI_MAX = 1e5
+
+
+def device_names() -> tuple[str, ...]:
+    """Every name :func:`resolve_device` accepts (case-insensitive)."""
+    return ("auto", "measured", *PROFILES)
 
 
 class UnknownDeviceError(ValueError):
@@ -192,10 +200,12 @@ def resolve_device(name: str | None = "auto", hoi: float | None = None) -> Devic
     elif key in PROFILES:
         profile = PROFILES[key]
     else:
-        raise UnknownDeviceError(f"unknown device {name!r}; known: auto, measured, {', '.join(PROFILES)}")
+        raise UnknownDeviceError(f"unknown device {name!r}; known: {', '.join(device_names())}")
     if hoi is not None:
-        if not hoi > 0:
-            raise UnknownDeviceError(f"HOI must be a positive number, got {hoi!r}")
+        if not 0 < hoi <= HOI_MAX:  # NaN fails both comparisons
+            raise UnknownDeviceError(
+                f"HOI must be a positive number of at most {HOI_MAX:g} FLOP/byte, got {hoi!r}"
+            )
         profile = DeviceProfile(
             name=f"{profile.name}@hoi={hoi:g}",
             peak_flops=hoi * profile.mem_bandwidth,

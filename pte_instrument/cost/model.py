@@ -70,6 +70,7 @@ class CostModel:
             "kv_dtype_bytes": s.kv_dtype_bytes,
             "moe_experts": s.moe_experts,
             "moe_experts_per_token": s.moe_experts_per_token,
+            "assumed": list(s.assumed),  # config fields the shape had to assume
         }
 
 

@@ -22,6 +22,7 @@ each row's H from the state and the slot's earlier rows.
 
 from __future__ import annotations
 
+import errno
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -70,15 +71,17 @@ class EngineAccounting:
     backend: str = "numpy"
     step_log: str | None = None
     clock: Callable[[], float] = time.perf_counter
-    external_id: Callable[[str], str] = lambda rid: rid  # the id the API server knows
+    # the id the API server knows, and a parallel-sampling child's index
+    external_id: Callable[[str], tuple[str, int | None]] = lambda rid: (rid, None)
     weight_bytes: float = 2.0  # bytes per weight as served (bf16: 2); read once per step
     journal_steps: int = JOURNAL_STEPS  # 1: process every step at once
     acc: StepAccumulator = field(init=False)
     slot_of: dict[str, int] = field(default_factory=dict, init=False)  # live requests
-    finished: list[tuple[str, str, int, Mapping[str, int]]] = field(default_factory=list, init=False)
+    finished: list[tuple[str, str, int, Mapping[str, float], float]] = field(default_factory=list, init=False)
     steps: int = field(default=0, init=False)
     # the hook's own time, all steps: on_schedule, and journal passes wherever they run
     hook_s: float = field(default=0.0, init=False)
+    step_log_error: OSError | None = field(default=None, init=False)  # why the step log is off
 
     def __post_init__(self) -> None:
         # validate=False: the batches are built here, and the check would cost more than the step
@@ -95,6 +98,7 @@ class EngineAccounting:
         # journal holds the rest.
         self.state = np.zeros((N_STATE, self.acc.capacity), dtype=np.int64)
         self.roofline = np.zeros(self.acc.capacity)
+        self.rejected_pte = np.zeros(self.acc.capacity)  # PTE of each slot's rejected drafts
         self._workspace = ref.Workspace()  # reused buffers: fresh large arrays cost page faults
         self._journal = _Journal()
         self._drafts: set[int] = set()  # slots whose drafts accepted() has not settled yet
@@ -103,15 +107,28 @@ class EngineAccounting:
         self._pending_step: StepLogLine | None = None  # processed, waiting for its dt_s
         self._pending_t0 = 0.0  # when the pending step's wall time started
         if self.step_log:
-            path = Path(f"{self.step_log}.engine{self.engine}" if self.engine else self.step_log)
+            self._open_step_log(self.step_log)
+
+    def _open_step_log(self, base: str) -> None:
+        """The step log with its header; one that cannot be opened stays off (``step_log_error``):
+        the accounting does not need it."""
+        path = Path(f"{base}.engine{self.engine}" if self.engine else base)
+        try:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._log = path.open("a", buffering=1 << 16)
-            header = StepLogHeader(
-                engine=self.engine, gammas=self.gammas.tolist(), windows=[g.window for g in self.cost_model.groups],
-                n_active=shape.n_active, n_total=shape.n_total, hoi=self.cost_model.device.hoi,
-                device=self.cost_model.device.name, weights_pte=self.weights_pte,
-            )  # fmt: skip
-            self._log.write(encode_step_log(header))
+        except FileExistsError:  # a file where the directory should be: say so
+            self.step_log_error = NotADirectoryError(errno.ENOTDIR, "Not a directory", str(path.parent))
+            return
+        except OSError as e:
+            self.step_log_error = e
+            return
+        shape = self.cost_model.shape
+        header = StepLogHeader(
+            engine=self.engine, gammas=self.gammas.tolist(), windows=[g.window for g in self.cost_model.groups],
+            n_active=shape.n_active, n_total=shape.n_total, hoi=self.cost_model.device.hoi,
+            device=self.cost_model.device.name, weights_pte=self.weights_pte,
+        )  # fmt: skip
+        self._log.write(encode_step_log(header))
 
     @property
     def live(self) -> int:
@@ -129,6 +146,7 @@ class EngineAccounting:
                     grow = self.acc.capacity - st.shape[1]
                     st = self.state = np.concatenate([st, np.zeros((N_STATE, grow), dtype=np.int64)], axis=1)
                     self.roofline = np.concatenate([self.roofline, np.zeros(grow)])
+                    self.rejected_pte = np.concatenate([self.rejected_pte, np.zeros(grow)])
                 st[:, s] = 0
                 st[CACHED, s] = first_c[j]
                 self._drafts.discard(s)
@@ -206,10 +224,16 @@ class EngineAccounting:
         A slot has drafts only after a step processed at once, so the journal is empty."""
         st = self.state
         if st[SPEC, slot]:
-            rejected = int(st[SCHED_END, slot]) - num_computed
+            end = int(st[SCHED_END, slot])
+            rejected = end - num_computed
             if rejected > 0:
                 st[REJECTED, slot] += rejected
                 self._rejected = True
+                # each rejected position p read min(p + 1, W) KV entries per group: wasted
+                self.rejected_pte[slot] += sum(
+                    g * int(ref.context_sum_int(np.int64(num_computed + 1), np.int64(rejected), int(w)))
+                    for g, w in zip(self.gammas.tolist(), self.acc.windows.tolist(), strict=True)
+                )
             st[HIGH_WATER, slot] = num_computed
             st[SPEC, slot] = 0
         self._drafts.discard(slot)
@@ -364,14 +388,14 @@ class EngineAccounting:
 
     # --- finish -------------------------------------------------------------------------
 
-    def on_finished(self, rid: str, reason: str, num_computed: int, counts: Mapping[str, int]) -> None:
+    def on_finished(self, rid: str, reason: str, num_computed: int, counts: Mapping[str, float]) -> None:
         """``counts``: prompt_tokens, output_tokens, num_preemptions as the engine saw them
-        (so the API server can still account a request its stat logger never reports) and
-        api_server, the API server the totals must reach."""
+        (so the API server can still account a request its stat logger never reports),
+        api_server (the API server the totals must reach) and arrival_time."""
         slot = self.slot_of.pop(rid, -1)  # -1: never scheduled (aborted while waiting)
         if slot >= 0:
             self._settle_drafts(slot, num_computed)
-        self.finished.append((rid, reason, slot, counts))
+        self.finished.append((rid, reason, slot, counts, time.time()))
 
     def flush(self) -> None:
         """Process the journal, read the finished requests' rows in one transfer, send them,
@@ -380,20 +404,22 @@ class EngineAccounting:
             return
         self._process_now()
         done, self.finished = self.finished, []
-        slots = np.array([slot for _, _, slot, _ in done if slot >= 0], dtype=np.int64)
+        slots = np.array([slot for _, _, slot, _, _ in done if slot >= 0], dtype=np.int64)
         rows = self.acc.read(slots)
         served = ref.served_pte(rows, self.gammas)
         messages, k = [], 0
-        for rid, reason, slot, counts in done:
-            common = {"request_id": rid, "external_id": self.external_id(rid), "engine": self.engine,
-                      "finish_reason": reason, **counts, "engine_live": self.live, "engine_steps": self.steps,
-                      "engine_hook_s": self.hook_s}  # fmt: skip
+        for rid, reason, slot, counts, finished_at in done:
+            external, child = self.external_id(rid)
+            common = {"request_id": rid, "external_id": external, "child_index": child, "engine": self.engine,
+                      "finish_reason": reason, **counts, "finished_at": finished_at, "engine_live": self.live,
+                      "engine_steps": self.steps, "engine_hook_s": self.hook_s}  # fmt: skip
             if slot < 0:  # never scheduled: no work
                 messages.append(RequestTotals(**common, ctx=(0.0,) * self.acc.n_groups))
                 continue
             row = rows[k].tolist()
             messages.append(RequestTotals(
                 **common,
+                scheduled=True,
                 cached_tokens=int(self.state[CACHED, slot]),
                 prefill=row[ref.PREFILL],
                 recompute=row[ref.RECOMPUTE],
@@ -404,8 +430,10 @@ class EngineAccounting:
                 pte_served=float(served[k]),
                 pte_recompute=row[ref.RECOMPUTE],
                 pte_roofline=float(self.roofline[slot]),
+                pte_rejected=float(self.rejected_pte[slot]),
             ))  # fmt: skip
             self.roofline[slot] = 0.0
+            self.rejected_pte[slot] = 0.0
             k += 1
         self.acc.release(slots)
         self.send(messages)

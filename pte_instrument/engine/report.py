@@ -19,14 +19,21 @@ class EngineReporter:
         self._faults_sent: dict[str, int] = {}
 
     def hello(self, api_servers: int) -> None:
-        """Every API server learns that this engine's totals will come."""
+        """Every API server learns that this engine's totals will come; faults of the set-up
+        (an unwritable step log) travel with it, so they are counted before any request."""
+        by_server: defaultdict[int, list[EngineMessage]] = defaultdict(list)
         for api_server in range(api_servers):
-            self.sender.send([EngineHello(self.engine)], api_server)
+            by_server[api_server].append(EngineHello(self.engine))
+        self._send(by_server)
 
     def send(self, totals: list[RequestTotals]) -> None:
         by_server: defaultdict[int, list[EngineMessage]] = defaultdict(list)
         for m in totals:
             by_server[m.api_server].append(m)
+        self._send(by_server)
+
+    def _send(self, by_server: defaultdict[int, list[EngineMessage]]) -> None:
+        """The batches, and the faults not yet reported to API server 0."""
         counts = dict(self.faults.counts)
         new = {k: n - self._faults_sent.get(k, 0) for k, n in counts.items()}
         new = {k: n for k, n in new.items() if n > 0}

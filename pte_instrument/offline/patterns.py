@@ -31,7 +31,7 @@ import numpy as np
 
 from pte_instrument.cost.model import CostModel, TurnCost, price_turn, session_turns
 from pte_instrument.offline.decomposition import DEFAULT_BOOTSTRAP, Estimate
-from pte_instrument.offline.records import Problem, RecordError, drop_duplicates
+from pte_instrument.offline.records import Problem, RecordError, drop_duplicates, json_loads
 from pte_instrument.offline.statistics import bootstrap_means, interval_bounds, spearman
 
 PATTERNS = (
@@ -208,7 +208,7 @@ def load_trajectories(path: str | Path, strict: bool = False) -> TrajectoryLoad:
         rows += 1
         where = f"{p}:{lineno}"
         try:
-            raw = json.loads(line)
+            raw = json_loads(line)
             if not isinstance(raw, dict):
                 raise TrajectoryError("not a JSON object")
             trajs.append(parse_trajectory(raw, where))

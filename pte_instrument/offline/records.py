@@ -143,6 +143,15 @@ def iter_rows(path: str | Path) -> Iterator[tuple[str, Mapping[str, Any] | _RowE
         raise RecordError(f"{p}: unknown format {suffix or '(no suffix)'}; use .jsonl, .csv or .parquet")
 
 
+def json_loads(text: str) -> Any:
+    """``json.loads``, with input nested past the interpreter's recursion limit (the json
+    module recurses once per level) reported as bad JSON like any other."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise json.JSONDecodeError("nested too deeply", text, 0) from None
+
+
 def _iter_json(p: Path) -> Iterator[tuple[str, Mapping[str, Any] | _RowError]]:
     try:
         text = p.read_text(encoding="utf-8")
@@ -150,7 +159,7 @@ def _iter_json(p: Path) -> Iterator[tuple[str, Mapping[str, Any] | _RowError]]:
         raise RecordError(f"cannot read {p}: {e}") from None
     if text.lstrip().startswith("["):  # a JSON array of objects, rows numbered from 1
         try:
-            rows = json.loads(text)
+            rows = json_loads(text)
         except json.JSONDecodeError as e:
             raise RecordError(f"{p} is not valid JSON: {e}") from None
         for k, row in enumerate(rows, 1):
@@ -162,7 +171,7 @@ def _iter_json(p: Path) -> Iterator[tuple[str, Mapping[str, Any] | _RowError]]:
             continue
         where = f"{p}:{lineno}"
         try:
-            row = json.loads(line)
+            row = json_loads(line)
         except json.JSONDecodeError as e:
             yield where, _RowError(f"invalid JSON ({e.msg})")
             continue

@@ -44,12 +44,12 @@ class Accountant:
         try:
             if request.session_id is not None and self.sessions is not None:
                 ctx = self.sessions.context_for(
-                    request.session_id, now - request.e2e_s, request.prompt_tokens
+                    request.session_id, request.arrived_at or now - request.e2e_s, request.prompt_tokens
                 )
                 request = replace(
                     request, turn=ctx.turn, reusable_tokens=ctx.reusable_tokens, pause_s=ctx.pause_s
                 )
-            record = price_request(self.cost_model, request, now)
+            record = price_request(self.cost_model, request, request.finished_at or now)
         except Exception as e:
             self.faults.record("accounting", e)
             return None

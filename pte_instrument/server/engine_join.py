@@ -1,9 +1,11 @@
 """Joining the engine hook's exact totals to the requests the stat logger sees finish.
 
 ``EngineInbox`` receives the hook's messages (on the transport's thread) and keeps each
-request's totals until its finish is reported; ``RequestJoin`` (on vLLM's stat-logger
-thread) waits a little for totals that have not arrived yet, prices each request once, and
-prices from the totals alone the requests vLLM never reports (a client that hung up)."""
+request's totals until its finish is reported; ``RequestJoin`` waits a little for totals
+that have not arrived yet, prices each request once, in the order the requests arrived,
+and prices from the totals alone the requests vLLM never reports (a client that hung up,
+a request aborted while queued). A timer thread prices whatever became ready between two
+of vLLM's ``record()`` calls, so a request is priced within ``TICK_S`` of being ready."""
 
 from __future__ import annotations
 
@@ -18,10 +20,22 @@ from pte_instrument.server.bounded import BoundedDict
 from pte_instrument.server.ledger import FinishedRequest
 from pte_instrument.wire import EngineFaults, EngineHello, EngineMessage, RequestTotals
 
-MAX_ENGINE_RESULTS = 20_000
-MAX_PRICED_WITHOUT_ENGINE = 10_000
+MAX_ENGINE_RESULTS = 20_000  # request ids with totals waiting for their finish
+MAX_PER_ID = 64  # totals under one id (parallel-sampling children, a client reusing an id)
+MAX_PRICED_ONCE = 10_000  # ids priced from one side, whose other side may still come
 ENGINE_JOIN_TIMEOUT_S = 2.0
-ORPHAN_AFTER_S = 5.0  # engine results unclaimed this long are requests the stat logger never saw
+ORPHAN_AFTER_S = 5.0  # finished totals unclaimed this long: the stat logger never saw them
+ABORT_GRACE_S = 0.05  # vLLM reports no stats for a client abort: price its totals at once
+TICK_S = 0.02
+
+
+class _Pending:
+    """Totals under one id, oldest first, with when each arrived."""
+
+    __slots__ = ("items",)
+
+    def __init__(self) -> None:
+        self.items: list[tuple[RequestTotals, float]] = []
 
 
 class EngineInbox:
@@ -33,15 +47,19 @@ class EngineInbox:
         self.hooks: set[int] = set()  # engines whose scheduler hook said hello
         self.live: dict[int, int] = {}  # requests each engine's hook still tracks
         self.cost: dict[int, tuple[int, float]] = {}  # (steps, seconds in the hook)
-        self._results: BoundedDict[str, tuple[RequestTotals, float]] = BoundedDict(MAX_ENGINE_RESULTS)
+        self.arrived = threading.Event()  # set when totals arrive: the join may have work
+        self._finished: BoundedDict[str, _Pending] = BoundedDict(MAX_ENGINE_RESULTS)
+        self._aborted: BoundedDict[str, _Pending] = BoundedDict(MAX_ENGINE_RESULTS)
+        self._overflow = 0  # totals dropped past MAX_PER_ID
         self._lock = threading.Lock()
 
     @property
     def dropped(self) -> int:
-        return self._results.dropped
+        return self._finished.dropped + self._aborted.dropped + self._overflow
 
     def __len__(self) -> int:
-        return len(self._results)
+        with self._lock:
+            return sum(len(p.items) for store in (self._finished, self._aborted) for p in store.values())
 
     def on_messages(self, messages: list[EngineMessage]) -> None:
         now = time.monotonic()
@@ -56,25 +74,46 @@ class EngineInbox:
                 else:
                     self.live[m.engine] = m.engine_live
                     self.cost[m.engine] = (m.engine_steps, m.engine_hook_s)
-                    self._results.put(m.external_id, (m, now))  # never joined: bounded
+                    store = self._aborted if m.finish_reason == "abort" else self._finished
+                    pending = store.get(m.external_id) or _Pending()
+                    pending.items.append((m, now))
+                    if len(pending.items) > MAX_PER_ID:
+                        del pending.items[0]
+                        self._overflow += 1
+                    store.put(m.external_id, pending)  # never joined: bounded
+        self.arrived.set()
 
-    def take(self, *keys: str) -> RequestTotals | None:
+    def take(self, keys: tuple[str, ...], output_tokens: int, finish_reason: str) -> RequestTotals | None:
+        """The totals of a finished request known by one of ``keys``. Several totals under
+        one id (parallel-sampling children, a reused id): the oldest whose output length
+        and finish reason match, else the oldest."""
         with self._lock:
-            for key in keys:
-                found = self._results.pop(key)
-                if found is not None:
-                    return found[0]
+            for store in (self._finished, self._aborted):
+                for key in keys:
+                    pending = store.get(key)
+                    if pending is None:
+                        continue
+                    items = pending.items
+                    i = next(
+                        (i for i, (t, _) in enumerate(items)
+                         if t.output_tokens == output_tokens and t.finish_reason == finish_reason),
+                        0,
+                    )  # fmt: skip
+                    totals = items.pop(i)[0]
+                    if not items:
+                        store.pop(key)
+                    return totals
         return None
 
-    def take_orphans(self, older_than_s: float) -> list[RequestTotals]:
+    def take_orphans(self, now: float) -> list[RequestTotals]:
         """Totals no finished request claimed in time: requests vLLM's stat logger never
-        reports (a client that disconnected: aborted)."""
-        cutoff = time.monotonic() - older_than_s
-        out = []
+        reports (aborted: after ``ABORT_GRACE_S``; others after ``ORPHAN_AFTER_S``)."""
+        out: list[RequestTotals] = []
         with self._lock:
-            while (oldest := self._results.oldest()) is not None and oldest[1][1] <= cutoff:
-                self._results.pop_oldest()
-                out.append(oldest[1][0])
+            for store, wait_s in ((self._aborted, ABORT_GRACE_S), (self._finished, ORPHAN_AFTER_S)):
+                while (oldest := store.oldest()) is not None and oldest[1].items[-1][1] <= now - wait_s:
+                    store.pop_oldest()
+                    out += [t for t, _ in oldest[1].items]
         return out
 
     def summary(self) -> dict[str, Any]:
@@ -88,8 +127,26 @@ class EngineInbox:
         }
 
 
+def child_request_id(external_id: str, child_index: int | None) -> str:
+    """The log's id of a request: its own, or for a parallel-sampling child vLLM's
+    ``<index>_<parent id>``, so that every child has a unique entry."""
+    return external_id if child_index is None else f"{child_index}_{external_id}"
+
+
+def with_engine_totals(request: FinishedRequest, totals: RequestTotals) -> FinishedRequest:
+    return replace(
+        request,
+        request_id=child_request_id(request.request_id, totals.child_index),
+        child_index=totals.child_index,
+        recomputed_tokens=int(totals.recompute),
+        engine_totals=totals,
+    )
+
+
 def orphan_request(totals: RequestTotals, model: str) -> FinishedRequest:
-    """A request known only from the engine hook (vLLM reports no stats for aborts)."""
+    """A request known only from the engine hook (vLLM reports no stats for aborts), under
+    its external id (a child's is set after tagging: ``child_request_id``)."""
+    arrived = totals.arrival_time or totals.finished_at
     return FinishedRequest(
         request_id=totals.external_id,
         model=model,
@@ -100,6 +157,10 @@ def orphan_request(totals: RequestTotals, model: str) -> FinishedRequest:
         finish_reason=totals.finish_reason,
         num_preemptions=totals.num_preemptions,
         recomputed_tokens=int(totals.recompute),
+        e2e_s=max(0.0, totals.finished_at - arrived),
+        arrived_at=arrived,
+        finished_at=totals.finished_at,
+        child_index=totals.child_index,
         engine_totals=totals,
     )
 
@@ -109,7 +170,8 @@ class RequestJoin:
 
     ``keys(request_id)``: the spellings under which the middleware and the engine may know
     a request's id; ``tag(request)``: the request with its session tag; ``price(request)``:
-    hands it to the accountant of its engine."""
+    hands it to the accountant of its engine. Thread-safe: vLLM's ``record()`` and the
+    timer thread both call ``price_ready``."""
 
     def __init__(
         self,
@@ -127,38 +189,82 @@ class RequestJoin:
         self.price = price
         self.faults = faults
         self.waiting: list[tuple[FinishedRequest, float]] = []
-        self._priced_without_engine: BoundedDict[str, None] = BoundedDict(MAX_PRICED_WITHOUT_ENGINE)
+        # ids priced by one side whose other side may still come: count per id, one entry each
+        self._priced_without_engine: BoundedDict[str, int] = BoundedDict(MAX_PRICED_ONCE)
+        self._priced_from_engine: BoundedDict[str, int] = BoundedDict(MAX_PRICED_ONCE)
+        self._lock = threading.RLock()
+        self._timer: threading.Thread | None = None
+
+    def start_timer(self) -> None:
+        """Price on a timer too, between vLLM's ``record()`` calls (once)."""
+        if self._timer is None:
+            self._timer = threading.Thread(target=self._tick_forever, name="pte-pricer", daemon=True)
+            self._timer.start()
+
+    def _tick_forever(self) -> None:
+        while True:
+            self.inbox.arrived.wait(TICK_S)
+            self.inbox.arrived.clear()
+            try:
+                self.price_ready(time.monotonic())
+            except Exception as e:  # never let the timer die
+                self.faults.record("engine_join", e)
 
     def finished(self, request: FinishedRequest, now: float) -> None:
-        self.waiting.append((request, now + ENGINE_JOIN_TIMEOUT_S))
+        with self._lock:
+            if _consume(self._priced_from_engine, request.request_id):
+                return  # priced from its totals already (an abort vLLM reported after all)
+            self.waiting.append((request, now + ENGINE_JOIN_TIMEOUT_S))
 
     def price_ready(self, now: float) -> None:
         """Price finished requests, joined with the engine hook's exact totals. Those
         usually arrive first (sent before the engine returns its outputs); a request
-        waits for them at most ENGINE_JOIN_TIMEOUT_S, and only when a hook is running."""
-        waiting, self.waiting = self.waiting, []
-        for request, deadline in waiting:
-            try:
-                totals = self.inbox.take(*self.keys(request.request_id))
-                if totals is None and self.inbox.hooks and now < deadline:
-                    self.waiting.append((request, deadline))
-                    continue
-                if totals is None and self.inbox.hooks:
-                    self.faults.record("engine_join", TimeoutError(f"no engine totals for {request.request_id}"))
-                    self._priced_without_engine.put(request.request_id, None)  # their late totals: no 2nd entry
-                if totals is not None:
-                    request = replace(request, recomputed_tokens=int(totals.recompute), engine_totals=totals)
-            except Exception as e:
-                self.faults.record("engine_join", e)
-            self.price(request)
+        waits for them at most ENGINE_JOIN_TIMEOUT_S, and only when a hook is running.
+        Requests ready together are priced in arrival order (sessions number turns so)."""
+        with self._lock:
+            ready: list[FinishedRequest] = []
+            waiting, self.waiting = self.waiting, []
+            for request, deadline in waiting:
+                try:
+                    keys = self.keys(request.request_id)
+                    totals = self.inbox.take(keys, request.output_tokens, request.finish_reason)
+                    if totals is None and self.inbox.hooks and now < deadline:
+                        self.waiting.append((request, deadline))
+                        continue
+                    if totals is None and self.inbox.hooks:
+                        self.faults.record(
+                            "engine_join", TimeoutError(f"no engine totals for {request.request_id}")
+                        )
+                        _count(self._priced_without_engine, request.request_id)  # its late totals: no 2nd entry
+                    if totals is not None:
+                        request = with_engine_totals(request, totals)
+                except Exception as e:
+                    self.faults.record("engine_join", e)
+                ready.append(request)
+            for totals in self.inbox.take_orphans(now):
+                try:
+                    if _consume(self._priced_without_engine, totals.external_id):
+                        continue  # already priced: one entry per request
+                    _count(self._priced_from_engine, totals.external_id)
+                    request = self.tag(orphan_request(totals, self.model))
+                    ready.append(replace(request, request_id=child_request_id(totals.external_id, totals.child_index)))
+                except Exception as e:
+                    self.faults.record("engine_join", e)
+            ready.sort(key=lambda r: r.arrived_at)
+            for request in ready:
+                self.price(request)
 
-        for totals in self.inbox.take_orphans(ORPHAN_AFTER_S):
-            try:
-                if totals.external_id in self._priced_without_engine:  # already priced: one entry per request
-                    self._priced_without_engine.pop(totals.external_id)
-                    continue
-                request = self.tag(orphan_request(totals, self.model))
-            except Exception as e:
-                self.faults.record("engine_join", e)
-                continue
-            self.price(request)
+
+def _count(store: BoundedDict[str, int], key: str) -> None:
+    store.put(key, (store.get(key) or 0) + 1)
+
+
+def _consume(store: BoundedDict[str, int], key: str) -> bool:
+    n = store.get(key)
+    if not n:
+        return False
+    if n == 1:
+        store.pop(key)
+    else:
+        store.put(key, n - 1)
+    return True

@@ -33,6 +33,14 @@ class FinishedRequest:
     pause_s: float | None = None  # tool pause between the previous turn's end and this arrival
     engine_totals: RequestTotals | None = None  # exact step-level totals from the engine hook
     benchmark: str = "none"  # allow-listed evaluation label (X-PTE-Benchmark)
+    arrived_at: float = 0.0  # unix times, vLLM's own (0: unknown)
+    finished_at: float = 0.0
+    child_index: int | None = None  # parallel sampling (n > 1): which sample of its parent
+
+    @property
+    def ran(self) -> bool:
+        """False for a request the engine never scheduled (aborted while queued): it did no work."""
+        return self.engine_totals is None or self.engine_totals.scheduled
 
 
 @dataclass(frozen=True)
@@ -69,6 +77,12 @@ class RequestRecord:
     pause_s: float | None
     finished_at: float
     benchmark: str = "none"
+    arrived_at: float | None = None  # unix time vLLM received it
+    child_index: int | None = None  # parallel sampling (n > 1): which sample; request_id is <index>_<parent>
+    # Work done and thrown away, beside served PTE (which it does not change): speculative
+    # drafts rejected, and the part of an aborted request's work the client never received.
+    pte_wasted_rejected_drafts: float = 0.0
+    pte_wasted_aborted: float = 0.0
     # Exact engine-side accounting (None without the scheduler hook).
     engine_pte_served: float | None = None
     engine_pte_roofline: float | None = None
@@ -77,6 +91,7 @@ class RequestRecord:
     engine_decode_tokens: float | None = None
     engine_spec_tokens: float | None = None
     engine_rejected_tokens: float | None = None
+    engine_request_id: str | None = None  # the engine's own id: unique even when clients reuse theirs
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -90,7 +105,12 @@ def price_request(model: CostModel, req: FinishedRequest, finished_at: float) ->
         recomputed_tokens=req.recomputed_tokens,
         reusable_tokens=req.reusable_tokens,
     )
-    cost = price_turn(model, tokens)
+    # A request the engine never ran cost nothing, whatever its prompt.
+    cost = price_turn(model, tokens) if req.ran else price_turn(model, TurnTokens(0, 0))
+    totals = req.engine_totals
+    wasted_aborted = 0.0
+    if totals is not None and req.finish_reason == "abort":  # its last step's work was never returned
+        wasted_aborted = max(0.0, totals.pte_served - totals.pte_rejected - cost.served)
     return RequestRecord(
         request_id=req.request_id,
         session_id=req.session_id,
@@ -100,7 +120,7 @@ def price_request(model: CostModel, req: FinishedRequest, finished_at: float) ->
         finish_reason=req.finish_reason,
         prompt_tokens=req.prompt_tokens,
         cached_tokens=req.cached_tokens,
-        computed_prefill_tokens=tokens.computed_prefill_tokens,
+        computed_prefill_tokens=tokens.computed_prefill_tokens if req.ran else 0,
         recomputed_tokens=req.recomputed_tokens,
         output_tokens=req.output_tokens,
         num_preemptions=req.num_preemptions,
@@ -122,7 +142,11 @@ def price_request(model: CostModel, req: FinishedRequest, finished_at: float) ->
         pause_s=req.pause_s,
         finished_at=finished_at,
         benchmark=req.benchmark,
-        **_engine_fields(req.engine_totals),
+        arrived_at=req.arrived_at or None,
+        child_index=req.child_index,
+        pte_wasted_rejected_drafts=totals.pte_rejected if totals is not None else 0.0,
+        pte_wasted_aborted=wasted_aborted,
+        **_engine_fields(totals),
     )
 
 
@@ -137,4 +161,5 @@ def _engine_fields(totals: RequestTotals | None) -> dict[str, float | None]:
         "engine_decode_tokens": totals.decode_tokens,
         "engine_spec_tokens": totals.spec_tokens,
         "engine_rejected_tokens": totals.rejected_tokens,
+        "engine_request_id": totals.request_id,
     }

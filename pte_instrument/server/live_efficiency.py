@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pte_instrument.server.bounded import BoundedDict
+from pte_instrument.server.request_tags import quoted
 
 
 @dataclass
@@ -19,6 +20,7 @@ class _Recent:
     benchmark: str
     output_tokens: int
     truncated: bool
+    session_id: str | None = None
     labeled: bool = False
 
 
@@ -55,11 +57,16 @@ class FeedbackError(LookupError):
 
 
 class LiveEfficiency:
+    """Per-cell outcome counts, and the window of the last ``window`` finished requests that
+    labels join. A session keeps only its requests still in the window (they leave it
+    with the request), so all sessions together hold at most ``window`` ids."""
+
     def __init__(self, window: int = 50_000) -> None:
         self.window = window
         self.cells: dict[tuple[str, str], Outcome] = {}
         self._requests: BoundedDict[str, _Recent] = BoundedDict(window)
-        self._sessions: BoundedDict[str, list[str]] = BoundedDict(window)
+        # session → its requests in the window, oldest first (a dict: O(1) removal by id)
+        self._sessions: BoundedDict[str, dict[str, None]] = BoundedDict(window)
         self._lock = threading.Lock()
 
     def observe(self, request_id: str, session_id: str | None, model: str, benchmark: str,
@@ -70,11 +77,26 @@ class LiveEfficiency:
             cell.requests += 1
             cell.truncated += truncated
             cell.output_tokens += output_tokens
-            self._requests.put(request_id, _Recent(model, benchmark, output_tokens, truncated))
+            replaced = self._requests.pop(request_id)  # an id seen again: the newer request counts
+            if replaced is not None:
+                self._unlink(request_id, replaced)
+            recent = _Recent(model, benchmark, output_tokens, truncated, session_id)
+            for old_id, old in self._requests.put(request_id, recent):
+                self._unlink(old_id, old)
             if session_id is not None:
-                ids = self._sessions.get(session_id) or []
-                ids.append(request_id)
+                ids = self._sessions.get(session_id) or {}
+                ids[request_id] = None
                 self._sessions.put(session_id, ids)
+
+    def _unlink(self, request_id: str, recent: _Recent) -> None:
+        """Take a request that left the window out of its session."""
+        if recent.session_id is None:
+            return
+        ids = self._sessions.get(recent.session_id)
+        if ids is not None:
+            ids.pop(request_id, None)
+            if not ids:
+                self._sessions.pop(recent.session_id)
 
     def label(
         self, correct: bool, request_ids: Sequence[str] = (), session_id: str | None = None
@@ -82,17 +104,17 @@ class LiveEfficiency:
         """Apply a correctness label to one request (the first known of ``request_ids``,
         spellings of one id) or to a whole session (one instance: its output is all its
         turns' tokens, truncated if its last turn was)."""
-        name = request_ids[0] if request_ids else session_id
+        name = quoted(request_ids[0] if request_ids else session_id or "")
         with self._lock:
             if request_ids:
                 ids = [i for i in request_ids if i in self._requests][:1]
             else:
-                ids = [i for i in self._sessions.get(session_id or "", []) if i in self._requests]
+                ids = list(self._sessions.get(session_id or "") or ())
             if not ids:
-                raise FeedbackError(404, f"no recent finished request for {name!r}")
+                raise FeedbackError(404, f"no recent finished request for {name}")
             items = [self._requests[i] for i in ids]
             if any(it.labeled for it in items):
-                raise FeedbackError(409, f"{name!r} is already labeled")
+                raise FeedbackError(409, f"{name} is already labeled")
             first, last = items[0], items[-1]
             tokens = sum(it.output_tokens for it in items)
             correct = bool(correct) and not last.truncated  # a truncated answer is never correct

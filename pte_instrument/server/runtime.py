@@ -13,7 +13,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from pte_instrument.cost.model import CostModel
 from pte_instrument.faults import FaultTracker, install_log_handler, log
-from pte_instrument.server.engine_join import EngineInbox
+from pte_instrument.server.engine_join import EngineInbox, RequestJoin
 from pte_instrument.server.exporters.prometheus import LedgerMetrics, PrometheusExporter, metrics_for
 from pte_instrument.server.exporters.request_log import RequestLogWriter
 from pte_instrument.server.exporters.summary import EfficiencyExporter, ModelTotals
@@ -42,6 +42,7 @@ STAGES = (
     "engine_step",
     "engine_finish",
     "engine_transport",
+    "engine_step_log",
 )
 
 
@@ -65,8 +66,10 @@ class Runtime:
         self.cost_models: dict[tuple[str, int], CostModel] = {}
         self.api_keys: list[str] = []
         self.request_log = RequestLogWriter(settings.request_log) if settings.request_log else None
+        if self.request_log is not None and settings.enabled:
+            self._check_request_log(self.request_log)
         self.inbox = EngineInbox(self.faults, lambda stage, n: self.metrics.faults.labels(stage).inc(n))
-        self.requests_waiting = 0  # finished requests waiting for their engine totals
+        self.joins: list[RequestJoin] = []  # the stat logger's: finished requests waiting for totals
         self.receiver: Receiver | None = None
         self.api_server = 0  # this process's index among the API servers
         self.otel: Any = None
@@ -77,6 +80,20 @@ class Runtime:
                 self.otel = OtelExporter()
             except Exception as e:  # missing package, bad OTEL_* values
                 self.faults.record("otel", e)
+
+    @staticmethod
+    def _check_request_log(writer: RequestLogWriter) -> None:
+        """One clear line at start-up rather than a fault at the first request; the writer
+        stays, so the log starts once the path works."""
+        error = writer.check()
+        if error is not None:
+            log.error(
+                "pte-instrument: request log PTE_REQUEST_LOG=%r is not writable (%s); serving continues, "
+                "every entry that cannot be written is lost and counted in "
+                'pte_plugin_faults_total{stage="request_log"}, and the path is tried again at each request',
+                str(writer.path),
+                error,
+            )
 
     def listen(self, api_server: int) -> None:
         """Receive the engine hooks' totals for the requests this API server sends (once)."""
@@ -132,7 +149,8 @@ class Runtime:
                 "pending_requests": len(self.pending),
                 "pending_dropped": self.pending.dropped,
             },
-            "engine_hook": {**self.inbox.summary(), "requests_waiting": self.requests_waiting},
+            "engine_hook": {**self.inbox.summary(), "requests_waiting": sum(len(j.waiting) for j in self.joins)},
+            "request_log": None if self.request_log is None else self.request_log.stats(),
             "efficiency": self.efficiency.snapshot(),
             "faults": dict(self.faults.counts),
         }

@@ -57,13 +57,21 @@ def engine_index(vllm_config: VllmConfig) -> int:
     return int(getattr(pc, "data_parallel_index", None) or pc.data_parallel_rank or 0)
 
 
-def external_request_id(internal: str) -> str:
-    """vLLM's engine names a request ``<external id>-<8 random hex>``."""
+def external_request_id(internal: str) -> tuple[str, int | None]:
+    """The id the API server knows and, for a parallel-sampling child, its index.
+
+    vLLM's engine names a request ``<external id>-<8 random hex>``; with ``n > 1`` the
+    children are ``<index>_<parent's engine id>`` and report their finish under the
+    parent's external id."""
     head, dash, tail = internal.rpartition("-")
-    return head if dash and len(tail) == 8 and all(ch in "0123456789abcdef" for ch in tail) else internal
+    external = head if dash and len(tail) == 8 and all(ch in "0123456789abcdef" for ch in tail) else internal
+    index, underscore, parent = external.partition("_")
+    if underscore and index.isdigit() and parent:
+        return parent, int(index)
+    return external, None
 
 
-def finished_counts(request: Any) -> dict[str, int]:
+def finished_counts(request: Any) -> dict[str, float]:
     """What the engine knows of a finished ``vllm.v1.request.Request``: enough to account a
     request whose stats the API server never gets, and the API server it came from."""
     return {
@@ -71,6 +79,7 @@ def finished_counts(request: Any) -> dict[str, int]:
         "output_tokens": request.num_output_tokens,
         "num_preemptions": request.num_preemptions,
         "api_server": request.client_index,
+        "arrival_time": request.arrival_time,
     }
 
 

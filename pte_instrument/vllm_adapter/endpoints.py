@@ -4,7 +4,9 @@ middleware and the ``/pte/*`` HTTP routes.
 The middleware reads the session header (default ``X-Session-Id``; or the OpenAI ``user``
 field with ``PTE_SESSION_FROM_USER=1``), makes sure the request carries an
 ``X-Request-Id`` (vLLM names its request after it), and remembers request → session
-until the stat logger sees the request finish, in the same process.
+until the stat logger sees the request finish, in the same process: the tag goes a grace
+period after the HTTP exchange ends (``PendingTags.settle``), so every engine request of
+one HTTP request (``n > 1``, a list of prompts) carries it.
 """
 
 from __future__ import annotations
@@ -15,20 +17,24 @@ import os
 import secrets
 import uuid
 from argparse import Namespace
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pte_instrument.failpoints import failpoint
 from pte_instrument.server.live_efficiency import FeedbackError
-from pte_instrument.server.request_tags import RequestTag, validate_session_id
+from pte_instrument.server.request_tags import RequestTag, quoted, validate_session_id
 from pte_instrument.server.runtime import Runtime, get_runtime
 
 # Paths whose requests reach the engine and so finish in the stat logger.
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 MAX_PAGE = 1000
+MAX_BODY_BYTES = 64 * 1024  # a feedback body is a few ids: anything larger is refused unread
+SORT_KEYS = ("pte_served", "pte_eviction_tax", "pte_reference", "prompt_tokens", "output_tokens")
 
 
 class SessionMiddleware:
@@ -42,14 +48,23 @@ class SessionMiddleware:
         self.benchmark_header = self.runtime.settings.benchmark_header.lower().encode("ascii")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        key = None
         if scope["type"] == "http" and scope["method"] == "POST" and scope["path"].endswith(GENERATION_PATHS):
             try:
-                receive = await self._tag(scope, receive)
+                key, receive = await self._tag(scope, receive)
             except Exception as e:  # never fail the request for the plugin's sake
                 self.runtime.faults.record("middleware", e)
-        await self.app(scope, receive, send)
+        if key is None:
+            await self.app(scope, receive, send)
+            return
+        try:
+            await self.app(scope, receive, send)
+        finally:  # answered, rejected or cut off: what the engine did, it reports within the grace
+            self.runtime.pending.settle(key)
 
-    async def _tag(self, scope: Scope, receive: Receive) -> Receive:
+    async def _tag(self, scope: Scope, receive: Receive) -> tuple[str | None, Receive]:
+        """The request key its tag is kept under (None: nothing to tag), and the receive
+        channel to pass on."""
         headers: list[tuple[bytes, bytes]] = scope["headers"]
         raw = next((v for k, v in headers if k == self.header), None)
         if raw is None and self.runtime.settings.session_from_user:
@@ -65,13 +80,13 @@ class SessionMiddleware:
             text = label.decode("latin-1")
             benchmark = text if text in self.runtime.settings.benchmark_labels else "other"
         if session_id is None and benchmark == "none":
-            return receive
+            return None, receive
         request_id = next((v.decode("latin-1") for k, v in headers if k == b"x-request-id"), None)
         if request_id is None:
             request_id = uuid.uuid4().hex
             scope["headers"] = [*headers, (b"x-request-id", request_id.encode("ascii"))]
         self.runtime.pending.put(request_id, RequestTag(session_id, benchmark))
-        return receive
+        return request_id, receive
 
 
 async def _user_field(receive: Receive) -> tuple[bytes | None, Receive]:
@@ -92,9 +107,17 @@ async def _user_field(receive: Receive) -> tuple[bytes | None, Receive]:
 
     try:
         user = json.loads(body).get("user")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):  # vLLM answers the bad body itself
         user = None
     return (str(user).encode("utf-8", "replace") if user is not None else None), replay
+
+
+class RouteError(Exception):
+    """A client error a route answers with ``status`` and a JSON ``error``."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -119,55 +142,91 @@ def _int_param(request: Request, name: str, default: int, lo: int, hi: int) -> i
     try:
         value = int(raw)
     except ValueError:
-        raise ValueError(f"query parameter {name!r} must be an integer, got {raw!r}") from None
+        raise ValueError(f"query parameter {name!r} must be an integer, got {quoted(raw)}") from None
     if not lo <= value <= hi:
-        raise ValueError(f"query parameter {name!r} must be between {lo} and {hi}, got {value}")
+        raise ValueError(f"query parameter {name!r} must be between {lo} and {hi}, got {quoted(raw)}")
     return value
+
+
+async def _read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
+    """The request body, refused past ``limit`` bytes: at once from Content-Length, else
+    (chunked) as soon as the stream passes it, without reading the rest."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not (declared.isascii() and declared.isdigit()):
+            raise RouteError(400, "Content-Length must be a whole number")
+        if len(declared) > 18 or int(declared) > limit:
+            raise RouteError(413, f"request body over {limit} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RouteError(413, f"request body over {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except RecursionError:  # the decoder's own depth limit
+        raise RouteError(400, "request body is nested too deeply") from None
+    except ValueError as e:  # bad JSON or bad UTF-8; neither message echoes the body
+        raise RouteError(400, f"request body is not valid JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise RouteError(400, "request body must be a JSON object")
+    return body
+
+
+def _feedback_target(body: dict[str, Any]) -> tuple[bool, str | None, str | None]:
+    """``(correct, request_id, session_id)`` of a feedback body, exactly one id given."""
+    correct = body.get("correct")
+    if not isinstance(correct, bool):
+        raise RouteError(400, "'correct' must be true or false")
+    rid, sid = body.get("request_id"), body.get("session_id")
+    given = [v for v in (rid, sid) if v is not None]
+    if len(given) != 1 or not isinstance(given[0], str) or not given[0]:
+        raise RouteError(400, "give exactly one of 'request_id' or 'session_id', as a non-empty string")
+    return correct, rid, sid
 
 
 def build_router(runtime: Runtime) -> APIRouter:
     router = APIRouter(prefix="/pte", tags=["pte-instrument"])
 
-    async def guarded(request: Request, handler: Any) -> JSONResponse:
-        if not _authorized(request, runtime):
+    async def guarded(request: Request, handler: Callable[[], Awaitable[JSONResponse]]) -> JSONResponse:
+        if not _authorized(request, runtime):  # before anything of the request is read
             return _error(401, "Unauthorized: send Authorization: Bearer <api key>")
         try:
             failpoint("routes")
-            return handler()
+            return await handler()
+        except (RouteError, FeedbackError) as e:
+            return _error(e.status, str(e))
         except ValueError as e:
             return _error(400, str(e))
+        except ClientDisconnect:  # nobody to answer
+            return _error(400, "client disconnected")
         except Exception as e:
             runtime.faults.record("routes", e)
             return _error(500, "pte-instrument route failed; see the server log")
 
     @router.get("/summary")
     async def summary(request: Request) -> JSONResponse:
-        return await guarded(request, lambda: JSONResponse(runtime.summary()))
+        async def handler() -> JSONResponse:
+            return JSONResponse(runtime.summary())
+
+        return await guarded(request, handler)
 
     @router.post("/feedback")
     async def feedback(request: Request) -> JSONResponse:
         """A correctness label from an evaluation harness:
         ``{"request_id": "…", "correct": true}`` or ``{"session_id": "…", "correct": false}``."""
-        try:
-            body = await request.json()
-        except ValueError:
-            body = None
 
-        def handler() -> JSONResponse:
-            if not isinstance(body, dict):
-                raise ValueError("body must be a JSON object")
-            correct = body.get("correct")
-            if not isinstance(correct, bool):
-                raise ValueError("'correct' must be true or false")
-            rid, sid = body.get("request_id"), body.get("session_id")
-            if (rid is None) == (sid is None) or not isinstance(rid or sid, str):
-                raise ValueError("give exactly one of 'request_id' or 'session_id', as a string")
-            try:
-                # the completions API's response id lacks the "-<prompt index>" vLLM appends
-                ids = (rid, f"{rid}-0") if rid is not None else ()
-                outcome = runtime.efficiency.label(correct, request_ids=ids, session_id=sid)
-            except FeedbackError as e:
-                return _error(e.status, str(e))
+        async def handler() -> JSONResponse:
+            correct, rid, sid = _feedback_target(_json_object(await _read_body(request)))
+            # the completions API's response id lacks the "-<prompt index>" vLLM appends
+            ids = (rid, f"{rid}-0") if rid is not None else ()
+            outcome = runtime.efficiency.label(correct, request_ids=ids, session_id=sid)
             runtime.metrics.feedback(outcome)
             return JSONResponse(outcome)
 
@@ -175,18 +234,12 @@ def build_router(runtime: Runtime) -> APIRouter:
 
     @router.get("/sessions")
     async def sessions(request: Request) -> JSONResponse:
-        def handler() -> JSONResponse:
+        async def handler() -> JSONResponse:
             limit = _int_param(request, "limit", 50, 1, MAX_PAGE)
             offset = _int_param(request, "offset", 0, 0, 10**9)
             sort = request.query_params.get("sort", "pte_served")
-            if sort not in (
-                "pte_served",
-                "pte_eviction_tax",
-                "pte_reference",
-                "prompt_tokens",
-                "output_tokens",
-            ):
-                raise ValueError(f"query parameter 'sort' cannot be {sort!r}")
+            if sort not in SORT_KEYS:
+                raise ValueError(f"query parameter 'sort' cannot be {quoted(sort)}")
             total, rows = runtime.sessions.top(limit, offset, key=sort)
             return JSONResponse(
                 {"total": total, "limit": limit, "offset": offset, "sort": sort, "sessions": rows}
@@ -194,14 +247,15 @@ def build_router(runtime: Runtime) -> APIRouter:
 
         return await guarded(request, handler)
 
-    @router.get("/sessions/{session_id}")
+    # ":path": session ids may contain "/" (sent as-is or as %2F; the server decodes the path)
+    @router.get("/sessions/{session_id:path}")
     async def session(request: Request, session_id: str) -> JSONResponse:
-        def handler() -> JSONResponse:
+        async def handler() -> JSONResponse:
             sid, reason = validate_session_id(session_id)
             if sid is None:
                 raise ValueError(f"malformed session id ({reason})")
             found = runtime.sessions.get(sid)
-            return _error(404, f"no live session {sid!r}") if found is None else JSONResponse(found)
+            return _error(404, f"no live session {quoted(sid)}") if found is None else JSONResponse(found)
 
         return await guarded(request, handler)
 

@@ -58,12 +58,24 @@ class _PteHook:
                 external_id=compat.external_request_id,
                 weight_bytes=compat.weight_bytes(cfg),
             )
+            if self._pte.step_log_error is not None:
+                self._pte_step_log_off(settings.step_log, self._pte.step_log_error)
             self._pte_reporter.hello(compat.api_server_count(cfg))
             log.info(
                 "pte-instrument engine hook active (engine %d, %s accumulator)", engine, self._pte.acc.backend
             )
         except Exception as e:
             self._pte_fault("setup", e)
+
+    def _pte_step_log_off(self, path: str | None, error: OSError) -> None:
+        """One line, counted once; the step log is off, the accounting goes on."""
+        log.error(
+            "pte-instrument: step log PTE_STEP_LOG=%r is not writable (%s); the step log is off, the "
+            'engine hook\'s accounting continues; counted in pte_plugin_faults_total{stage="engine_step_log"}',
+            path,
+            error,
+        )
+        self._pte_faults.record("engine_step_log", error, logged=True)
 
     def _pte_send(self, totals: list[RequestTotals]) -> None:
         try:

@@ -24,7 +24,12 @@ from pte_instrument.server.runtime import get_runtime
 from pte_instrument.vllm_adapter import compat
 
 
-def finished_request(stats: FinishedRequestStats, model: str, engine: int) -> FinishedRequest:
+def finished_request(
+    stats: FinishedRequestStats, model: str, engine: int, iteration_timestamp: float
+) -> FinishedRequest:
+    """``iteration_timestamp``: vLLM's wall time of the output batch that finished the
+    request, from which its ``e2e_latency`` is measured (so arrival = that − e2e)."""
+    e2e = float(stats.e2e_latency)
     return FinishedRequest(
         request_id=str(stats.request_id),
         model=model,
@@ -38,7 +43,9 @@ def finished_request(stats: FinishedRequestStats, model: str, engine: int) -> Fi
         prefill_s=float(stats.prefill_time),
         decode_s=float(stats.decode_time),
         inference_s=float(stats.inference_time),
-        e2e_s=float(stats.e2e_latency),
+        e2e_s=e2e,
+        arrived_at=iteration_timestamp - e2e,
+        finished_at=iteration_timestamp,
     )
 
 
@@ -67,6 +74,10 @@ class PteStatLogger(AggregateStatLoggerBase):
             return
         try:
             cost_model = compat.cost_model_from_vllm(vllm_config, settings)
+            if cost_model.shape.assumed:  # priced, but on a guess: one line naming it
+                log.warning(
+                    "pte-instrument cost model for %r: %s", self.model, "; ".join(cost_model.shape.assumed)
+                )
             self.runtime.sessions.block_size = compat.kv_block_size(vllm_config)
             for engine in self.engine_indexes:
                 exporters = self.runtime.exporters_for(self.model, engine, cost_model)
@@ -79,6 +90,8 @@ class PteStatLogger(AggregateStatLoggerBase):
             log.error("pte-instrument could not build its cost model and is inactive: %s", e)
             return
         self.runtime.listen(compat.api_server_index(vllm_config))
+        self.runtime.joins.append(self.join)
+        self.join.start_timer()
 
     def record(
         self,
@@ -92,13 +105,13 @@ class PteStatLogger(AggregateStatLoggerBase):
         now = time.monotonic()
         for stats in iteration_stats.finished_requests:
             try:
-                request = finished_request(stats, self.model, engine_idx)
+                request = finished_request(stats, self.model, engine_idx, iteration_stats.iteration_timestamp)
                 request = self._tagged(request)
             except Exception as e:
                 self.runtime.faults.record("adapter", e)
                 continue
             self.join.finished(request, now)
-        self._price_ready(now)
+        self.join.price_ready(now)
         if now >= self._next_expiry:  # close idle sessions even when no turn arrives
             self._next_expiry = now + 1.0
             try:
@@ -108,14 +121,10 @@ class PteStatLogger(AggregateStatLoggerBase):
                 self.runtime.faults.record("sessions", e)
 
     def _tagged(self, request: FinishedRequest) -> FinishedRequest:
-        tag = self.runtime.pending.pop(*compat.request_keys(request.request_id))
+        tag = self.runtime.pending.claim(*compat.request_keys(request.request_id))
         return (
             request if tag is None else replace(request, session_id=tag.session_id, benchmark=tag.benchmark)
         )
-
-    def _price_ready(self, now: float) -> None:
-        self.join.price_ready(now)
-        self.runtime.requests_waiting = len(self.join.waiting)
 
     def _price(self, request: FinishedRequest) -> None:
         accountant = self.accountants.get(request.engine)
@@ -130,7 +139,7 @@ class PteStatLogger(AggregateStatLoggerBase):
 
     def log(self) -> None:
         if self.accountants:
-            self._price_ready(time.monotonic())
+            self.join.price_ready(time.monotonic())
 
     def log_engine_initialized(self) -> None:
         if not self.accountants:

@@ -317,3 +317,18 @@ def test_journal_processes_when_full_and_before_totals_are_read(tmp_path):
     ea.close()
     lines = (tmp_path / "s.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines[1:]] == list(range(7))
+
+
+def test_rejected_drafts_are_priced_as_wasted_work_and_queued_aborts_as_unscheduled():
+    sent = []
+    ea = EngineAccounting(COST, collect(sent), external_id=lambda rid: (rid.rpartition("_")[2], 1))
+    ea.on_schedule(["1_c"], [[0], [10], [10], [0]])
+    ea.on_schedule(["1_c"], [[10], [3], [10], [2]])  # positions 10, 11, 12: 1 + 2 drafts
+    ea.accepted("1_c", 11)  # 11 and 12 rejected: they read 12 and 13 entries, γ = 0.01
+    ea.on_finished("1_c", "stop", 11, {"prompt_tokens": 10, "arrival_time": 5.0})
+    ea.on_finished("never", "abort", 0, {"prompt_tokens": 7})
+    ea.flush()
+    c, never = sent
+    assert c["pte_rejected"] == pytest.approx(0.01 * (12 + 13)) and c["scheduled"] is True
+    assert (c["external_id"], c["child_index"], c["arrival_time"]) == ("c", 1, 5.0) and c["finished_at"] > 0
+    assert never["scheduled"] is False and never["pte_rejected"] == 0 and never["pte_served"] == 0

@@ -1,5 +1,7 @@
 """Live outcome-layer statistics from finished requests and posted labels (hand-computed)."""
 
+import tracemalloc
+
 import pytest
 
 from pte_instrument.server.live_efficiency import FeedbackError, LiveEfficiency
@@ -35,3 +37,46 @@ def test_label_errors():
     with pytest.raises(FeedbackError) as err:
         e.label(True, request_ids=["r2"])
     assert err.value.status == 409
+
+
+def test_one_long_session_stays_bounded_by_the_window():
+    window = 1000
+    e = LiveEfficiency(window=window)
+    tracemalloc.start()
+    for i in range(window):
+        e.observe(f"warm-{i:07d}", "agent", "m", "none", 2, "stop")
+    base, _ = tracemalloc.get_traced_memory()
+    for i in range(200_000):  # one session, far more turns than the window holds
+        e.observe(f"request-{i:07d}", "agent", "m", "none", 2, "stop")
+    now, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert (now - base) / 2**20 < 0.5, f"grew {(now - base) / 2**20:.2f} MiB"
+    # the label covers the session's turns still in the window, as before
+    out = e.label(True, session_id="agent")
+    assert out["requests"] == window and out["output_tokens"] == 2 * window
+
+
+def test_sessions_lose_only_the_requests_that_leave_the_window():
+    e = LiveEfficiency(window=3)
+    e.observe("a1", "a", "m", "none", 1, "stop")
+    e.observe("b1", "b", "m", "none", 10, "stop")
+    e.observe("a2", "a", "m", "none", 100, "stop")
+    e.observe("c1", "c", "m", "none", 1000, "stop")  # a1 leaves the window
+    assert e.label(True, session_id="a")["output_tokens"] == 100
+    e.observe("b1", "c", "m", "none", 10_000, "stop")  # an id seen again replaces the old one
+    with pytest.raises(FeedbackError) as err:
+        e.label(True, session_id="b")
+    assert err.value.status == 404
+    assert e.label(False, session_id="c")["output_tokens"] == 11_000
+
+
+def test_feedback_errors_cut_long_ids_short():
+    e = LiveEfficiency()
+    with pytest.raises(FeedbackError) as err:
+        e.label(True, request_ids=["x" * 1_000_000])
+    assert len(str(err.value)) < 200 and "…" in str(err.value)
+    e.observe("y" * 1_000_000, None, "m", "none", 1, "stop")
+    e.label(True, request_ids=["y" * 1_000_000])
+    with pytest.raises(FeedbackError) as err:
+        e.label(True, request_ids=["y" * 1_000_000])
+    assert err.value.status == 409 and len(str(err.value)) < 200

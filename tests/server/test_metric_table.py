@@ -38,6 +38,7 @@ EXPECTED: dict[str, tuple[str, tuple[str, ...]]] = {
     "pte_engine_roofline_pte_total": ("counter", M),
     "pte_spec_draft_tokens_total": ("counter", M),
     "pte_spec_rejected_tokens_total": ("counter", M),
+    "pte_wasted_pte_total": ("counter", (*M, "reason")),
     "pte_engine_estimate_gap_pte": ("gauge", M),
     "pte_eval_requests_total": ("counter", E),
     "pte_eval_truncated_total": ("counter", E),

@@ -118,6 +118,10 @@ FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("spec_drafts", "pte_spec_draft_tokens", "counter", "Speculative draft tokens scheduled.", REQ),
     FamilySpec("spec_rejected", "pte_spec_rejected_tokens", "counter",
                "Speculative draft tokens rejected: wasted work.", REQ),
+    FamilySpec("wasted", "pte_wasted_pte", "counter",
+               "PTE of work done and thrown away, by reason (rejected_drafts: speculative tokens "
+               "rejected; aborted: work of an aborted request its client never received). Not part of served PTE.",
+               (*REQ, "reason")),
     # A running sum that may go negative: a gauge, not a counter; summed across processes.
     FamilySpec("engine_gap", "pte_engine_estimate_gap_pte", "gauge",
                "Σ (engine exact served PTE − stat-logger estimate) over finished requests.",
@@ -160,6 +164,7 @@ FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("turn_rows_dropped", "pte_session_turn_rows_dropped", "counter",
                "Turn rows not kept past the per-session cap (totals still count).", source="ledger"),
     FamilySpec("tags_dropped", "pte_session_tags_dropped", "counter",
-               "Session tags of requests that never finished, dropped past the cap.", source="ledger"),
+               "Session tags of requests that never finished, dropped: no complete successful answer "
+               "(after 5 s), older than an hour, or past the cap.", source="ledger"),
 )
 # fmt: on

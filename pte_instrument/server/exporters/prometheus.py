@@ -65,6 +65,7 @@ class PteMetrics:
     engine_roofline: Counter
     spec_drafts: Counter
     spec_rejected: Counter
+    wasted: Counter
     engine_gap: Gauge
     eval_requests: Counter
     eval_truncated: Counter
@@ -124,8 +125,13 @@ class LedgerMetrics:
         self.sessions = sessions
         self.pending = pending
         self._seen = (0, 0, 0)
+        self._lock = threading.Lock()  # the stat logger's thread and the pricing timer both sync
 
     def sync(self) -> None:
+        with self._lock:
+            self._sync()
+
+    def _sync(self) -> None:
         st = self.sessions.stats
         now = (st.sessions_opened, st.turns_dropped, self.pending.dropped)
         counters = (self.m.sessions_opened, self.m.turn_rows_dropped, self.m.tags_dropped)
@@ -190,6 +196,8 @@ class _EngineSeries:
     roofline: Counter
     spec_drafts: Counter
     spec_rejected: Counter
+    wasted_drafts: Counter
+    wasted_aborted: Counter
     gap: Gauge
 
     @classmethod
@@ -200,6 +208,8 @@ class _EngineSeries:
             m.engine_roofline.labels(*lab),
             m.spec_drafts.labels(*lab),
             m.spec_rejected.labels(*lab),
+            m.wasted.labels(*lab, "rejected_drafts"),
+            m.wasted.labels(*lab, "aborted"),
             m.engine_gap.labels(*lab),
         )
 
@@ -251,8 +261,10 @@ class PrometheusExporter:
         s = self._request
         s.served_prefill.inc(r.pte_prefill)
         s.served_decode.inc(r.pte_decode)
-        s.reference_prefill.inc(r.prompt_tokens)  # reference re-prefills the whole prompt
-        s.reference_decode.inc(r.pte_reference - r.prompt_tokens)
+        # reference re-prefills the whole prompt (none for a request the engine never ran)
+        reference_prefill = min(r.prompt_tokens, r.pte_reference)
+        s.reference_prefill.inc(reference_prefill)
+        s.reference_decode.inc(r.pte_reference - reference_prefill)
         s.ideal.inc(r.pte_ideal)
         s.recompute.inc(r.pte_recompute)
         s.eviction.inc(r.pte_eviction_tax)
@@ -269,4 +281,6 @@ class PrometheusExporter:
             e.roofline.inc(r.engine_pte_roofline)
             e.spec_drafts.inc(r.engine_spec_tokens)
             e.spec_rejected.inc(r.engine_rejected_tokens)
+            e.wasted_drafts.inc(r.pte_wasted_rejected_drafts)
+            e.wasted_aborted.inc(r.pte_wasted_aborted)
             e.gap.inc(r.engine_pte_served - r.pte_served)

@@ -1,0 +1,200 @@
+"""Every request priced once, on time, under its session, on a real server with the step
+hook: parallel sampling, a list of prompts, a reused X-Request-Id, a client abort, and a
+request aborted while still queued. Uses only HTTP and the request log."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import subprocess
+import sys
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import start_server
+
+HOOK = ["--scheduler-cls", "pte_instrument.vllm_adapter.scheduler.PteScheduler"]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model, tmp_path_factory):
+    work = tmp_path_factory.mktemp("pricing")
+    log = work / "requests.jsonl"
+    env = {"PTE_REQUEST_LOG": str(log), "VLLM_PLUGINS": "pte", "PTE_DEVICE": "h100-sxm"}
+    # one sequence at a time: a second request waits in the queue while the first runs
+    vllm = start_server(tiny_model, work, env, [*HOOK, "--max-num-seqs", "1"])
+    try:
+        yield vllm, log, httpx.Client(base_url=vllm.url, timeout=120)
+    finally:
+        vllm.stop()
+
+
+def log_entries(log: Path) -> list[dict]:
+    return [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+
+
+def wait_for(log: Path, match, n: int, timeout_s: float = 20.0) -> list[dict]:
+    """The log entries ``match`` accepts, once there are ``n`` (and a moment later, so that
+    a late duplicate would show)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = [e for e in log_entries(log) if match(e)]
+        if len(found) >= n:
+            time.sleep(1.0)
+            return [e for e in log_entries(log) if match(e)]
+        time.sleep(0.1)
+    return [e for e in log_entries(log) if match(e)]
+
+
+def faults(client: httpx.Client) -> dict[str, float]:
+    return client.get("/pte/summary").json()["faults"]
+
+
+def test_parallel_sampling_prices_each_child_once(served):
+    vllm, log, client = served
+    before = faults(client).get("engine_join", 0)
+    session = f"n2-{uuid.uuid4().hex[:8]}"
+    r = client.post("/v1/completions", headers={"X-Session-Id": session},
+                    json={"model": vllm.served_name, "prompt": "agent tool call result", "n": 2,
+                          "max_tokens": 6, "temperature": 1.0})  # fmt: skip
+    r.raise_for_status()
+    rid = r.json()["id"]  # cmpl-<id>; the prompt's request is cmpl-<id>-0
+    entries = wait_for(log, lambda e: rid in e["request_id"], 2)
+    assert sorted(e["request_id"] for e in entries) == [f"0_{rid}-0", f"1_{rid}-0"]
+    assert sorted(e["child_index"] for e in entries) == [0, 1]
+    assert all(e["session_id"] == session and e["engine_pte_served"] is not None for e in entries)
+    assert all(e["output_tokens"] == e["engine_decode_tokens"] for e in entries)  # each its own totals
+    assert sorted(e["turn"] for e in entries) == [1, 2]
+    assert faults(client).get("engine_join", 0) == before
+
+
+def test_a_list_of_prompts_is_tagged_with_its_session(served):
+    vllm, log, client = served
+    session = f"list-{uuid.uuid4().hex[:8]}"
+    r = client.post("/v1/completions", headers={"X-Session-Id": session},
+                    json={"model": vllm.served_name, "prompt": ["agent tool", "call result", "search python"],
+                          "max_tokens": 3})  # fmt: skip
+    r.raise_for_status()
+    rid = r.json()["id"]
+    entries = wait_for(log, lambda e: e["request_id"].startswith(rid), 3)
+    assert sorted(e["request_id"] for e in entries) == [f"{rid}-{i}" for i in range(3)]
+    assert [e["session_id"] for e in entries] == [session] * 3
+
+
+def test_a_reused_request_id_keeps_every_turn_of_its_session(served):
+    vllm, log, client = served
+    session, same = f"dup-{uuid.uuid4().hex[:8]}", f"same-{uuid.uuid4().hex[:8]}"
+
+    def send(_: int) -> int:  # both in flight at once: the second waits in the engine's queue
+        return client.post("/v1/chat/completions", headers={"X-Session-Id": session, "X-Request-Id": same},
+                           json={"model": vllm.served_name, "max_tokens": 40, "ignore_eos": True,
+                                 "messages": [{"role": "user", "content": "agent tool call"}]}).status_code  # fmt: skip
+
+    with ThreadPoolExecutor(2) as pool:
+        assert list(pool.map(send, range(2))) == [200, 200]
+    entries = wait_for(log, lambda e: same in e["request_id"], 2)
+    assert len(entries) == 2
+    assert [e["session_id"] for e in entries] == [session, session]
+    assert sorted(e["turn"] for e in entries) == [1, 2]
+    assert len({e["engine_request_id"] for e in entries}) == 2  # each its own engine request
+
+
+def stream_then_hang_up(url: str, model: str, session: str, after_chunks: int) -> None:
+    """Stream a chat completion and hang up after ``after_chunks`` chunks: closing the
+    connection makes vLLM abort the request."""
+    body = {"model": model, "max_tokens": 400, "ignore_eos": True, "stream": True,
+            "messages": [{"role": "user", "content": "agent tool call result"}]}  # fmt: skip
+    with (
+        httpx.Client(base_url=url, timeout=60) as c,
+        c.stream("POST", "/v1/chat/completions", json=body, headers={"X-Session-Id": session}) as r,
+    ):
+        for i, _ in enumerate(r.iter_lines()):
+            if i >= after_chunks:
+                break
+
+
+def test_a_client_abort_is_priced_promptly_and_turns_follow_arrival(served):
+    vllm, log, client = served
+    session = f"abort-{uuid.uuid4().hex[:8]}"
+    chat = {"model": vllm.served_name, "max_tokens": 3, "messages": [{"role": "user", "content": "agent"}]}
+    client.post("/v1/chat/completions", json=chat, headers={"X-Session-Id": session}).raise_for_status()
+    stream_then_hang_up(vllm.url, vllm.served_name, session, after_chunks=5)
+    hung_up = time.time()
+    mine = lambda e: e["session_id"] == session  # noqa: E731
+    aborted = wait_for(log, lambda e: mine(e) and e["finish_reason"] == "abort", 1, timeout_s=10)
+    seen = time.time()
+    assert len(aborted) == 1 and seen - hung_up < 4.0, "priced without waiting for the orphan timeout"
+    time.sleep(0.7)  # the client's tool pause
+    retry_sent = time.time()
+    client.post("/v1/chat/completions", json=chat, headers={"X-Session-Id": session}).raise_for_status()
+    entries = sorted(wait_for(log, mine, 3), key=lambda e: e["turn"])
+    assert [e["finish_reason"] == "abort" for e in entries] == [False, True, False]
+    assert [e["turn"] for e in entries] == [1, 2, 3]
+    assert entries[1]["e2e_s"] > 0 and entries[1]["arrived_at"] < entries[2]["arrived_at"]
+    # the retry's pause: from the abort's real finish to the retry's arrival
+    true_pause = entries[2]["arrived_at"] - entries[1]["finished_at"]
+    assert entries[2]["pause_s"] == pytest.approx(true_pause, abs=1e-6)
+    assert 0.6 < true_pause < (retry_sent - hung_up) + 0.5
+
+
+# A long completion, until killed: holds the server's only sequence slot. A process of its
+# own, so that nothing it does can delay the test's own client.
+RUNNER = """
+import sys, httpx
+body = {"model": sys.argv[2], "max_tokens": 3800, "ignore_eos": True,
+        "messages": [{"role": "user", "content": "agent tool call result"}]}
+httpx.post(sys.argv[1] + "/v1/chat/completions", json=body, timeout=300)
+"""
+
+
+def vllm_gauge(client: httpx.Client, name: str) -> float:
+    """One of vLLM's own gauges (``vllm:num_requests_running``, ``…_waiting``), summed."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in client.get("/metrics").text.splitlines()
+               if line.startswith(name + "{"))  # fmt: skip
+
+
+async def abort_once_queued(url: str, body: dict, headers: dict, queued) -> None:
+    """Send ``body``; once ``queued()`` says the engine holds it in its queue, hang up."""
+    async with httpx.AsyncClient(base_url=url, timeout=300) as c:
+        sent = asyncio.create_task(c.post("/v1/chat/completions", json=body, headers=headers))
+        deadline = time.monotonic() + 60
+        while not await asyncio.to_thread(queued):
+            assert time.monotonic() < deadline and not sent.done(), "the request was never queued"
+            await asyncio.sleep(0.05)
+        sent.cancel()  # closes the connection: vLLM aborts the request
+        with contextlib.suppress(asyncio.CancelledError):
+            await sent
+
+
+def test_a_request_aborted_while_queued_costs_nothing(served):
+    vllm, log, client = served
+    session = f"queued-{uuid.uuid4().hex[:8]}"
+    runner = subprocess.Popen([sys.executable, "-c", RUNNER, vllm.url, vllm.served_name])
+    try:
+        deadline = time.monotonic() + 60
+        while vllm_gauge(client, "vllm:num_requests_running") < 1:
+            assert time.monotonic() < deadline, "the runner never started"
+            time.sleep(0.1)
+        body = {"model": vllm.served_name, "max_tokens": 5,
+                "messages": [{"role": "user", "content": "agent tool call result " * 40}]}  # fmt: skip
+        asyncio.run(
+            abort_once_queued(
+                vllm.url,
+                body,
+                {"X-Session-Id": session},
+                lambda: vllm_gauge(client, "vllm:num_requests_waiting") > 0,
+            )
+        )
+    finally:
+        runner.kill()
+        runner.wait()
+    [entry] = wait_for(log, lambda e: e["session_id"] == session, 1, timeout_s=15)
+    assert entry["finish_reason"] == "abort" and entry["prompt_tokens"] > 100
+    assert entry["computed_prefill_tokens"] == 0 and entry["engine_prefill_tokens"] == 0
+    assert entry["pte_served"] == 0 and entry["pte_ideal"] == 0 and entry["pte_reference"] == 0

@@ -1,0 +1,51 @@
+"""An unwritable step log turns off the step log only: the engine hook keeps its exact
+accounting, and the fault reaches the API server with the hook's hello."""
+
+from __future__ import annotations
+
+from pte_instrument.engine.accounting import EngineAccounting
+from pte_instrument.engine.report import EngineReporter
+from pte_instrument.faults import FaultTracker
+from pte_instrument.wire import EngineFaults, EngineHello
+from tests.engine.test_engine_accounting import COST, collect
+
+
+def test_an_unwritable_step_log_leaves_the_accounting_on(tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    sent: list[dict] = []
+    ea = EngineAccounting(COST, collect(sent), step_log=str(blocker / "steps.jsonl"))
+    assert isinstance(ea.step_log_error, NotADirectoryError) and str(blocker) in str(ea.step_log_error)
+    ea.on_schedule(["a"], [[0], [10], [10], [0]])
+    ea.on_step_done()
+    ea.on_finished("a", "length", 10, {"prompt_tokens": 10, "output_tokens": 1, "num_preemptions": 0})
+    ea.flush()
+    ea.close()
+    assert [(m["request_id"], m["prefill"]) for m in sent] == [("a", 10)]
+
+
+def test_a_writable_step_log_reports_no_error(tmp_path):
+    ea = EngineAccounting(COST, collect([]), step_log=str(tmp_path / "steps.jsonl"))
+    assert ea.step_log_error is None
+    ea.close()
+
+
+class FakeSender:
+    def __init__(self) -> None:
+        self.batches: list[tuple[int, list]] = []
+
+    def send(self, messages: list, api_server: int = 0) -> None:
+        self.batches.append((api_server, messages))
+
+
+def test_faults_at_set_up_travel_with_the_hello():
+    sender, faults = FakeSender(), FaultTracker()
+    faults.record("engine_step_log", OSError("unwritable"), logged=True)
+    reporter = EngineReporter(sender, 0, faults)  # type: ignore[arg-type]
+    reporter.hello(2)
+    messages = [(i, m) for i, batch in sender.batches for m in batch]
+    assert (0, EngineHello(0)) in messages and (1, EngineHello(0)) in messages
+    assert (0, EngineFaults(0, {"engine_step_log": 1})) in messages
+    n = len(sender.batches)
+    reporter.send([])  # already reported: not again
+    assert not any(isinstance(m, EngineFaults) for _, batch in sender.batches[n:] for m in batch)

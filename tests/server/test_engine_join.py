@@ -1,0 +1,128 @@
+"""The join of engine totals to finished requests, driven by hand: every request priced
+once, on time, under a unique id, whatever order the two sides arrive in."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from pte_instrument.cost.architecture import KVGroup, ModelShape
+from pte_instrument.cost.devices import DeviceProfile
+from pte_instrument.cost.model import CostModel
+from pte_instrument.faults import FaultTracker
+from pte_instrument.server.engine_join import ABORT_GRACE_S, EngineInbox, RequestJoin
+from pte_instrument.server.ledger import FinishedRequest, price_request
+from pte_instrument.vllm_adapter.compat import request_keys
+from pte_instrument.wire import EngineHello, RequestTotals
+
+SHAPE = ModelShape("unit", 1, 8, 1, 1, 8, "mha", 2, (KVGroup(1, 2.0, None),), 100.0, 100.0)
+COST = CostModel(SHAPE, DeviceProfile("unit", 1.0, 1.0, "test"))  # γ = 0.01
+
+
+def make_join(hook: bool = True) -> tuple[EngineInbox, RequestJoin, list[FinishedRequest], FaultTracker]:
+    faults = FaultTracker()
+    inbox = EngineInbox(faults, lambda stage, n: None)
+    if hook:
+        inbox.on_messages([EngineHello(0)])
+    priced: list[FinishedRequest] = []
+    join = RequestJoin(inbox, "m", request_keys, lambda r: r, priced.append, faults)
+    return inbox, join, priced, faults
+
+
+def stats(rid: str, output: int, reason: str = "stop", arrived: float = 100.0) -> FinishedRequest:
+    return FinishedRequest(rid, "m", prompt_tokens=10, cached_tokens=0, output_tokens=output,
+                           finish_reason=reason, arrived_at=arrived, finished_at=arrived + 1, e2e_s=1.0)  # fmt: skip
+
+
+def totals(external: str, output: int, child: int | None = None, reason: str = "stop", **kw) -> RequestTotals:
+    engine_id = f"{external}-0123abcd" if child is None else f"{child}_{external}-0123abcd"
+    return RequestTotals(engine_id, external, 0, reason, child_index=child, prompt_tokens=10,
+                         output_tokens=output, scheduled=True, **kw)  # fmt: skip
+
+
+def test_parallel_sampling_children_are_priced_once_each_under_unique_ids():
+    inbox, join, priced, faults = make_join()
+    inbox.on_messages([totals("cmpl-x-0", 3, child=0), totals("cmpl-x-0", 5, child=1)])
+    now = time.monotonic()
+    join.finished(stats("cmpl-x-0", 5), now)  # vLLM reports both under the parent's id
+    join.finished(stats("cmpl-x-0", 3), now)
+    join.price_ready(now)
+    assert sorted((r.request_id, r.child_index, r.output_tokens) for r in priced) == [
+        ("0_cmpl-x-0", 0, 3), ("1_cmpl-x-0", 1, 5)]  # fmt: skip
+    assert all(r.engine_totals.output_tokens == r.output_tokens for r in priced)
+    join.price_ready(now + 10)  # nothing left over to price as an orphan
+    assert len(priced) == 2 and len(inbox) == 0 and faults.counts["engine_join"] == 0
+
+
+def test_a_reused_request_id_joins_both_requests():
+    inbox, join, priced, faults = make_join()
+    inbox.on_messages([totals("chatcmpl-same", 4), totals("chatcmpl-same", 4)])
+    now = time.monotonic()
+    join.finished(stats("chatcmpl-same", 4), now)
+    join.finished(stats("chatcmpl-same", 4), now)
+    join.price_ready(now)
+    assert len(priced) == 2 and all(r.engine_totals is not None for r in priced)
+    assert len({r.engine_totals.request_id for r in priced}) == 1  # same engine id here: built alike
+    assert faults.counts["engine_join"] == 0
+
+
+def test_an_abort_is_priced_from_its_totals_at_once_and_never_twice():
+    inbox, join, priced, _ = make_join()
+    inbox.on_messages([totals("chatcmpl-a", 2, reason="abort", arrival_time=50.0, finished_at=50.7)])
+    now = time.monotonic()
+    join.price_ready(now)  # within the grace: vLLM could still report it
+    assert priced == []
+    join.price_ready(now + ABORT_GRACE_S + 0.01)
+    [r] = priced
+    assert (r.request_id, r.finish_reason, r.arrived_at, r.finished_at) == ("chatcmpl-a", "abort", 50.0, 50.7)
+    assert r.e2e_s == pytest.approx(0.7)
+    join.finished(stats("chatcmpl-a", 2, reason="abort"), now + 1)  # vLLM reports it after all
+    join.price_ready(now + 1)
+    assert len(priced) == 1
+
+
+def test_a_request_aborted_while_queued_costs_nothing():
+    inbox, join, priced, _ = make_join()
+    never = RequestTotals("chatcmpl-q-0123abcd", "chatcmpl-q", 0, "abort", prompt_tokens=600, scheduled=False)
+    inbox.on_messages([never])
+    join.price_ready(time.monotonic() + 1)
+    record = price_request(COST, priced[0], 0.0)
+    assert (record.prompt_tokens, record.computed_prefill_tokens) == (600, 0)
+    assert record.pte_served == record.pte_reference == record.pte_ideal == 0
+
+
+def test_wasted_work_is_counted_beside_served():
+    # aborted after 3 outputs: the engine also ran a 4th position (reads 13) the client never
+    # got, and two drafts it rejected (0.25 PTE)
+    served = 10 + 0.01 * (10 + 11 + 12)
+    t = totals("chatcmpl-w", 3, reason="abort", pte_served=served + 0.13 + 0.25, pte_rejected=0.25)
+    record = price_request(COST, FinishedRequest("chatcmpl-w", "m", 10, 0, 3, "abort", engine_totals=t), 0.0)
+    assert record.pte_served == pytest.approx(served)  # unchanged
+    assert record.pte_wasted_aborted == pytest.approx(0.13)
+    assert record.pte_wasted_rejected_drafts == pytest.approx(0.25)
+    done = FinishedRequest("chatcmpl-d", "m", 10, 0, 3, "stop", engine_totals=totals("d", 3, pte_rejected=0.25))
+    assert price_request(COST, done, 0.0).pte_wasted_aborted == 0  # only an abort throws its last step away
+
+
+def test_totals_arriving_late_are_priced_by_the_timer_within_100ms():
+    inbox, join, priced, _ = make_join()
+    join.start_timer()
+    join.finished(stats("chatcmpl-late", 2), time.monotonic())
+    join.price_ready(time.monotonic())
+    assert priced == []  # waits for the engine's totals
+    inbox.on_messages([totals("chatcmpl-late", 2)])
+    t0 = time.monotonic()
+    while not priced and time.monotonic() - t0 < 1.0:
+        time.sleep(0.005)
+    assert priced and time.monotonic() - t0 < 0.1
+    assert priced[0].engine_totals is not None
+
+
+def test_requests_ready_together_are_priced_in_arrival_order():
+    _, join, priced, _ = make_join(hook=False)
+    now = time.monotonic()
+    for rid, arrived in (("c", 3.0), ("a", 1.0), ("b", 2.0)):
+        join.finished(stats(rid, 1, arrived=arrived), now)
+    join.price_ready(now)
+    assert [r.request_id for r in priced] == ["a", "b", "c"]

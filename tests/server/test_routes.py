@@ -1,0 +1,295 @@
+"""The /pte/* routes and the session middleware against hostile input, in process (an ASGI
+app around the plugin's router and middleware, no engine)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from urllib.parse import quote
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry
+
+from pte_instrument.server.request_tags import PendingTags, RequestTag
+from pte_instrument.server.runtime import Runtime
+from pte_instrument.settings import Settings
+from pte_instrument.vllm_adapter.endpoints import SessionMiddleware, build_router
+from tests.server.test_sessions import Clock, turn
+
+KEY = "route-key"
+MAX_BODY_BYTES = 64 * 1024
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture
+def runtime() -> Runtime:
+    rt = Runtime(Settings(), registry=CollectorRegistry())
+    rt.api_keys = [KEY]
+    return rt
+
+
+@pytest.fixture
+def client(runtime: Runtime) -> TestClient:
+    app = FastAPI()
+    app.include_router(build_router(runtime))
+    return TestClient(app, raise_server_exceptions=False)
+
+
+def nested(depth: int) -> bytes:
+    return b'{"correct": true, "request_id": ' + b"[" * depth + b"]" * depth + b"}"
+
+
+# --- POST /pte/feedback: key first, bounded body, 400 for malformed input ---------------
+
+
+def call(app, path: str, headers: list[tuple[bytes, bytes]], chunks: list[bytes]):
+    """One raw ASGI POST; returns (status, body, how many body chunks the app read). The
+    client hangs up once its chunks are read."""
+    return asyncio.run(asyncio.wait_for(_call(app, path, headers, chunks), timeout=30))
+
+
+async def _call(app, path: str, headers: list[tuple[bytes, bytes]], chunks: list[bytes]):
+    read = 0
+    sent: list[dict] = []
+
+    async def receive():
+        nonlocal read
+        if read < len(chunks):
+            read += 1
+            return {"type": "http.request", "body": chunks[read - 1], "more_body": read < len(chunks)}
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"",
+             "headers": headers, "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}  # fmt: skip
+    await app(scope, receive, send)
+    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return status, body, read
+
+
+def feedback_app(runtime: Runtime) -> FastAPI:
+    app = FastAPI()
+    app.include_router(build_router(runtime))
+    return app
+
+
+def test_unauthenticated_feedback_is_refused_before_its_body_is_read(runtime):
+    chunks = [b"x" * 65536] * 8  # never read: the key is checked first
+    status, _, read = call(feedback_app(runtime), "/pte/feedback", [], chunks)
+    assert status == 401 and read == 0
+
+
+def test_unauthenticated_deeply_nested_feedback_is_a_401(client):
+    assert client.post("/pte/feedback", content=nested(20_000)).status_code == 401
+
+
+@pytest.mark.parametrize("depth", [5_000, 30_000])
+def test_deeply_nested_feedback_is_a_400(client, depth):
+    r = client.post("/pte/feedback", content=nested(depth), headers=AUTH)
+    assert r.status_code == 400, r.text
+    assert "nested" in r.json()["error"]
+
+
+def test_a_body_over_the_cap_is_a_413_from_its_content_length(client):
+    big = b'{"correct": true, "request_id": "' + b"x" * MAX_BODY_BYTES + b'"}'
+    r = client.post("/pte/feedback", content=big, headers=AUTH)
+    assert r.status_code == 413 and "error" in r.json()
+
+
+def test_a_chunked_body_over_the_cap_is_a_413_read_no_further(runtime):
+    headers = [(b"authorization", f"Bearer {KEY}".encode()), (b"transfer-encoding", b"chunked")]
+    chunks = [b"x" * 16384] * 64  # 1 MiB, no Content-Length
+    status, body, read = call(feedback_app(runtime), "/pte/feedback", headers, chunks)
+    assert status == 413 and "error" in json.loads(body)
+    assert read <= MAX_BODY_BYTES // 16384 + 1  # stopped at the cap
+
+
+def test_a_lying_content_length_is_a_400(runtime):
+    headers = [(b"authorization", f"Bearer {KEY}".encode()), (b"content-length", b"lots")]
+    status, _, _ = call(feedback_app(runtime), "/pte/feedback", headers, [b"{}"])
+    assert status == 400
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"{not json",
+        b"\xff\xfe\x00garbage",
+        b"[1, 2]",
+        b"null",
+        b'"a string"',
+        b"",
+        b'{"correct": "yes", "request_id": "r"}',
+        b'{"correct": 1, "request_id": "r"}',
+        b'{"correct": true, "request_id": ["r"]}',
+        b'{"correct": true, "request_id": {"a": 1}}',
+        b'{"correct": true, "session_id": 5}',
+        b'{"correct": true, "request_id": ""}',
+        b'{"correct": true, "request_id": "r", "session_id": "s"}',
+        b'{"correct": true}',
+        b'{"correct": true, "request_id": 1' + b"0" * 5000 + b"}",
+    ],
+)
+def test_malformed_feedback_is_a_400(client, body):
+    r = client.post("/pte/feedback", content=body, headers=AUTH)
+    assert r.status_code == 400, (body[:60], r.status_code, r.text[:200])
+    assert isinstance(r.json()["error"], str)
+
+
+def test_echoed_ids_are_cut_short(client, runtime):
+    long_id = "x" * 60_000
+    r = client.post("/pte/feedback", json={"request_id": long_id, "correct": True}, headers=AUTH)
+    assert r.status_code == 404 and len(r.content) < 400, len(r.content)
+    assert "…" in r.json()["error"]
+    runtime.efficiency.observe(long_id, None, "m", "none", 3, "stop")
+    assert (
+        client.post("/pte/feedback", json={"request_id": long_id, "correct": True}, headers=AUTH).status_code
+        == 200
+    )
+    r = client.post("/pte/feedback", json={"request_id": long_id, "correct": True}, headers=AUTH)
+    assert r.status_code == 409 and len(r.content) < 400, len(r.content)
+    for params in ({"sort": "s" * 20_000}, {"limit": "9" * 20_000}, {"offset": "o" * 20_000}):
+        r = client.get("/pte/sessions", params=params, headers=AUTH)
+        assert r.status_code == 400 and len(r.content) < 400, (list(params), len(r.content))
+
+
+# --- GET /pte/sessions/{id}: every tracked id is reachable --------------------------------
+
+
+@pytest.mark.parametrize("sid", ["team/agent-7", "a/b/c", "trailing/", "/leading", "50%off", "q?x#y"])
+def test_session_ids_with_slashes_and_reserved_characters_are_reachable(client, runtime, sid):
+    turn(runtime.sessions, sid, 10, 2, 0, 1000.0)
+    listed = client.get("/pte/sessions", headers=AUTH).json()["sessions"]
+    assert [s["session_id"] for s in listed] == [sid]
+
+    for path in (quote(sid, safe="/"), quote(sid, safe="")):  # '/' as-is and as %2F
+        r = client.get(f"/pte/sessions/{path}", headers=AUTH)
+        assert r.status_code == 200, (path, r.status_code, r.text)
+        assert r.json()["session_id"] == sid
+
+
+def test_an_empty_or_malformed_session_path_is_a_400(client):
+    assert client.get("/pte/sessions/", headers=AUTH, follow_redirects=False).status_code == 400
+    assert client.get("/pte/sessions/" + "x" * 129, headers=AUTH).status_code == 400
+    assert client.get("/pte/sessions/caf%C3%A9", headers=AUTH).status_code == 400
+    r = client.get("/pte/sessions/no/such/session", headers=AUTH)
+    assert r.status_code == 404 and "no/such/session" in r.json()["error"]
+
+
+# --- the session middleware: tags of requests the engine never sees do not linger ---------
+
+
+def generation_app(status: int, complete: bool = True):
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": status, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}", "more_body": not complete})
+
+    return app
+
+
+def tagged_client(runtime: Runtime, status: int, complete: bool = True) -> TestClient:
+    return TestClient(SessionMiddleware(generation_app(status, complete), runtime=runtime))
+
+
+@pytest.mark.parametrize("status", [400, 401, 404, 422, 500, 503])
+def test_tags_of_rejected_requests_expire_promptly_and_are_counted(runtime, status):
+    clock = Clock()
+    runtime.pending = PendingTags(clock=clock)
+    c = tagged_client(runtime, status)
+    for i in range(50):
+        c.post("/v1/chat/completions", json={"model": "wrong"}, headers={"X-Session-Id": f"s{i}"})
+    clock.t += runtime.pending.grace_s + 0.1
+    assert len(runtime.pending) == 0 and runtime.pending.dropped == 50
+
+
+def test_tags_of_answered_requests_serve_every_engine_request_then_go(runtime):
+    clock = Clock()
+    runtime.pending = PendingTags(clock=clock)
+    c = tagged_client(runtime, 200)
+    c.post("/v1/completions", json={}, headers={"X-Session-Id": "s", "X-Request-Id": "r1"})
+    # n = 2 or a list of prompts: several engine requests claim the one HTTP request's tag
+    assert runtime.pending.claim("0_cmpl-r1-0", "r1-0", "r1") == RequestTag("s", "none")
+    assert runtime.pending.claim("cmpl-r1-1", "r1-1", "r1") == RequestTag("s", "none")
+    clock.t += runtime.pending.grace_s + 0.1
+    assert len(runtime.pending) == 0 and runtime.pending.dropped == 0  # claimed: not a drop
+
+
+def test_a_reused_request_id_keeps_its_tag_while_any_exchange_is_open():
+    clock = Clock()
+    pending = PendingTags(clock=clock)
+    pending.put("same", RequestTag("s", "none"))
+    pending.put("same", RequestTag("s", "none"))  # a second request, same X-Request-Id
+    pending.settle("same")  # the first ends
+    clock.t += pending.grace_s + 1
+    assert pending.claim("same") == RequestTag("s", "none")  # the second still runs
+    pending.settle("same")
+    clock.t += pending.grace_s + 1
+    assert len(pending) == 0 and pending.dropped == 0
+
+
+def test_a_rejected_tag_popped_within_the_grace_is_not_dropped(runtime):
+    clock = Clock()
+    runtime.pending = PendingTags(clock=clock)
+    tagged_client(runtime, 500).post(
+        "/v1/completions", json={}, headers={"X-Session-Id": "s", "X-Request-Id": "r"}
+    )
+    assert runtime.pending.pop("cmpl-r-0", "r-0", "r") is not None  # the engine's report raced the error
+    clock.t += 60
+    assert len(runtime.pending) == 0 and runtime.pending.dropped == 0
+
+
+def test_tags_of_cut_off_responses_expire_promptly(runtime):
+    clock = Clock()
+    runtime.pending = PendingTags(clock=clock)
+    c = tagged_client(runtime, 200, complete=False)  # a stream the client hung up on
+    c.post("/v1/chat/completions", json={}, headers={"X-Session-Id": "s"})
+    clock.t += runtime.pending.grace_s + 0.1
+    assert len(runtime.pending) == 0 and runtime.pending.dropped == 1
+
+
+def test_tags_expire_past_the_age_limit():
+    clock = Clock()
+    pending = PendingTags(clock=clock, max_age_s=100.0)
+    pending.put("r", RequestTag("s", "none"))  # an exchange that never ends
+    clock.t += 99
+    assert len(pending) == 1
+    clock.t += 2
+    assert len(pending) == 0 and pending.dropped == 1
+
+
+def test_pending_tags_count_every_drop_once():
+    clock = Clock()
+    pending = PendingTags(capacity=2, clock=clock)
+    pending.settle("never-put")  # nothing to drop
+    for key in ("a", "b", "c"):  # "a" past the capacity
+        pending.put(key, RequestTag("s", "none"))
+    pending.settle("b")
+    pending.settle("a")  # already gone
+    clock.t += pending.grace_s + 0.1
+    assert len(pending) == 1 and pending.dropped == 2
+    pending.put("b", RequestTag("s", "none"))  # an id used again: a new request
+    clock.t += pending.grace_s + 0.1
+    assert len(pending) == 2 and pending.dropped == 2
+
+
+def test_user_field_with_deep_nesting_still_reaches_the_server(runtime):
+    """The ``user`` field read must not eat a body it cannot parse."""
+    runtime.settings = Settings(session_from_user=True)
+    seen: list[bytes] = []
+
+    async def app(scope, receive, send):
+        message = await receive()
+        seen.append(message.get("body", b""))
+        await send({"type": "http.response.start", "status": 400, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    body = b'{"user": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"
+    call(SessionMiddleware(app, runtime=runtime), "/v1/chat/completions", [], [body])
+    assert seen == [body]
+    assert runtime.faults.counts.get("middleware", 0) == 0

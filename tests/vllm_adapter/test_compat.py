@@ -1,0 +1,27 @@
+"""How vLLM names requests, read in one place (hand-written ids as vLLM 0.32 makes them)."""
+
+import pytest
+
+from pte_instrument.vllm_adapter.compat import external_request_id, request_keys
+
+
+@pytest.mark.parametrize(
+    ("internal", "expected"),
+    [
+        ("chatcmpl-abc-0123abcd", ("chatcmpl-abc", None)),  # the engine's random suffix
+        ("cmpl-abc-0-89abcdef", ("cmpl-abc-0", None)),  # a prompt of /v1/completions
+        ("0_chatcmpl-abc-0123abcd", ("chatcmpl-abc", 0)),  # parallel sampling: child 0
+        ("12_cmpl-abc-1-0123abcd", ("cmpl-abc-1", 12)),
+        ("chatcmpl-x_y-0123abcd", ("chatcmpl-x_y", None)),  # an underscore in a client's id
+        ("a_b", ("a_b", None)),
+        ("no-suffix", ("no-suffix", None)),
+    ],
+)
+def test_external_request_id(internal, expected):
+    assert external_request_id(internal) == expected
+
+
+def test_request_keys_cover_the_middlewares_spellings():
+    assert request_keys("chatcmpl-abc") == ("chatcmpl-abc", "abc")
+    assert request_keys("cmpl-abc-1") == ("cmpl-abc-1", "abc-1", "abc")
+    assert request_keys("plain") == ("plain",)
