@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.provenance import header_line, load_avg_1m, provenance, write_results
+from bench.provenance import header_line, load_avg_1m, print_table, provenance, write_results
 from pte_instrument.engine.accumulator import StepAccumulator, StepBatch
 
 SIZES = [1, 8, 64, 512, 4096, 8192]
@@ -145,20 +145,13 @@ def plan(backends: list[str], sizes: list[int], interp: bool) -> list[tuple[str,
     return cases
 
 
-def print_table(cases: list[Case]) -> None:
-    head = (
-        f"{'backend':<8} {'device':<6} {'batch':>6} {'µs/update':>10} {'rows/s':>12} "
-        f"{'host µs':>8} {'GPU µs':>8}  note"
-    )
-    print(head)
-    print("-" * len(head))
-    for c in cases:
-        host = f"{c.host_us:8.1f}" if c.host_us is not None else f"{'':>8}"
-        dev = f"{c.device_us:8.1f}" if c.device_us is not None else f"{'':>8}"
-        print(
-            f"{c.backend:<8} {c.device:<6} {c.batch:>6} {c.us_per_update:>10.1f} "
-            f"{c.rows_per_s:>12.3g} {host} {dev}  {c.note[:40]}"
-        )
+def print_cases(cases: list[Case]) -> None:
+    print_table(
+        ["backend", "device", "batch", "µs/update", "rows/s", "host µs", "GPU µs", "note"],
+        [[c.backend, c.device, c.batch, f"{c.us_per_update:.1f}", f"{c.rows_per_s:.3g}",
+          None if c.host_us is None else f"{c.host_us:.1f}", None if c.device_us is None else f"{c.device_us:.1f}",
+          c.note[:40]] for c in cases],
+    )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     out = write_results(report, "accumulator", args.out)
     m = report["machine"]
     print(header_line(report, f"GPU: {m['gpu']}", f"torch {m['torch']}", f"triton {m['triton']}"))
-    print_table(cases)
+    print_cases(cases)
     print(f"wrote {out}")
     return 0
 

@@ -31,7 +31,6 @@ Writes gpu-latency-<host>-<date>.json and .md to --out (default $OUT, else bench
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import math
 import os
@@ -257,8 +256,9 @@ def _split_fit(points: list[Point]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.gpu_latency", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    from bench.provenance import bench_parser
+
+    ap = bench_parser("bench.gpu_latency", __doc__)
     ap.add_argument("--device", default=None, help="cuda (default when present) or cpu")
     ap.add_argument("--tiny", action="store_true", help="a tiny config and grid (the CPU smoke test)")
     ap.add_argument(

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.provenance import header_line, load_avg_1m, provenance, write_results
+from bench.provenance import header_line, load_avg_1m, print_table, provenance, write_results
 from pte_instrument.cost.architecture import parse_shape
 from pte_instrument.cost.devices import resolve_device
 from pte_instrument.cost.model import CostModel
@@ -129,18 +129,12 @@ def bench_case(
     return Case(batch, steps, step_log, finish_every, *med, [round(x[1], 2) for x in runs])
 
 
-def print_table(cases: list[Case]) -> None:
-    head = (
-        f"{'finish/':>7} {'batch':>6} {'step log':>8} {'schedule µs':>12} {'total µs':>9} {'hook_s µs':>10}"
-        "  runs (total µs)"
-    )
-    print(head)
-    print("-" * len(head))
-    for c in cases:
-        print(
-            f"{c.finish_every:>7} {c.batch:>6} {('on' if c.step_log else 'off'):>8} {c.schedule_us:>12.1f} {c.total_us:>9.1f} "
-            f"{c.hook_s_us:>10.1f}  {c.total_us_runs}"
-        )
+def print_cases(cases: list[Case]) -> None:
+    print_table(
+        ["finish/", "batch", "step log", "schedule µs", "total µs", "hook_s µs", "runs (total µs)"],
+        [[c.finish_every, c.batch, "on" if c.step_log else "off", f"{c.schedule_us:.1f}", f"{c.total_us:.1f}",
+          f"{c.hook_s_us:.1f}", c.total_us_runs] for c in cases],
+    )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -180,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = write_results(report, "hook", args.out)
     print(header_line(report, f"numpy {report['machine']['numpy']}"))
-    print_table(cases)
+    print_cases(cases)
     print(f"wrote {out}")
     return 0
 

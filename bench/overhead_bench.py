@@ -10,7 +10,6 @@ test: it asserts nothing.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import statistics
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.provenance import load_avg_1m, provenance, results_path, write_results
+from bench.provenance import bench_parser, load_avg_1m, provenance, results_path, write_results
 from pte_instrument.devtools.serving import VllmServer
 from pte_instrument.devtools.tinymodel import build_model
 
@@ -75,11 +74,7 @@ def engine_hook_cost(url: str) -> tuple[int, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.overhead_bench",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    ap = bench_parser("bench.overhead_bench", __doc__)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--concurrency", type=int, default=8)

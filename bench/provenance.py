@@ -16,6 +16,7 @@ from torch only when the bench has already imported it.
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import importlib.metadata as metadata
 import json
@@ -163,3 +164,21 @@ def header_line(report: dict[str, Any], *details: str) -> str:
         f"load {m['load_avg_1m']}→{report.get('load_avg_1m_end')}",
     ]
     return " · ".join(parts)
+
+
+def bench_parser(module: str, doc: str | None) -> argparse.ArgumentParser:
+    """The argument parser of ``python -m <module>``, its docstring as the description."""
+    return argparse.ArgumentParser(
+        prog=f"python -m {module}", description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+
+
+def print_table(columns: list[str], rows: list[list[Any]]) -> None:
+    """A results table on the terminal (numbers right-aligned)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(*columns)
+    for row in rows:
+        table.add_row(*("" if v is None else str(v) for v in row))
+    Console().print(table)

@@ -10,7 +10,6 @@ Writes bench/results/session-memory-<host>-<date>.json and prints one line per s
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import tempfile
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from bench.provenance import load_avg_1m, provenance, results_path, write_results
+from bench.provenance import bench_parser, load_avg_1m, provenance, results_path, write_results
 from pte_instrument.devtools.serving import VllmServer
 from pte_instrument.devtools.tinymodel import build_model
 
@@ -47,11 +46,7 @@ async def send(url: str, first: int, count: int, concurrency: int) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.session_memory_bench",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    ap = bench_parser("bench.session_memory_bench", __doc__)
     ap.add_argument("--ids", type=int, default=100_000)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--every", type=int, default=5_000, help="ids between samples")

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.provenance import hostname, load_avg_1m, provenance
+from bench.provenance import bench_parser, hostname, load_avg_1m, provenance
 from pte_instrument.cost.devices import DeviceProfile
 
 from .calibrate import measure_host_profile
@@ -103,8 +103,7 @@ def _log_path(out: Path, name: str) -> Path:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.latency.run", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = bench_parser("bench.latency.run", __doc__)
     p.add_argument("--model-preset", choices=sorted(PRESET_DEFAULTS), default="tiny")
     p.add_argument("--model-dir", help="model directory (default models/<preset>; built if missing)")
     p.add_argument("--concurrency", help="comma-separated concurrencies, one phase each (1 … 256)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from pte_instrument.cli.errors import UsageError, print_json, report_error, report_warning
@@ -41,13 +42,23 @@ def _write_plots(command: str, plot: Any, data: Any, out_dir: str) -> None:
         print(f"pte {command}: wrote {path}", file=sys.stderr)
 
 
-def _run(command: str, fn: Any, args: argparse.Namespace) -> int:
+def _run(command: str, fn: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
     try:
         return fn(args)
     except (UsageError, RecordError, AnalysisError, ArchitectureError, UnknownDeviceError) as e:
         return report_error(command, e)
     except OSError as e:
         return report_error(command, f"{e.strerror or e}: {e.filename or ''}".rstrip(": "))
+
+
+def _output_options(
+    p: argparse.ArgumentParser, command: str, fn: Callable[[argparse.Namespace], int]
+) -> argparse.ArgumentParser:
+    """The options both commands share, and the command run under the one error convention."""
+    p.add_argument("--json", action="store_true", help="stable JSON on stdout")
+    p.add_argument("--plots", metavar="DIR", help="write PNG plots to DIR")
+    p.set_defaults(func=lambda args: _run(command, fn, args))
+    return p
 
 
 # =========================================================================== efficiency
@@ -102,14 +113,7 @@ def add_efficiency_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--strict", action="store_true", help="fail on any bad record instead of dropping and listing it"
     )
-    p.add_argument("--json", action="store_true", help="stable JSON on stdout")
-    p.add_argument("--plots", metavar="DIR", help="write PNG plots to DIR")
-    p.set_defaults(func=run_efficiency)
-    return p
-
-
-def run_efficiency(args: argparse.Namespace) -> int:
-    return _run("efficiency", _efficiency, args)
+    return _output_options(p, "efficiency", _efficiency)
 
 
 def _efficiency(args: argparse.Namespace) -> int:
@@ -230,14 +234,7 @@ def add_report_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--bootstrap", type=_non_negative, default=DEFAULT_BOOTSTRAP)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--strict", action="store_true", help="fail on any bad trajectory")
-    p.add_argument("--json", action="store_true", help="stable JSON on stdout")
-    p.add_argument("--plots", metavar="DIR", help="write PNG plots to DIR")
-    p.set_defaults(func=run_report)
-    return p
-
-
-def run_report(args: argparse.Namespace) -> int:
-    return _run("report", _report, args)
+    return _output_options(p, "report", _report)
 
 
 def _report(args: argparse.Namespace) -> int:

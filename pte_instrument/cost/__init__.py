@@ -1,1 +1,3 @@
-"""The cost model and ledgers: plain Python/numpy, no vLLM and no exporter imports."""
+"""The cost model (architecture, device profiles, γ and the PTE formulas): imported by the
+engine core, the API servers and the offline tools alike. Plain Python/numpy: no vLLM, no
+exporter, nothing of either process."""

@@ -31,7 +31,7 @@ import numpy as np
 
 from pte_instrument.cost.model import CostModel, TurnCost, price_turn, session_turns
 from pte_instrument.offline.decomposition import DEFAULT_BOOTSTRAP, Estimate
-from pte_instrument.offline.records import Problem, RecordError, drop_duplicates, json_loads
+from pte_instrument.offline.records import Problem, RecordError, drop_duplicates, json_loads, refuse_bad_load
 from pte_instrument.offline.statistics import bootstrap_means, interval_bounds, spearman
 
 PATTERNS = (
@@ -227,11 +227,7 @@ def load_trajectories(path: str | Path, strict: bool = False) -> TrajectoryLoad:
             )
     trajs, dups = drop_duplicates(trajs, lambda t: (t.model, t.task, t.id), "trajectory id within model+task")
     problems += dups
-    if strict and problems:
-        raise RecordError(f"{len(problems)} bad trajectory record(s); first: {problems[0].describe(False)}")
-    if not trajs:
-        first = f"; first problem: {problems[0].describe(False)}" if problems else ""
-        raise RecordError(f"no valid trajectories in {p}{first}")
+    refuse_bad_load(problems, strict, bool(trajs), "trajectory record", "trajectories", str(p))
     return TrajectoryLoad(trajs, problems, rows, str(p))
 
 

@@ -360,12 +360,17 @@ def load_records(paths: str | Path | Sequence[str | Path], strict: bool = False)
                 )
     records, more = check_consistency(records)
     problems += more
-    if strict and problems:
-        raise RecordError(f"{len(problems)} bad record(s); first: {problems[0].describe(action=False)}")
-    if not records:
-        first = f"; first problem: {problems[0].describe(False)}" if problems else ""
-        raise RecordError(f"no valid evaluation records in {', '.join(map(str, paths))}{first}")
+    refuse_bad_load(problems, strict, bool(records), "record", "evaluation records", ", ".join(map(str, paths)))
     return LoadResult(records, problems, rows_read, [str(p) for p in paths])
+
+
+def refuse_bad_load(problems: Sequence[Problem], strict: bool, found: bool, row: str, rows: str, where: str) -> None:
+    """A load fails when ``strict`` and any row was bad, or when no row was usable."""
+    if strict and problems:
+        raise RecordError(f"{len(problems)} bad {row}(s); first: {problems[0].describe(action=False)}")
+    if not found:
+        first = f"; first problem: {problems[0].describe(False)}" if problems else ""
+        raise RecordError(f"no valid {rows} in {where}{first}")
 
 
 def _soft(row: Mapping[str, Any], name: str) -> str | None:

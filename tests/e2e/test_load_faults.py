@@ -12,6 +12,7 @@ import pytest
 
 from pte_instrument.devtools.loadgen import run_streaming_sessions
 from tests.conftest import scrape, start_server
+from tests.helpers import wait
 
 HOOK = ["--scheduler-cls", "pte_instrument.vllm_adapter.scheduler.PteScheduler"]
 
@@ -22,15 +23,6 @@ def entries(log: Path) -> dict[str, list[dict]]:
         rec = json.loads(line)
         out.setdefault(rec["request_id"].rpartition("-")[0], []).append(rec)  # cmpl-<id>-0
     return out
-
-
-def wait(predicate, timeout_s: float = 40.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.5)
-    return True
 
 
 def test_256_streaming_sessions_with_disconnects(tiny_model, tmp_path):
@@ -45,7 +37,7 @@ def test_256_streaming_sessions_with_disconnects(tiny_model, tmp_path):
         ids = {o.request_id for o in outcomes}
         hung_up = {o.request_id for o in outcomes if o.disconnected}
         assert len(ids) == len(outcomes) and hung_up
-        assert wait(lambda: ids <= set(entries(log))), "every request gets its ledger entry"
+        assert wait(lambda: ids <= set(entries(log)), timeout_s=40), "every request gets its ledger entry"
         client = httpx.Client(base_url=vllm.url, timeout=30)
         summary = {}
 
@@ -55,7 +47,7 @@ def test_256_streaming_sessions_with_disconnects(tiny_model, tmp_path):
             return (not any(e["live_requests"].values()) and e["results_unjoined"] == 0
                     and e["requests_waiting"] == 0 and summary["sessions"]["pending_requests"] == 0)  # fmt: skip
 
-        assert wait(drained), (
+        assert wait(drained, timeout_s=40), (
             f"ledgers did not drain: {summary.get('engine_hook')}, {summary.get('sessions')}"
         )
         found = entries(log)
@@ -91,7 +83,7 @@ def test_faults_at_every_stage_do_not_stop_serving(tiny_model, tmp_path):
         outcomes = run_streaming_sessions(vllm.url, vllm.served_name, sessions=48, turns=2, disconnect_p=0.0)
         assert all(o.status == 200 for o in outcomes)  # serving continued
         ids = {o.request_id for o in outcomes}
-        assert wait(lambda: ids <= set(entries(log))), "the request log still gets every request"
+        assert wait(lambda: ids <= set(entries(log)), timeout_s=40), "the request log still gets every request"
         client = httpx.Client(base_url=vllm.url, timeout=30)
         routes = [client.get("/pte/summary").status_code for _ in range(20)]
         assert set(routes) <= {200, 500} and 500 in routes and 200 in routes

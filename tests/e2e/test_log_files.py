@@ -5,11 +5,9 @@ counted as lost; serving never stops."""
 
 from __future__ import annotations
 
-import errno
 import json
 import shutil
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -17,6 +15,7 @@ import httpx
 import pytest
 
 from tests.conftest import scrape, start_server
+from tests.helpers import fill, wait
 
 HOOK = ["--scheduler-cls", "pte_instrument.vllm_adapter.scheduler.PteScheduler"]
 REQUEST_LOG_LINE = "request log PTE_REQUEST_LOG="
@@ -59,15 +58,6 @@ def faults(client: httpx.Client) -> dict[str, float]:
 
 def priced(client: httpx.Client) -> float:
     return sum(v for (name, _), v in scrape(client).items() if name == "pte_requests_total")
-
-
-def wait(predicate: Callable[[], bool], timeout_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.2)
-    return True
 
 
 # --- a request log that is rotated, deleted, and runs out of space ----------------------
@@ -113,18 +103,6 @@ def test_a_moved_or_deleted_request_log_is_reopened_at_its_path(rotating):
     deleted = each_once(client, model, path, "after rm -rf")
     assert set(by_id(path)) == deleted
     assert faults(client)["request_log"] == 0
-
-
-def fill(directory: Path) -> Path:
-    """Fill the filesystem of ``directory``; returns the filler file."""
-    filler = directory / "filler"
-    with filler.open("wb", buffering=0) as f:
-        while True:
-            try:
-                f.write(b"\0" * 512)
-            except OSError as e:
-                assert e.errno == errno.ENOSPC
-                return filler
 
 
 def test_a_real_full_disk_leaves_no_partial_line_and_counts_the_losses(rotating):

@@ -146,10 +146,14 @@ def test_a_client_abort_is_priced_promptly_and_turns_follow_arrival(served):
 # A long completion, until killed: holds the server's only sequence slot. A process of its
 # own, so that nothing it does can delay the test's own client.
 RUNNER = """
-import sys, httpx
-body = {"model": sys.argv[2], "max_tokens": 3800, "ignore_eos": True,
+import sys, time, httpx
+body = {"model": sys.argv[2], "max_tokens": 3800, "ignore_eos": True, "stream": True,
         "messages": [{"role": "user", "content": "agent tool call result"}]}
-httpx.post(sys.argv[1] + "/v1/chat/completions", json=body, timeout=300)
+with httpx.Client(base_url=sys.argv[1], timeout=300) as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
+    for i, _ in enumerate(r.iter_lines()):
+        if i == 1:
+            print("generating", flush=True)  # the engine runs it: the slot is taken
+        time.sleep(0.002)  # read slowly: leave the CPU to the server
 """
 
 
@@ -175,12 +179,10 @@ async def abort_once_queued(url: str, body: dict, headers: dict, queued) -> None
 def test_a_request_aborted_while_queued_costs_nothing(served):
     vllm, log, client = served
     session = f"queued-{uuid.uuid4().hex[:8]}"
-    runner = subprocess.Popen([sys.executable, "-c", RUNNER, vllm.url, vllm.served_name])
+    runner = subprocess.Popen([sys.executable, "-c", RUNNER, vllm.url, vllm.served_name],
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
     try:
-        deadline = time.monotonic() + 60
-        while vllm_gauge(client, "vllm:num_requests_running") < 1:
-            assert time.monotonic() < deadline, "the runner never started"
-            time.sleep(0.1)
+        assert runner.stdout is not None and runner.stdout.readline().strip() == "generating"
         body = {"model": vllm.served_name, "max_tokens": 5,
                 "messages": [{"role": "user", "content": "agent tool call result " * 40}]}  # fmt: skip
         asyncio.run(

@@ -126,7 +126,7 @@ def same(got, want) -> bool:
 
 class PerStepOracle:
     """The accounting priced one step at a time, straight from the reference kernel: what
-    EngineAccounting computed before it journaled steps (SPEC-PTE §4–5)."""
+    EngineAccounting computed before it journaled steps (docs/cost-model.md §4–5)."""
 
     def __init__(self, cost: CostModel) -> None:
         self.gammas = np.array([g.gamma for g in cost.groups])

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 from pte_instrument.server.exporters.request_log import RequestLogWriter
 from pte_instrument.server.runtime import Runtime
 from pte_instrument.settings import Settings
+from tests.helpers import fill
 from tests.server.test_accountant import make, req
 
 
@@ -128,18 +129,6 @@ def tiny_fs(tmp_path) -> Path:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
     yield mnt
     subprocess.run(["umount", "--lazy", str(mnt)], check=True)  # lazy: even with a file still open
-
-
-def fill(directory: Path) -> Path:
-    """Fill the filesystem holding ``directory``; returns the filler file."""
-    filler = directory / "filler"
-    with filler.open("wb", buffering=0) as f:
-        while True:
-            try:
-                f.write(b"\0" * 512)
-            except OSError as e:
-                assert e.errno == errno.ENOSPC
-                return filler
 
 
 def test_a_real_full_disk_leaves_no_partial_line(tmp_path, tiny_fs):

@@ -1,0 +1,30 @@
+"""Small helpers shared by the tests."""
+
+from __future__ import annotations
+
+import errno
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+
+def wait(predicate: Callable[[], bool], timeout_s: float = 20.0, interval_s: float = 0.2) -> bool:
+    """Poll ``predicate`` until it holds (True) or ``timeout_s`` passes (False)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval_s)
+    return True
+
+
+def fill(directory: Path) -> Path:
+    """Fill the filesystem holding ``directory``; returns the filler file."""
+    filler = directory / "filler"
+    with filler.open("wb", buffering=0) as f:
+        while True:
+            try:
+                f.write(b"\0" * 512)
+            except OSError as e:
+                assert e.errno == errno.ENOSPC
+                return filler
