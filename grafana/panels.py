@@ -139,14 +139,11 @@ ROWS: tuple[Row, ...] = (
             Panel(
                 "γ: theory vs measured",
                 "Decode price of one context token in prefill-token units. Theory from the "
-                "architecture and the device profile; measured from step timings (when exported).",
+                "architecture and the device profile; measured by the engine's step-time model "
+                "(b / a, with the step hook).",
                 (
                     Query(f"pte_gamma{{{SEL}}}", "theory {{model}} e{{engine}} {{device}}"),
-                    Query(
-                        f"pte_gamma_measured{{{SEL}}}",
-                        "measured {{model}} e{{engine}}",
-                        optional=True,
-                    ),
+                    Query(f"pte_gamma_measured{{{SEL}}}", "measured {{model}} e{{engine}}"),
                 ),
                 min_zero=False,
             ),

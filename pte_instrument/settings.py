@@ -52,6 +52,7 @@ BOUNDS: dict[str, Bounds] = {
     "PTE_MAX_TURNS": Bounds(1, 100_000, whole=True),
     "PTE_FEEDBACK_WINDOW": Bounds(1, 10_000_000, whole=True),
     "PTE_SESSION_IDLE_TTL_S": Bounds(0.0, 31_536_000, low_open=True, unit=" s"),  # one year
+    "PTE_GPU_HOURLY_PRICE": Bounds(0.0, 10_000, low_open=True, unit=" USD per GPU-hour"),
 }
 
 
@@ -73,6 +74,8 @@ class Settings:
     step_log: str | None = None
     benchmark_header: str = "X-PTE-Benchmark"
     benchmark_labels: frozenset[str] = frozenset()
+    gpu_hourly_price: float | None = None  # USD per GPU-hour: money off when unset
+    calibration: str = "online"  # off | online | the path of a saved step-time fit
     errors: tuple[str, ...] = field(default_factory=tuple)
 
     @classmethod
@@ -130,6 +133,12 @@ class Settings:
         if backend not in ("auto", "numpy", "torch", "triton"):
             errors.append(f"PTE_ACCUMULATOR={backend!r} is not one of auto, numpy, torch, triton; using auto")
             backend = "auto"
+        calibration = (env.get("PTE_CALIBRATION") or "online").strip()
+        if calibration.lower() in ("off", "online"):
+            calibration = calibration.lower()
+        elif not os.path.isfile(calibration):
+            errors.append(f"PTE_CALIBRATION={calibration!r} is not off, online or a saved fit's file; using online")
+            calibration = "online"
         return cls(
             enabled=flag("PTE_ENABLED", True),
             device=device,
@@ -148,5 +157,7 @@ class Settings:
             benchmark_labels=frozenset(
                 label.strip() for label in (env.get("PTE_BENCHMARK_LABELS") or "").split(",") if label.strip()
             ),
+            gpu_hourly_price=number("PTE_GPU_HOURLY_PRICE", None),
+            calibration=calibration,
             errors=tuple(errors),
         )

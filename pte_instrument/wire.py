@@ -57,12 +57,39 @@ class RequestTotals(msgspec.Struct, tag="totals", frozen=True):
     pte_recompute: float = 0.0
     pte_roofline: float = 0.0
     pte_rejected: float = 0.0  # PTE of speculative drafts computed and then rejected: wasted
+    # Its share of the measured step times, by term (docs/cost-model.md §5b): Σ over all
+    # requests = the engine's busy time; the durations of the steps it was in; and the
+    # step-time model's cost of its own work alone.
+    gpu_prefill_s: float = 0.0
+    gpu_kv_s: float = 0.0
+    gpu_weights_s: float = 0.0
+    gpu_overhead_s: float = 0.0
+    engine_latency_s: float = 0.0
+    predicted_s: float = 0.0
     engine_live: int = 0  # requests the hook still tracks
     engine_steps: int = 0
     engine_hook_s: float = 0.0  # the hook's own time, all steps
+    engine_busy_s: float = 0.0  # Σ measured step durations so far
+    engine_unattributed_s: float = 0.0  # busy time of requests that finished mid-step (aborts)
 
 
-EngineMessage = Union[EngineHello, EngineFaults, RequestTotals]  # noqa: UP007 (msgspec needs a runtime Union on 3.10)
+class EngineCalibration(msgspec.Struct, tag="calibration", frozen=True):
+    """The engine's step-time model now (docs/cost-model.md §5b): its coefficients, where
+    they come from (theory, a saved fit, or the online fit) and how well they fit."""
+
+    engine: int
+    a: float  # s per prefill token
+    b: float  # s per context token read
+    w: float  # s of weight read per memory-bound step
+    o: float  # s of fixed overhead per step
+    source: str
+    gamma_theory: float
+    r2: float | None = None  # over the recent steps (None before the first fit)
+    mape: float | None = None
+    steps: int = 0  # steps the fit has seen
+
+
+EngineMessage = Union[EngineHello, EngineFaults, RequestTotals, EngineCalibration]  # noqa: UP007 (msgspec needs a runtime Union on 3.10)
 
 _batch_encoder = msgspec.msgpack.Encoder()
 _batch_decoder = msgspec.msgpack.Decoder(list[EngineMessage])

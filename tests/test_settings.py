@@ -39,3 +39,15 @@ def test_feedback_window():
     assert Settings.from_env({"PTE_FEEDBACK_WINDOW": "1000"}).feedback_window == 1000
     bad = Settings.from_env({"PTE_FEEDBACK_WINDOW": "2.5"})
     assert bad.feedback_window == 50_000 and "PTE_FEEDBACK_WINDOW='2.5'" in bad.errors[0]
+
+
+def test_gpu_price_and_calibration(tmp_path):
+    fit = tmp_path / "fit.json"
+    fit.write_text("{}")
+    s = Settings.from_env({"PTE_GPU_HOURLY_PRICE": "2.5", "PTE_CALIBRATION": str(fit)})
+    assert (s.gpu_hourly_price, s.calibration, s.errors) == (2.5, str(fit), ())
+    assert Settings.from_env({}).gpu_hourly_price is None and Settings.from_env({}).calibration == "online"
+    assert Settings.from_env({"PTE_CALIBRATION": "OFF"}).calibration == "off"
+    bad = Settings.from_env({"PTE_GPU_HOURLY_PRICE": "inf", "PTE_CALIBRATION": str(tmp_path / "missing.json")})
+    assert (bad.gpu_hourly_price, bad.calibration) == (None, "online") and len(bad.errors) == 2
+    assert sorted(e.split("=")[0] for e in bad.errors) == ["PTE_CALIBRATION", "PTE_GPU_HOURLY_PRICE"]

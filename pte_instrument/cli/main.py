@@ -3,8 +3,9 @@
 (:mod:`pte_instrument.cli.errors`).
 
 ``gamma``, ``devices`` and ``demo`` live here; ``efficiency`` and ``report`` in
-:mod:`pte_instrument.cli.efficiency`, ``bench`` in :mod:`pte_instrument.cli.bench`. Those
-modules import only :mod:`pte_instrument.cli.errors` of this package, never this module."""
+:mod:`pte_instrument.cli.efficiency`, ``bench`` in :mod:`pte_instrument.cli.bench`,
+``calibrate`` in :mod:`pte_instrument.cli.calibrate`. Those modules import only
+:mod:`pte_instrument.cli.errors` of this package, never this module."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pte_instrument.cli.bench import add_bench_parser
+from pte_instrument.cli.calibrate import add_calibrate_parser
 from pte_instrument.cli.efficiency import add_efficiency_parser, add_report_parser
 from pte_instrument.cli.errors import UsageError, print_json, report_error, report_warning
 from pte_instrument.cost.architecture import ArchitectureError, load_config, parse_shape
@@ -141,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_efficiency_parser(sub)
     add_report_parser(sub)
     add_bench_parser(sub)
+    add_calibrate_parser(sub)
     return parser
 
 

@@ -2,12 +2,38 @@
 hardware operational intensity HOI (FLOP per byte at the roofline ridge point).
 
 Datasheet figures are dense (no 2:4 sparsity) unless a preset says otherwise.
+
+Each profile also carries what the step-time model (``cost/step_time.py``,
+docs/cost-model.md §5b) needs to turn peaks into seconds: the fractions of peak FLOP/s and
+bandwidth that served kernels achieve, and the engine's fixed work per step. No public
+measured figure is used for any datasheet profile: all take the stated defaults below, and
+``achieved_source`` says so. They are starting points for the fit, not measurements.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+
+# Defaults of the achieved fractions and the per-step overhead, for every datasheet profile.
+# No public measured figure is used: round values, not tuned to any data set. Served GEMMs
+# reach well under peak FLOP/s, and streaming reads stay under the datasheet bandwidth; the
+# step-time fit measures both (docs/cost-model.md §5b).
+DEFAULT_FLOPS_FRACTION = 0.8
+DEFAULT_BANDWIDTH_FRACTION = 0.85
+# A GPU engine's host work per step (scheduling, input preparation, kernel launches): a round
+# 1 ms, no public measured figure.
+DEFAULT_STEP_OVERHEAD_S = 1e-3
+DEFAULT_ACHIEVED_SOURCE = (
+    "no public measured figure: stated defaults (FLOP/s fraction 0.8, bandwidth fraction 0.85, "
+    "1 ms per step), to be calibrated"
+)
+# A measured profile times the achieved rates themselves, so its fractions are 1. Its overhead
+# on a CPU is this project's own measurement: the latency bench's per-step constant of 25.1 ms
+# on the 2-core development VM (bench/results/latency-small-vm-2026-11-30/report.json,
+# analysis.calibration.step) less the small model's weight read at the measured bandwidth
+# (327 MB / 24.9 GB/s = 13.2 ms): 12 ms. One VM, one model: a starting point, not a constant.
+MEASURED_CPU_STEP_OVERHEAD_S = 12e-3
 
 
 @dataclass(frozen=True)
@@ -17,6 +43,10 @@ class DeviceProfile:
     mem_bandwidth: float  # bytes/s
     source: str
     measured: bool = False
+    flops_fraction: float = DEFAULT_FLOPS_FRACTION  # of peak_flops, reached by served matmuls
+    bandwidth_fraction: float = DEFAULT_BANDWIDTH_FRACTION  # of mem_bandwidth, by weight and KV reads
+    step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S  # fixed engine work per step
+    achieved_source: str = DEFAULT_ACHIEVED_SOURCE  # where the three figures above come from
 
     @property
     def hoi(self) -> float:
@@ -186,7 +216,25 @@ def measure_profile(device: str | None = None, size: int = 4096, repeats: int = 
         mem_bandwidth=bandwidth,
         source=f"measured {time.strftime('%Y-%m-%d')}: {str(dtype).removeprefix('torch.')} {size}^3 matmul, {n_bytes >> 20} MiB copy",
         measured=True,
+        **measured_achieved(dev.type),
     )
+
+
+def measured_achieved(device_type: str) -> dict[str, object]:
+    """Fractions and overhead of a measured profile: its rates are already achieved ones."""
+    cpu = device_type == "cpu"
+    why = (
+        "12 ms per step: this project's CPU build, the latency bench's per-step constant 25.1 ms "
+        "less the small model's 13.2 ms weight read (2-core VM, 2026-11-30)"
+        if cpu
+        else "1 ms per step: stated default, no public measured figure"
+    )
+    return {
+        "flops_fraction": 1.0,
+        "bandwidth_fraction": 1.0,
+        "step_overhead_s": MEASURED_CPU_STEP_OVERHEAD_S if cpu else DEFAULT_STEP_OVERHEAD_S,
+        "achieved_source": f"measured rates are achieved rates (fractions 1); overhead {why}",
+    }
 
 
 def resolve_device(name: str | None = "auto", hoi: float | None = None) -> DeviceProfile:
@@ -212,5 +260,9 @@ def resolve_device(name: str | None = "auto", hoi: float | None = None) -> Devic
             mem_bandwidth=profile.mem_bandwidth,
             source=f"HOI overridden to {hoi:g} (bandwidth from {profile.name})",
             measured=profile.measured,
+            flops_fraction=profile.flops_fraction,
+            bandwidth_fraction=profile.bandwidth_fraction,
+            step_overhead_s=profile.step_overhead_s,
+            achieved_source=profile.achieved_source,
         )
     return profile

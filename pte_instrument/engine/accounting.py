@@ -33,9 +33,11 @@ from typing import Any
 import numpy as np
 
 from pte_instrument.cost.model import CostModel
+from pte_instrument.cost.step_time import OnlineStepFit, StepTimeModel, theory
 from pte_instrument.engine.accumulator import StepAccumulator
 from pte_instrument.engine.kernels import reference as ref
-from pte_instrument.wire import RequestTotals, StepLogHeader, StepLogLine, encode_step_log
+from pte_instrument.engine.timing import TimeAttribution
+from pte_instrument.wire import EngineCalibration, RequestTotals, StepLogHeader, StepLogLine, encode_step_log
 
 # Per-slot host state, one int64 array row each (slot-indexed, so a step is vectorized).
 HIGH_WATER, REJECTED, SCHED_END, SPEC, CACHED = range(5)
@@ -75,6 +77,11 @@ class EngineAccounting:
     external_id: Callable[[str], tuple[str, int | None]] = lambda rid: (rid, None)
     weight_bytes: float = 2.0  # bytes per weight as served (bf16: 2); read once per step
     journal_steps: int = JOURNAL_STEPS  # 1: process every step at once
+    # the step-time model that splits each step's measured time (None: theory), and whether
+    # to keep fitting it to the steps seen (docs/cost-model.md §5b)
+    step_model: StepTimeModel | None = None
+    step_model_source: str = "theory"  # or "file": a saved fit
+    calibrate_online: bool = True
     acc: StepAccumulator = field(init=False)
     slot_of: dict[str, int] = field(default_factory=dict, init=False)  # live requests
     finished: list[tuple[str, str, int, Mapping[str, float], float]] = field(default_factory=list, init=False)
@@ -105,7 +112,13 @@ class EngineAccounting:
         self._rejected = False  # whether some slot has rejected drafts not yet charged
         self._log = None
         self._pending_step: StepLogLine | None = None  # processed, waiting for its dt_s
-        self._pending_t0 = 0.0  # when the pending step's wall time started
+        self._pending_t0 = 0.0  # when the latest processed step's wall time started
+        self._awaiting_dt = False  # whether the latest processed step is still running
+        prior = self.step_model or theory(self.cost_model, self.weight_bytes)
+        self.timing = TimeAttribution(
+            prior, OnlineStepFit(prior) if self.calibrate_online else None, self.acc.capacity
+        )
+        self._gamma_total = float(self.gammas.sum()) or 1.0
         if self.step_log:
             self._open_step_log(self.step_log)
 
@@ -147,6 +160,7 @@ class EngineAccounting:
                     st = self.state = np.concatenate([st, np.zeros((N_STATE, grow), dtype=np.int64)], axis=1)
                     self.roofline = np.concatenate([self.roofline, np.zeros(grow)])
                     self.rejected_pte = np.concatenate([self.rejected_pte, np.zeros(grow)])
+                    self.timing.grow(self.acc.capacity)
                 st[:, s] = 0
                 st[CACHED, s] = first_c[j]
                 self._drafts.discard(s)
@@ -161,8 +175,7 @@ class EngineAccounting:
         (sequences of ints; a request appears once per step)."""
         t_start = self.clock()
         log = self._log
-        if log is not None:
-            self._close_step(t_start)
+        self._close_step(t_start)
         if not rids:
             return
         if len(self._journal.sizes) >= self.journal_steps:
@@ -181,33 +194,36 @@ class EngineAccounting:
         j.prompt += prompt
         j.sizes.append(len(slots))
         self.steps += 1
-        if log is not None:
-            j.meta.append([self.steps - 1, time.time(), 0.0, 0.0, None])
+        j.meta.append([self.steps - 1, time.time() if log is not None else 0.0, 0.0, 0.0, None])
         if any(spec):
             j.spec = list(spec)
         if j.spec is not None or self._drafts:  # accepted() settles drafts against this step's state
             self._process()
         t_end = self.clock()
         self.hook_s += t_end - t_start
-        if log is not None:  # the step's own time; its wall time starts now
-            if self._journal.meta:
-                self._journal.meta[-1][2:4] = t_end - t_start, t_end
-            elif self._pending_step is not None:  # processed at once
+        # the step's own time; its wall time starts now
+        if self._journal.meta:
+            self._journal.meta[-1][2:4] = t_end - t_start, t_end
+        else:  # processed at once
+            self._pending_t0 = t_end
+            if self._pending_step is not None:
                 self._pending_step.hook_s = t_end - t_start
-                self._pending_t0 = t_end
 
     def on_step_done(self) -> None:
         """The model ran: the step's wall time is schedule end → outputs back."""
-        if self._log is not None:
-            self._close_step(self.clock())
+        self._close_step(self.clock())
 
     def _close_step(self, now: float) -> None:
         """The latest step's wall time ends (its outputs are back, or the next step is being
         scheduled); a second call for the same step changes nothing."""
-        step = self._pending_step
-        if step is not None and step.dt_s is None:
-            step.dt_s = now - self._pending_t0
-            self._emit_pending()
+        if self._awaiting_dt:  # processed already: its time is attributed now
+            self._awaiting_dt = False
+            dt = now - self._pending_t0
+            self.timing.step_done(dt)
+            step = self._pending_step
+            if step is not None and step.dt_s is None:
+                step.dt_s = dt
+                self._emit_pending()
         meta = self._journal.meta
         if meta and meta[-1][4] is None:
             meta[-1][4] = now - meta[-1][3]
@@ -329,6 +345,13 @@ class EngineAccounting:
             weights = np.repeat(self.weights_pte / np.array(sizes, dtype=np.float64), sizes)
             share = np.where(compute_bound, tokens, weights + kv_pte)
             np.add.at(self.roofline, packed[ref.SLOT], share)  # a slot repeats across steps
+        durations = [row[4] for row in meta]
+        if durations[-1] is None:
+            self._awaiting_dt, self._pending_t0 = True, meta[-1][3]
+        self.timing.steps(
+            packed[ref.SLOT], sizes, offsets, contrib[ref.PREFILL], kv_pte / self._gamma_total,
+            tokens < self.weights_pte + kv_pte, step_tokens < memory, durations,
+        )  # fmt: skip
         if self._log is not None:
             self._log_steps(contrib, offsets, sizes, meta, step_tokens, memory)
 
@@ -407,12 +430,14 @@ class EngineAccounting:
         slots = np.array([slot for _, _, slot, _, _ in done if slot >= 0], dtype=np.int64)
         rows = self.acc.read(slots)
         served = ref.served_pte(rows, self.gammas)
+        self.timing.release(slots)
         messages, k = [], 0
         for rid, reason, slot, counts, finished_at in done:
             external, child = self.external_id(rid)
             common = {"request_id": rid, "external_id": external, "child_index": child, "engine": self.engine,
                       "finish_reason": reason, **counts, "finished_at": finished_at, "engine_live": self.live,
-                      "engine_steps": self.steps, "engine_hook_s": self.hook_s}  # fmt: skip
+                      "engine_steps": self.steps, "engine_hook_s": self.hook_s,
+                      "engine_busy_s": self.timing.busy_s, "engine_unattributed_s": self.timing.unattributed_s}  # fmt: skip
             if slot < 0:  # never scheduled: no work
                 messages.append(RequestTotals(**common, ctx=(0.0,) * self.acc.n_groups))
                 continue
@@ -431,6 +456,7 @@ class EngineAccounting:
                 pte_recompute=row[ref.RECOMPUTE],
                 pte_roofline=float(self.roofline[slot]),
                 pte_rejected=float(self.rejected_pte[slot]),
+                **self._seconds(slot),
             ))  # fmt: skip
             self.roofline[slot] = 0.0
             self.rejected_pte[slot] = 0.0
@@ -439,6 +465,21 @@ class EngineAccounting:
         self.send(messages)
         if self._log is not None:
             self._log.flush()  # step lines reach the file at least as often as requests finish
+
+    def calibration(self) -> EngineCalibration:
+        """The step-time model in use, for the API servers' metrics."""
+        m, online = self.timing.model, self.timing.online
+        fitted = online is not None and online.last_fit is not None
+        return EngineCalibration(
+            self.engine, m.a, m.b, m.w, m.o, "online" if fitted else self.step_model_source,
+            gamma_theory=self.cost_model.gamma, r2=online.r2 if fitted else None,
+            mape=online.mape if fitted else None, steps=online.steps_seen if online is not None else 0,
+        )  # fmt: skip
+
+    def _seconds(self, slot: int) -> dict[str, float]:
+        prefill, kv, weights, overhead, latency, predicted = self.timing.read(slot).tolist()
+        return {"gpu_prefill_s": prefill, "gpu_kv_s": kv, "gpu_weights_s": weights, "gpu_overhead_s": overhead,
+                "engine_latency_s": latency, "predicted_s": predicted}  # fmt: skip
 
     def conservation(self) -> tuple[np.ndarray, np.ndarray]:
         """(Σ per-request rows, Σ per-update totals) of the accumulator, journal included;

@@ -8,7 +8,7 @@ from collections import defaultdict
 
 from pte_instrument.faults import FaultTracker
 from pte_instrument.transport import Sender
-from pte_instrument.wire import EngineFaults, EngineHello, EngineMessage, RequestTotals
+from pte_instrument.wire import EngineCalibration, EngineFaults, EngineHello, EngineMessage, RequestTotals
 
 
 class EngineReporter:
@@ -17,19 +17,28 @@ class EngineReporter:
         self.engine = engine
         self.faults = faults
         self._faults_sent: dict[str, int] = {}
+        self._calibration_sent: EngineCalibration | None = None
 
-    def hello(self, api_servers: int) -> None:
+    def hello(self, api_servers: int, calibration: EngineCalibration | None = None) -> None:
         """Every API server learns that this engine's totals will come; faults of the set-up
-        (an unwritable step log) travel with it, so they are counted before any request."""
+        (an unwritable step log) and the starting step-time model travel with it."""
         by_server: defaultdict[int, list[EngineMessage]] = defaultdict(list)
         for api_server in range(api_servers):
             by_server[api_server].append(EngineHello(self.engine))
+        if calibration is not None:
+            by_server[0].append(calibration)
+            self._calibration_sent = calibration
         self._send(by_server)
 
-    def send(self, totals: list[RequestTotals]) -> None:
+    def send(self, totals: list[RequestTotals], calibration: EngineCalibration | None = None) -> None:
+        """Each request's totals to its API server; new faults, and the step-time model when
+        it changed, to API server 0."""
         by_server: defaultdict[int, list[EngineMessage]] = defaultdict(list)
         for m in totals:
             by_server[m.api_server].append(m)
+        if calibration is not None and calibration != self._calibration_sent:
+            by_server[0].append(calibration)
+            self._calibration_sent = calibration
         self._send(by_server)
 
     def _send(self, by_server: defaultdict[int, list[EngineMessage]]) -> None:

@@ -30,8 +30,10 @@ class Accountant:
         faults: FaultTracker,
         sessions: SessionLedger | None = None,
         clock: Callable[[], float] = time.time,
+        usd_per_gpu_second: float | None = None,  # the engine's price per second, all its GPUs
     ) -> None:
         self.cost_model = cost_model
+        self.usd_per_gpu_second = usd_per_gpu_second
         self.exporters = list(exporters)
         self.faults = faults
         self.sessions = sessions
@@ -49,7 +51,7 @@ class Accountant:
                 request = replace(
                     request, turn=ctx.turn, reusable_tokens=ctx.reusable_tokens, pause_s=ctx.pause_s
                 )
-            record = price_request(self.cost_model, request, request.finished_at or now)
+            record = price_request(self.cost_model, request, request.finished_at or now, self.usd_per_gpu_second)
         except Exception as e:
             self.faults.record("accounting", e)
             return None

@@ -15,10 +15,12 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+import msgspec
+
 from pte_instrument.faults import FaultTracker
 from pte_instrument.server.bounded import BoundedDict
 from pte_instrument.server.ledger import FinishedRequest
-from pte_instrument.wire import EngineFaults, EngineHello, EngineMessage, RequestTotals
+from pte_instrument.wire import EngineCalibration, EngineFaults, EngineHello, EngineMessage, RequestTotals
 
 MAX_ENGINE_RESULTS = 20_000  # request ids with totals waiting for their finish
 MAX_PER_ID = 64  # totals under one id (parallel-sampling children, a client reusing an id)
@@ -41,9 +43,16 @@ class _Pending:
 class EngineInbox:
     """The engine hooks' reports to this API server, bounded."""
 
-    def __init__(self, faults: FaultTracker, on_engine_faults: Callable[[str, int], None]) -> None:
+    def __init__(
+        self,
+        faults: FaultTracker,
+        on_engine_faults: Callable[[str, int], None],
+        on_calibration: Callable[[EngineCalibration], None] = lambda c: None,
+    ) -> None:
         self.faults = faults
         self._on_engine_faults = on_engine_faults
+        self._on_calibration = on_calibration
+        self.calibration: dict[int, EngineCalibration] = {}  # each engine's latest step-time model
         self.hooks: set[int] = set()  # engines whose scheduler hook said hello
         self.live: dict[int, int] = {}  # requests each engine's hook still tracks
         self.cost: dict[int, tuple[int, float]] = {}  # (steps, seconds in the hook)
@@ -71,6 +80,9 @@ class EngineInbox:
                     for stage, n in m.counts.items():
                         self._on_engine_faults(stage, n)
                         self.faults.counts[stage] += n
+                elif isinstance(m, EngineCalibration):
+                    self.calibration[m.engine] = m
+                    self._on_calibration(m)
                 else:
                     self.live[m.engine] = m.engine_live
                     self.cost[m.engine] = (m.engine_steps, m.engine_hook_s)
@@ -124,6 +136,7 @@ class EngineInbox:
             "results_dropped": self.dropped,
             "steps": {str(k): v[0] for k, v in self.cost.items()},
             "hook_seconds": {str(k): v[1] for k, v in self.cost.items()},
+            "step_model": {str(k): msgspec.structs.asdict(c) for k, c in self.calibration.items()},
         }
 
 

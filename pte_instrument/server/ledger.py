@@ -92,12 +92,27 @@ class RequestRecord:
     engine_spec_tokens: float | None = None
     engine_rejected_tokens: float | None = None
     engine_request_id: str | None = None  # the engine's own id: unique even when clients reuse theirs
+    # Seconds (docs/cost-model.md §5b; None without the step hook): its share of the measured
+    # step times, by term; the step-time model's cost of its own work alone; the durations of
+    # the steps it was in plus its queue time; the part of those that was other requests' work.
+    gpu_seconds: float | None = None
+    gpu_seconds_prefill: float | None = None
+    gpu_seconds_kv_read: float | None = None
+    gpu_seconds_weights: float | None = None
+    gpu_seconds_overhead: float | None = None
+    predicted_seconds: float | None = None
+    latency_explained_s: float | None = None
+    interference_s: float | None = None
+    cost_usd: float | None = None  # gpu_seconds × GPUs per engine × price (PTE_GPU_HOURLY_PRICE)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def price_request(model: CostModel, req: FinishedRequest, finished_at: float) -> RequestRecord:
+def price_request(
+    model: CostModel, req: FinishedRequest, finished_at: float, usd_per_gpu_second: float | None = None
+) -> RequestRecord:
+    """``usd_per_gpu_second``: the price of one second of the engine (all its GPUs); None: no money."""
     tokens = TurnTokens(
         prompt_tokens=req.prompt_tokens,
         output_tokens=req.output_tokens,
@@ -147,7 +162,26 @@ def price_request(model: CostModel, req: FinishedRequest, finished_at: float) ->
         pte_wasted_rejected_drafts=totals.pte_rejected if totals is not None else 0.0,
         pte_wasted_aborted=wasted_aborted,
         **_engine_fields(totals),
+        **_seconds(totals, req.queued_s, usd_per_gpu_second),
     )
+
+
+def _seconds(totals: RequestTotals | None, queued_s: float, usd_per_gpu_second: float | None) -> dict[str, float | None]:
+    if totals is None:
+        return {}
+    gpu = totals.gpu_prefill_s + totals.gpu_kv_s + totals.gpu_weights_s + totals.gpu_overhead_s
+    explained = totals.engine_latency_s + queued_s
+    return {
+        "gpu_seconds": gpu,
+        "gpu_seconds_prefill": totals.gpu_prefill_s,
+        "gpu_seconds_kv_read": totals.gpu_kv_s,
+        "gpu_seconds_weights": totals.gpu_weights_s,
+        "gpu_seconds_overhead": totals.gpu_overhead_s,
+        "predicted_seconds": totals.predicted_s,
+        "latency_explained_s": explained,
+        "interference_s": explained - gpu,  # queueing included: it waited for other requests
+        "cost_usd": None if usd_per_gpu_second is None else gpu * usd_per_gpu_second,
+    }
 
 
 def _engine_fields(totals: RequestTotals | None) -> dict[str, float | None]:

@@ -22,6 +22,7 @@ from pte_instrument.server.request_tags import PendingTags
 from pte_instrument.server.sessions import SessionLedger, SessionState
 from pte_instrument.settings import Settings
 from pte_instrument.transport import ADDRESS_ENV, Receiver, address_for
+from pte_instrument.wire import EngineCalibration
 
 STAGES = (
     "setup",
@@ -68,7 +69,10 @@ class Runtime:
         self.request_log = RequestLogWriter(settings.request_log) if settings.request_log else None
         if self.request_log is not None and settings.enabled:
             self._check_request_log(self.request_log)
-        self.inbox = EngineInbox(self.faults, lambda stage, n: self.metrics.faults.labels(stage).inc(n))
+        self.inbox = EngineInbox(
+            self.faults, lambda stage, n: self.metrics.faults.labels(stage).inc(n), self._calibration
+        )
+        self.prometheus: dict[tuple[str, int], PrometheusExporter] = {}  # by (model, engine)
         self.joins: list[RequestJoin] = []  # the stat logger's: finished requests waiting for totals
         self.receiver: Receiver | None = None
         self.api_server = 0  # this process's index among the API servers
@@ -106,6 +110,15 @@ class Runtime:
         except Exception as e:
             self.faults.record("transport", e)
 
+    def _calibration(self, c: EngineCalibration) -> None:
+        """An engine's step-time model changed: publish it for every model it serves."""
+        try:
+            for (_, engine), exporter in list(self.prometheus.items()):
+                if engine == c.engine:
+                    exporter.publish_calibration(c)
+        except Exception as e:
+            self.faults.record("prometheus", e)
+
     def _session_closed(self, state: SessionState, reason: str) -> None:
         try:
             self.metrics.session_closed(state.summary(), reason)
@@ -114,8 +127,10 @@ class Runtime:
 
     def exporters_for(self, model: str, engine: int, cost_model: CostModel) -> list[tuple[str, Any]]:
         """The exporters a stat logger of (model, engine) fans records out to."""
-        prometheus = PrometheusExporter(model, engine, self.metrics)
+        prometheus = self.prometheus[(model, engine)] = PrometheusExporter(model, engine, self.metrics)
         prometheus.publish_cost_model(cost_model)
+        if engine in self.inbox.calibration:  # the engine's step-time model came first
+            prometheus.publish_calibration(self.inbox.calibration[engine])
         self.cost_models[(model, engine)] = cost_model
         exporters: list[tuple[str, Any]] = [
             ("prometheus", prometheus),

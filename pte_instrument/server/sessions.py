@@ -20,6 +20,7 @@ TURN_FIELDS = (
     "turn", "request_id", "prompt_tokens", "cached_tokens", "computed_prefill_tokens",
     "recomputed_tokens", "output_tokens", "pte_reference", "pte_served", "pte_ideal",
     "pte_eviction_tax", "pte_recompute", "pause_s", "inference_s", "finish_reason", "finished_at",
+    "gpu_seconds", "predicted_seconds", "latency_explained_s", "interference_s", "cost_usd",
 )  # fmt: skip
 
 
@@ -59,7 +60,8 @@ class SessionState:
 
 
 SUMMED = ("prompt_tokens", "cached_tokens", "output_tokens", "pte_reference", "pte_served", "pte_ideal",
-          "pte_eviction_tax", "pte_recompute", "pause_s")  # fmt: skip
+          "pte_eviction_tax", "pte_recompute", "pause_s", "gpu_seconds", "latency_explained_s",
+          "interference_s", "cost_usd")  # fmt: skip
 
 
 @dataclass

@@ -41,6 +41,12 @@ def kv_block_size(vllm_config: VllmConfig) -> int:
     return int(vllm_config.cache_config.block_size or 1)
 
 
+def gpus_per_engine(vllm_config: VllmConfig) -> int:
+    """GPUs one engine (data-parallel rank) runs on: tensor × pipeline parallel."""
+    pc = vllm_config.parallel_config
+    return max(1, int(pc.tensor_parallel_size or 1)) * max(1, int(pc.pipeline_parallel_size or 1))
+
+
 def api_server_index(vllm_config: VllmConfig) -> int:
     """This API server's index (vLLM's client index) among ``--api-server-count`` servers."""
     return max(0, int(getattr(vllm_config.parallel_config, "_api_process_rank", 0) or 0))

@@ -34,7 +34,7 @@ from pte_instrument.server.runtime import Runtime, get_runtime
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 MAX_PAGE = 1000
 MAX_BODY_BYTES = 64 * 1024  # a feedback body is a few ids: anything larger is refused unread
-SORT_KEYS = ("pte_served", "pte_eviction_tax", "pte_reference", "prompt_tokens", "output_tokens")
+SORT_KEYS = ("pte_served", "pte_eviction_tax", "pte_reference", "prompt_tokens", "output_tokens", "gpu_seconds", "cost_usd")
 
 
 class SessionMiddleware:

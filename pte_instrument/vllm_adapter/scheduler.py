@@ -17,6 +17,7 @@ from typing import Any
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from pte_instrument.cost.step_time import StepTimeModel
 from pte_instrument.engine.accounting import EngineAccounting
 from pte_instrument.engine.report import EngineReporter
 from pte_instrument.failpoints import failpoint
@@ -49,18 +50,25 @@ class _PteHook:
             cfg = self.vllm_config  # type: ignore[attr-defined]
             engine = compat.engine_index(cfg)
             self._pte_reporter = EngineReporter(Sender(address), engine, self._pte_faults)
+            cost_model = compat.cost_model_from_vllm(cfg, settings)
+            step_model, source = None, "theory"
+            if settings.calibration not in ("off", "online"):  # a saved fit
+                step_model, source = StepTimeModel.load(settings.calibration), "file"
             self._pte = EngineAccounting(
-                compat.cost_model_from_vllm(cfg, settings),
+                cost_model,
                 self._pte_send,
                 engine=engine,
                 backend=settings.accumulator_backend,
                 step_log=settings.step_log,
                 external_id=compat.external_request_id,
                 weight_bytes=compat.weight_bytes(cfg),
+                step_model=step_model,
+                step_model_source=source,
+                calibrate_online=settings.calibration != "off",
             )
             if self._pte.step_log_error is not None:
                 self._pte_step_log_off(settings.step_log, self._pte.step_log_error)
-            self._pte_reporter.hello(compat.api_server_count(cfg))
+            self._pte_reporter.hello(compat.api_server_count(cfg), self._pte.calibration())
             log.info(
                 "pte-instrument engine hook active (engine %d, %s accumulator)", engine, self._pte.acc.backend
             )
@@ -80,7 +88,7 @@ class _PteHook:
     def _pte_send(self, totals: list[RequestTotals]) -> None:
         try:
             failpoint("transport")
-            self._pte_reporter.send(totals)
+            self._pte_reporter.send(totals, self._pte.calibration() if self._pte is not None else None)
         except Exception as e:  # those totals are lost; the API server prices without them
             self._pte_fault("transport", e)
 

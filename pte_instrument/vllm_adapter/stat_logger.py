@@ -74,6 +74,8 @@ class PteStatLogger(AggregateStatLoggerBase):
             return
         try:
             cost_model = compat.cost_model_from_vllm(vllm_config, settings)
+            price = settings.gpu_hourly_price  # USD per GPU-hour; an engine runs on TP × PP GPUs
+            usd_per_engine_second = None if price is None else price * compat.gpus_per_engine(vllm_config) / 3600
             if cost_model.shape.assumed:  # priced, but on a guess: one line naming it
                 log.warning(
                     "pte-instrument cost model for %r: %s", self.model, "; ".join(cost_model.shape.assumed)
@@ -82,8 +84,9 @@ class PteStatLogger(AggregateStatLoggerBase):
             for engine in self.engine_indexes:
                 exporters = self.runtime.exporters_for(self.model, engine, cost_model)
                 self.accountants[engine] = Accountant(
-                    cost_model, exporters, self.runtime.faults, self.runtime.sessions
-                )
+                    cost_model, exporters, self.runtime.faults, self.runtime.sessions,
+                    usd_per_gpu_second=usd_per_engine_second,
+                )  # fmt: skip
         except Exception as e:  # unknown architecture, bad device name…: keep serving unpriced
             self.accountants.clear()
             self.runtime.faults.record("setup", e)
@@ -132,6 +135,14 @@ class PteStatLogger(AggregateStatLoggerBase):
             self.runtime.faults.record("adapter", KeyError(f"unknown engine {request.engine}"))
             return
         accountant.on_finished(request)
+        totals = request.engine_totals
+        if totals is not None:
+            try:
+                self.runtime.prometheus[(self.model, request.engine)].publish_engine_time(
+                    totals.engine_busy_s, totals.engine_unattributed_s
+                )
+            except Exception as e:
+                self.runtime.faults.record("prometheus", e)
         try:
             self.runtime.ledger_metrics.sync()
         except Exception as e:

@@ -41,8 +41,10 @@ def test_import_graph_has_no_cycle() -> None:
     assert graph["pte_instrument.cli.errors"] == set()
     assert graph["pte_instrument.cli.bench"] == {"pte_instrument.cli.errors"}
     assert graph["pte_instrument.cli.efficiency"] == {"pte_instrument.cli.errors"}
+    assert graph["pte_instrument.cli.calibrate"] == {"pte_instrument.cli.errors"}
     assert graph["pte_instrument.cli.main"] == {
         "pte_instrument.cli.bench",
+        "pte_instrument.cli.calibrate",
         "pte_instrument.cli.efficiency",
         "pte_instrument.cli.errors",
     }
@@ -53,7 +55,7 @@ def test_import_graph_has_no_cycle() -> None:
 
 def test_every_subcommand_is_registered() -> None:
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    assert set(sub.choices) == {"gamma", "devices", "demo", "efficiency", "report", "bench"}
+    assert set(sub.choices) == {"gamma", "devices", "demo", "efficiency", "report", "bench", "calibrate"}
 
 
 def test_broken_subcommand_module_fails_loudly() -> None:

@@ -139,7 +139,8 @@ def stack(tiny_model, tmp_path_factory) -> Iterator[Stack]:
         "PTE_DEVICE": "h100-sxm",
         "PTE_SESSION_IDLE_TTL_S": str(IDLE_TTL_S),
     }
-    vllm = start_server(tiny_model, work, env)
+    # with the step hook: the dashboard's engine panels (seconds, γ measured) get data too
+    vllm = start_server(tiny_model, work, env, ["--scheduler-cls", "pte_instrument.vllm_adapter.scheduler.PteScheduler"])
     prom = None
     try:
         prom = Prometheus(work, f"127.0.0.1:{vllm.port}")

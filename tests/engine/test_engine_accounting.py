@@ -332,3 +332,25 @@ def test_rejected_drafts_are_priced_as_wasted_work_and_queued_aborts_as_unschedu
     assert c["pte_rejected"] == pytest.approx(0.01 * (12 + 13)) and c["scheduled"] is True
     assert (c["external_id"], c["child_index"], c["arrival_time"]) == ("c", 1, 5.0) and c["finished_at"] > 0
     assert never["scheduled"] is False and never["pte_rejected"] == 0 and never["pte_served"] == 0
+
+
+def test_every_steps_time_is_charged_and_the_model_is_reported(tmp_path):
+    from pte_instrument.cost.step_time import StepTimeModel, theory
+
+    clock = iter(np.arange(0.0, 100.0, 0.001)).__next__  # every clock read advances 1 ms
+    sent: list[dict] = []
+    ea = EngineAccounting(COST, collect(sent), clock=clock, journal_steps=4, calibrate_online=False)
+    for k in range(10):
+        ea.on_schedule(["a", "b"], [[10 + k, 20 + k], [1, 1], [10, 20], [0, 0]])
+        ea.on_step_done()
+    ea.on_finished("a", "length", 20, {})
+    ea.on_finished("b", "length", 30, {})
+    ea.flush()
+    charged = sum(m["gpu_prefill_s"] + m["gpu_kv_s"] + m["gpu_weights_s"] + m["gpu_overhead_s"] for m in sent)
+    assert ea.timing.busy_s > 0 and charged == pytest.approx(ea.timing.busy_s, rel=1e-12)
+    assert all(m["engine_latency_s"] == pytest.approx(ea.timing.busy_s) for m in sent)  # both in every step
+    c = ea.calibration()
+    assert (c.source, c.r2, c.steps) == ("theory", None, 0)  # off: theory, never refitted
+    assert [c.a, c.b, c.w, c.o] == theory(COST, 2.0).coefficients().tolist()
+    saved = StepTimeModel(1e-3, 1e-5, 2e-3, 1e-3)
+    assert EngineAccounting(COST, collect([]), step_model=saved, step_model_source="file").calibration().a == 1e-3

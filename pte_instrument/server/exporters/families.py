@@ -23,6 +23,9 @@ INF = float("inf")
 # 1 PTE … 100M PTE, a factor ~3.16 apart: a short chat to a 100k-token agent turn.
 PTE_BUCKETS = (*(float(f"{m}e{e}") for e in range(8) for m in (1, 3.16)), 1e8)
 
+# 1 ms … 1,000 s: a decode step to a long agent turn.
+SECONDS_BUCKETS = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0, 300.0, 1000.0)
+
 REQ = ("model", "engine")
 EVAL = ("model", "benchmark")
 
@@ -122,6 +125,34 @@ FAMILIES: tuple[FamilySpec, ...] = (
                "PTE of work done and thrown away, by reason (rejected_drafts: speculative tokens "
                "rejected; aborted: work of an aborted request its client never received). Not part of served PTE.",
                (*REQ, "reason")),
+    # --- seconds and money (docs/cost-model.md §5b; with the scheduler hook) ---
+    FamilySpec("gpu_seconds", "pte_gpu_seconds", "counter",
+               "Engine busy time charged to finished requests, by term of the step-time model (prefill, "
+               "kv_read, weights, overhead): each step's measured time split over its requests.", (*REQ, "phase")),
+    FamilySpec("request_gpu_seconds", "pte_request_gpu_seconds", "histogram",
+               "GPU seconds per finished request.", REQ, buckets=SECONDS_BUCKETS),
+    FamilySpec("interference", "pte_interference_seconds", "counter",
+               "Latency of finished requests spent on other requests' work (queue included).", REQ),
+    FamilySpec("cost_usd", "pte_cost_usd", "counter",
+               "Cost of finished requests in USD: GPU seconds × GPUs per engine × PTE_GPU_HOURLY_PRICE.", REQ),
+    FamilySpec("engine_busy", "pte_engine_busy_seconds", "gauge",
+               "Σ measured step durations of the engine so far.", REQ, multiprocess_mode="mostrecent"),
+    FamilySpec("busy_gap", "pte_gpu_seconds_unattributed", "gauge",
+               "Engine busy time not (yet) charged to a finished request: in flight, or of requests that "
+               "finished mid-step. With one API server; with several, compare pte_engine_busy_seconds "
+               "with the sum of pte_gpu_seconds_total.", REQ, multiprocess_mode="mostrecent"),
+    FamilySpec("step_model", "pte_step_model_coefficient", "gauge",
+               "The engine's step-time model now, by term: a (s per prefill token), b (s per context "
+               "token), w (s per memory-bound step), o (s per step).", (*REQ, "term", "source"),
+               multiprocess_mode="mostrecent"),
+    FamilySpec("gamma_measured", "pte_gamma_measured", "gauge",
+               "Gamma as measured by the step-time model (b / a), beside pte_gamma from theory.", REQ,
+               multiprocess_mode="mostrecent"),
+    FamilySpec("step_model_r2", "pte_step_model_r2", "gauge",
+               "R² of the step-time model over the engine's recent steps.", REQ, multiprocess_mode="mostrecent"),
+    FamilySpec("step_model_mape", "pte_step_model_mape_ratio", "gauge",
+               "Mean absolute percentage error of the step-time model over recent steps, as a ratio.", REQ,
+               multiprocess_mode="mostrecent"),
     # A running sum that may go negative: a gauge, not a counter; summed across processes.
     FamilySpec("engine_gap", "pte_engine_estimate_gap_pte", "gauge",
                "Σ (engine exact served PTE − stat-logger estimate) over finished requests.",

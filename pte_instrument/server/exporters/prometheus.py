@@ -27,6 +27,7 @@ from pte_instrument.server.exporters.families import FAMILIES, FamilySpec
 from pte_instrument.server.ledger import RequestRecord
 from pte_instrument.server.request_tags import PendingTags
 from pte_instrument.server.sessions import SessionLedger
+from pte_instrument.wire import EngineCalibration
 
 _KINDS: dict[str, type[MetricWrapperBase]] = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
 
@@ -66,6 +67,16 @@ class PteMetrics:
     spec_drafts: Counter
     spec_rejected: Counter
     wasted: Counter
+    gpu_seconds: Counter
+    request_gpu_seconds: Histogram
+    interference: Counter
+    cost_usd: Counter
+    engine_busy: Gauge
+    busy_gap: Gauge
+    step_model: Gauge
+    gamma_measured: Gauge
+    step_model_r2: Gauge
+    step_model_mape: Gauge
     engine_gap: Gauge
     eval_requests: Counter
     eval_truncated: Counter
@@ -199,6 +210,13 @@ class _EngineSeries:
     wasted_drafts: Counter
     wasted_aborted: Counter
     gap: Gauge
+    gpu_prefill: Counter
+    gpu_kv_read: Counter
+    gpu_weights: Counter
+    gpu_overhead: Counter
+    request_gpu_seconds: Histogram
+    interference: Counter
+    cost_usd: Counter
 
     @classmethod
     def bind(cls, m: PteMetrics, lab: tuple[str, str]) -> _EngineSeries:
@@ -211,6 +229,13 @@ class _EngineSeries:
             m.wasted.labels(*lab, "rejected_drafts"),
             m.wasted.labels(*lab, "aborted"),
             m.engine_gap.labels(*lab),
+            m.gpu_seconds.labels(*lab, "prefill"),
+            m.gpu_seconds.labels(*lab, "kv_read"),
+            m.gpu_seconds.labels(*lab, "weights"),
+            m.gpu_seconds.labels(*lab, "overhead"),
+            m.request_gpu_seconds.labels(*lab),
+            m.interference.labels(*lab),
+            m.cost_usd.labels(*lab),
         )
 
 
@@ -226,6 +251,7 @@ class PrometheusExporter:
         self.m = metrics
         self.labels = (model, str(engine))
         self._requests_by_reason: dict[str, Counter] = {}  # finish reasons are few: stop, length, abort…
+        self._gpu_priced = 0.0  # Σ GPU seconds of the requests exported here
 
     @cached_property
     def _request(self) -> _RequestSeries:
@@ -246,6 +272,22 @@ class PrometheusExporter:
             child = self.m.requests.labels(*self.labels, finish_reason)
             self._requests_by_reason[finish_reason] = child
         return child
+
+    def publish_engine_time(self, busy_s: float, unattributed_s: float) -> None:
+        """The engine's busy time as it reported it with its latest totals."""
+        lab = self.labels
+        self.m.engine_busy.labels(*lab).set(busy_s)
+        self.m.busy_gap.labels(*lab).set(busy_s - self._gpu_priced)
+
+    def publish_calibration(self, c: EngineCalibration) -> None:
+        m, lab = self.m, self.labels
+        for term in ("a", "b", "w", "o"):
+            m.step_model.labels(*lab, term, c.source).set(getattr(c, term))
+        m.gamma_measured.labels(*lab).set(c.b / c.a if c.a > 0 else float("nan"))
+        if c.r2 is not None:
+            m.step_model_r2.labels(*lab).set(c.r2)
+        if c.mape is not None:
+            m.step_model_mape.labels(*lab).set(c.mape)
 
     def publish_cost_model(self, cost: CostModel) -> None:
         # Once per engine at start-up: nothing to cache.
@@ -284,3 +326,14 @@ class PrometheusExporter:
             e.wasted_drafts.inc(r.pte_wasted_rejected_drafts)
             e.wasted_aborted.inc(r.pte_wasted_aborted)
             e.gap.inc(r.engine_pte_served - r.pte_served)
+        if r.gpu_seconds is not None:
+            e = self._engine
+            e.gpu_prefill.inc(r.gpu_seconds_prefill)
+            e.gpu_kv_read.inc(r.gpu_seconds_kv_read)
+            e.gpu_weights.inc(r.gpu_seconds_weights)
+            e.gpu_overhead.inc(r.gpu_seconds_overhead)
+            e.request_gpu_seconds.observe(r.gpu_seconds)
+            e.interference.inc(max(0.0, r.interference_s or 0.0))
+            if r.cost_usd is not None:
+                e.cost_usd.inc(r.cost_usd)
+            self._gpu_priced += r.gpu_seconds

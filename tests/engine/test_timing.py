@@ -1,0 +1,68 @@
+"""Each step's measured time split over its requests, worked out by hand."""
+
+import numpy as np
+import pytest
+
+from pte_instrument.cost.step_time import StepTimeModel
+from pte_instrument.engine.timing import (
+    KV_S,
+    LATENCY_S,
+    OVERHEAD_S,
+    PREDICTED_S,
+    PREFILL_S,
+    WEIGHTS_S,
+    TimeAttribution,
+)
+
+# 1 ms per prefill token, 0.1 ms per context token, 5 ms of weights, 2 ms of overhead per step
+MODEL = StepTimeModel(a=1e-3, b=1e-4, w=5e-3, o=2e-3)
+
+
+def test_a_step_is_split_by_the_model_and_sums_to_its_measured_time():
+    t = TimeAttribution(MODEL, None, capacity=4)
+    # one memory-bound step: slot 0 prefills 10 tokens, slot 1 decodes reading 100 context
+    t.steps(np.array([0, 1]), [2], None, np.array([10.0, 0.0]), np.array([0.0, 100.0]),
+            np.array([False, True]), np.array([True]), [0.040])  # fmt: skip
+    # modelled: 10 ms + 10 ms + 5 ms weights + 2 ms overhead = 27 ms; measured 40 ms: × 40/27
+    scale = 0.040 / 0.027
+    a, b = t.read(0), t.read(1)
+    assert a[PREFILL_S] == pytest.approx(0.010 * scale) and a[KV_S] == 0
+    assert b[KV_S] == pytest.approx(0.010 * scale) and b[PREFILL_S] == 0
+    for r in (a, b):  # weights and overhead evenly
+        assert r[WEIGHTS_S] == pytest.approx(0.0025 * scale) and r[OVERHEAD_S] == pytest.approx(0.001 * scale)
+        assert r[LATENCY_S] == pytest.approx(0.040)
+    assert a[:4].sum() + b[:4].sum() == pytest.approx(0.040) and t.busy_s == pytest.approx(0.040)
+    # alone: slot 0 compute-bound (no weight term), slot 1 memory-bound
+    assert a[PREDICTED_S] == pytest.approx(0.010 + 0.002) and b[PREDICTED_S] == pytest.approx(0.010 + 0.005 + 0.002)
+    assert t.read(0).sum() == 0  # read zeroes the slot
+
+
+def test_steps_of_a_journal_and_a_pending_step_conserve_busy_time():
+    t = TimeAttribution(MODEL, None, capacity=4)
+    rng = np.random.default_rng(1)
+    sizes = [2, 3, 1]
+    slots = np.array([0, 1, 0, 1, 2, 2])
+    prefill, ctx = rng.integers(0, 50, 6).astype(float), rng.integers(0, 500, 6).astype(float)
+    t.steps(slots, sizes, [0, 2, 5], prefill, ctx, np.zeros(6, bool), np.array([True, False, True]),
+            [0.01, 0.02, None])  # fmt: skip
+    assert t.busy_s == pytest.approx(0.03)  # the last step still runs
+    t.step_done(0.005)
+    total = sum(t.read(s)[:4].sum() for s in range(3))
+    assert total == pytest.approx(0.035) and t.busy_s == pytest.approx(0.035)
+
+
+def test_a_request_freed_before_its_step_ends_leaves_that_share_unattributed():
+    t = TimeAttribution(MODEL, None, capacity=4)
+    t.steps(np.array([0, 1]), [2], None, np.array([0.0, 0.0]), np.array([100.0, 100.0]),
+            np.array([True, True]), np.array([True]), [None])  # fmt: skip
+    t.release(np.array([1]))  # aborted mid-step: its totals are gone already
+    t.step_done(0.010)
+    assert t.read(0)[:4].sum() == pytest.approx(0.005) and t.unattributed_s == pytest.approx(0.005)
+    assert t.read(1).sum() == 0
+
+
+def test_a_model_that_predicts_nothing_splits_evenly():
+    t = TimeAttribution(StepTimeModel(0.0, 0.0, 0.0, 0.0), None, capacity=2)
+    t.steps(np.array([0, 1]), [2], None, np.array([5.0, 0.0]), np.array([0.0, 9.0]),
+            np.array([False, True]), np.array([False]), [0.008])  # fmt: skip
+    assert t.read(0)[OVERHEAD_S] == pytest.approx(0.004) and t.read(1)[OVERHEAD_S] == pytest.approx(0.004)
