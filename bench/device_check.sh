@@ -16,7 +16,10 @@
 #   4. sync proof: 1000 update() calls per GPU backend under
 #      torch.cuda.set_sync_debug_mode("error"), then a torch.profiler trace counting
 #      cudaStreamSynchronize / cudaDeviceSynchronize / … per update → $OUT/sync_proof.json
-#   5. γ measured vs theory, Llama-3.1-8B shapes (bench.gpu_latency) → $OUT/gpu-latency-*.json, .md
+#   5. γ measured vs theory, Llama-3.1-8B shapes (bench.gpu_latency), and the four-term
+#      step-time model t ≈ a·prefill + b·ctx + w·memory_bound + o fitted on the same timings
+#      (pte_instrument.cost.step_time.fit, theory as the prior; docs/cost-model.md §5b)
+#                                                                 → $OUT/gpu-latency-*.json, .md
 # $OUT/summary.txt lists each step's exit status; the script exits non-zero if any failed.
 # Copy $OUT/accumulator-<host>-<date>.json into bench/results/ to keep the GPU figures.
 set -u
@@ -179,8 +182,18 @@ bad = [b for b, r in result["backends"].items()
 sys.exit(1 if bad else 0)
 EOF
 
-# 5. γ measured vs theory on the GPU
+# 5. γ measured vs theory on the GPU, and the four-term step-time model on the same timings
 step gpu_latency 300 "$PY" -m bench.gpu_latency --out "$OUT"
+"$PY" - "$OUT" <<'EOF' >> "$OUT/summary.txt" 2>&1 || true
+"""One line per model of the four-term fit (the fit, then each theory): a, b, w, o, MAPE."""
+import glob, json, sys
+for path in sorted(glob.glob(f"{sys.argv[1]}/gpu-latency-*.json")):
+    four = json.load(open(path)).get("four_term") or {}
+    rows = [("fit", four["fit"]["model"], four["fit"]["mape"])] if four.get("fit") else []
+    rows += [(k, v["model"], v["mape"]) for k, v in (four.get("theory") or {}).items()]
+    for name, m, mape in rows:
+        print(f"four-term {name}: a={m['a']:.3g} b={m['b']:.3g} w={m['w']:.3g} o={m['o']:.3g} MAPE={mape}")
+EOF
 
 cat "$OUT/summary.txt"
 exit "$status"

@@ -13,7 +13,10 @@ and times, with CUDA events:
 Then fits, exactly as the vLLM bench does (bench/latency/calibrate.py),
 ``t ≈ a·prefill + b·ctx + c (+ d·decode)`` and reports γ_measured = b/a beside γ_theory
 for the detected (or named) device profile, and the per-step constant c/a beside the
-weight read predicted by the roofline attribution (docs/cost-model.md §5).
+weight read predicted by the roofline attribution (docs/cost-model.md §5). It also fits the
+four-term step-time model ``t ≈ a·prefill + b·ctx + w·memory_bound + o``
+(``pte_instrument.cost.step_time``, docs/cost-model.md §5b; memory-bound as the engine classes
+a step) with bootstrap intervals, beside theory for the profile and for the measured rates.
 
 HF's eager forward launches ~30 kernels per layer from Python; for small steps the CPU
 may not keep up with the GPU. Each timed step is therefore queued behind a short GPU sleep
@@ -228,6 +231,60 @@ def _fit(points: list[Point], gamma_theory: float, weights_pte: float, n_boot: i
     )
 
 
+def four_term_features(points: list[Point], weights_pte: float, gamma: float) -> dict[str, Any]:
+    """The four-term model's features per point (docs/cost-model.md §5b): prefill tokens,
+    context read, and memory-bound as the engine classes a step (T < weights_pte + γ·ctx)."""
+    import numpy as np
+
+    from pte_instrument.cost.step_time import memory_bound
+
+    prefill = np.array([p.prefill for p in points], dtype=float)
+    ctx = np.array([p.ctx for p in points], dtype=float)
+    tokens = np.array([p.prefill + p.decode_tokens for p in points], dtype=float)
+    return {"prefill": prefill, "ctx": ctx, "memory_bound": memory_bound(tokens, gamma * ctx, weights_pte),
+            "dt": np.array([p.median_ms / 1e3 for p in points])}  # fmt: skip
+
+
+def four_term_fit(
+    points: list[Point],
+    theories: dict[str, Any],
+    weights_pte: float,
+    gamma: float,
+    n_boot: int,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """t ≈ a·prefill + b·ctx + w·memory_bound + o fitted on the points with
+    ``pte_instrument.cost.step_time.fit`` (the first theory as the prior), with bootstrap
+    intervals, beside each theory (name → StepTimeModel) scored on the same points."""
+    from pte_instrument.cost.step_time import TERMS, bootstrap_intervals, fit, score
+
+    f = four_term_features(points, weights_pte, gamma)
+    cols = (f["prefill"], f["ctx"], f["memory_bound"], f["dt"])
+    prior = next(iter(theories.values()), None)
+    result = fit(*cols, prior)
+    ci = bootstrap_intervals(*cols, prior, n_boot=min(n_boot, 200), seed=seed) if n_boot > 0 else {}
+    kinds = [p.kind for p in points]
+    out: dict[str, Any] = {"fit": result.to_dict(), "intervals": {k: list(v) for k, v in ci.items()},
+                           "memory_bound_points": int(f["memory_bound"].sum()), "theory": {}}  # fmt: skip
+    out["by_kind"] = {k: _score_kind(result.model, f, kinds, k, score) for k in ("prefill", "decode")}
+    for name, th in theories.items():
+        r2, mape, mdape = score(th, *cols)
+        out["theory"][name] = {"model": th.to_dict(), "r2": r2, "mape": mape, "median_ape": mdape,
+                               "fit_over_theory": {t: (getattr(result.model, t) / getattr(th, t)
+                                                       if getattr(th, t) > 0 else None) for t in TERMS}}  # fmt: skip
+    return out
+
+
+def _score_kind(model: Any, f: dict[str, Any], kinds: list[str], kind: str, score: Any) -> dict[str, Any]:
+    import numpy as np
+
+    m = np.array([k == kind for k in kinds])
+    if m.sum() < 2:
+        return {"n": int(m.sum())}
+    r2, mape, mdape = score(model, f["prefill"][m], f["ctx"][m], f["memory_bound"][m], f["dt"][m])
+    return {"n": int(m.sum()), "r2": r2, "mape": mape, "median_ape": mdape}
+
+
 def _split_fit(points: list[Point]) -> dict[str, Any]:
     """a from prefill points alone (t = a·tokens + c_p), b and c from decode points alone
     (t = c + b·ctx + d·B): no constant shared between compute- and memory-bound steps."""
@@ -281,10 +338,12 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from bench.latency.calibrate import explain_shares, measure_host_profile
+    from bench.latency.step_model import host_device
     from bench.provenance import load_avg_1m, provenance, results_path, write_results
     from pte_instrument.cost.architecture import parse_shape
     from pte_instrument.cost.devices import PROFILES, detect_local_gpu, measure_profile, resolve_device
     from pte_instrument.cost.model import CostModel
+    from pte_instrument.cost.step_time import theory
 
     t_begin = time.time()
     prov = provenance()  # after importing torch: it records the GPU
@@ -302,7 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         # In the dtype and thread count that run the model (core's measure_profile times bf16,
         # which most CPUs emulate ~100× slower than they run fp32).
-        measured = measure_host_profile(str(dtype).removeprefix("torch."), threads=torch.get_num_threads())
+        measured = host_device(
+            measure_host_profile(str(dtype).removeprefix("torch."), threads=torch.get_num_threads()), "cpu"
+        )
     if args.profile:
         profile = resolve_device(args.profile)
     else:
@@ -364,6 +425,14 @@ def main(argv: list[str] | None = None) -> int:
     fit = _fit(points, cost.gamma, weights_pte, args.bootstrap, False) if len(points) >= 4 else None
     fit_d = _fit(points, cost.gamma, weights_pte, args.bootstrap, True) if len(points) >= 5 else None
     split = _split_fit(points)
+    theories = {f"theory ({profile.name})": theory(cost, dtype_bytes)}
+    if measured is not None and measured.name != profile.name:
+        theories[f"theory ({measured.name})"] = theory(CostModel(model_shape, measured), dtype_bytes)
+    four = (
+        four_term_fit(points, theories, weights_pte, cost.gamma, args.bootstrap, args.seed)
+        if len(points) >= 4
+        else None
+    )
     result: dict[str, Any] = {
         "benchmark": "gpu-latency",
         **prov,
@@ -383,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         "fit": fit.to_dict() if fit else None,
         "fit_with_decode_term": fit_d.to_dict() if fit_d else None,
         "split_fit": split,
+        "four_term": four,
         "points": [p.to_dict() for p in points],
         "notes": notes,
         "wall_s": round(time.time() - t_begin, 1),
@@ -398,6 +468,38 @@ def main(argv: list[str] | None = None) -> int:
     print(mpath.read_text())
     print(f"[gpu-latency] wrote {jpath} and {mpath} in {result['wall_s']:.0f}s", flush=True)
     return 0
+
+
+def _g(v: float | None, spec: str = ".4g") -> str:
+    return "–" if v is None or not math.isfinite(v) else format(v, spec)
+
+
+def four_term_markdown(four: dict[str, Any] | None) -> list[str]:
+    """The four-term fit beside each theory: coefficients, intervals, MAPE and R²."""
+    if not four:
+        return []
+    fit, ci = four["fit"], four.get("intervals") or {}
+    m = fit["model"]
+    L = ["Four-term step-time model t ≈ a·prefill + b·ctx + w·memory_bound + o (docs/cost-model.md §5b), "
+         f"{four['memory_bound_points']} of {fit['n']} points memory-bound:", "",
+         "| model | a (s/token) | b (s/ctx token) | w (s) | o (s) | MAPE | R² |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+
+    def cell(t: str, v: float) -> str:
+        lo, hi = ci.get(t, (None, None))
+        return f"{_g(v)} [{_g(lo, '.3g')}, {_g(hi, '.3g')}]" if lo is not None else _g(v)
+
+    L.append(f"| fit | {cell('a', m['a'])} | {cell('b', m['b'])} | {cell('w', m['w'])} | {cell('o', m['o'])} | "
+             f"{_g(fit['mape'], '.1%')} | {_g(fit['r2'], '.3f')} |")  # fmt: skip
+    for name, th in four["theory"].items():
+        tm = th["model"]
+        L.append(f"| {name} | {_g(tm['a'])} | {_g(tm['b'])} | {_g(tm['w'])} | {_g(tm['o'])} | "
+                 f"{_g(th['mape'], '.1%')} | {_g(th['r2'], '.3f')} |")  # fmt: skip
+    kinds = ", ".join(f"{k} MAPE {_g(v.get('mape'), '.1%')} (n {v['n']})" for k, v in four["by_kind"].items())
+    L += ["", f"- fit by point kind: {kinds}"]
+    if fit["from_prior"]:
+        L.append(f"- taken from the prior (not identifiable on these points): {', '.join(fit['from_prior'])}")
+    L.append("")
+    return L
 
 
 def _markdown(r: dict[str, Any], fit: Any, fit_d: Any, explain: Any) -> str:
@@ -430,6 +532,7 @@ def _markdown(r: dict[str, Any], fit: Any, fit_d: Any, explain: Any) -> str:
     L += [""]
     if fit is not None:
         L += [f"- {explain(fit)}", ""]
+    L += four_term_markdown(r.get("four_term"))
     L += ["| kind | B | L or C | median ms | launch-bound |", "|---|---|---|---|---|"]
     for p in r["points"]:
         L.append(

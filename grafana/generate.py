@@ -59,6 +59,8 @@ def _panel(p: Panel, panel_id: int) -> dash_b.Panel:
         )
         if p.min_zero:
             b = b.min(0)
+        if p.stacked:
+            b = b.stacking(common_b.StackingConfig().mode(common_m.StackingMode.NORMAL)).fill_opacity(40)
     b = b.id(panel_id).title(p.title).description(p.description).datasource(DATASOURCE).unit(p.unit)
     b = b.height(HEIGHT).span(WIDTH)
     for i, q in enumerate(p.queries):

@@ -4,13 +4,17 @@ No Grafana import here, so the tests can check every query (metric names, a real
 Prometheus evaluating it) without the SDK; ``generate.py`` turns this into the dashboard.
 
 Queries use Grafana's template variables ``$model`` and ``$engine`` (regexes: "All" is
-``.*``) and the range ``$__rate_interval``. A query marked *optional* reads a metric the
-plugin does not export yet; its panel stays empty until the metric lands.
+``.*``) and the range ``$__rate_interval``. A query marked *optional* may return nothing:
+either it reads a metric the plugin does not export yet (its panel stays empty until the
+metric lands), or it reads exported metrics that have no data on the end-to-end test server
+(the step hook on, no ``PTE_GPU_HOURLY_PRICE``, a few hundred steps): ``empty_on_test_server``
+then says why.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 RATE = "$__rate_interval"
 # Series with model and engine labels (request-level metrics and the cost model).
@@ -19,12 +23,24 @@ SEL = 'model=~"$model", engine=~"$engine"'
 SEL_MODEL = 'model=~"$model"'
 
 
+# Why a query over exported metrics may be empty on the end-to-end test server.
+UNPRICED = "unpriced"  # money: needs PTE_GPU_HOURLY_PRICE
+UNFITTED = "unfitted"  # fit quality: needs the engine's online step-time fit (256 steps and more)
+EmptyReason = Literal["unpriced", "unfitted"]
+
+
 @dataclass(frozen=True)
 class Query:
     expr: str
     legend: str
-    optional: bool = False  # the metric does not exist yet: the panel may stay empty
+    optional: bool = False  # may be empty: the metric does not exist yet, or see empty_on_test_server
     heatmap: bool = False  # Prometheus "heatmap" format (buckets as a heatmap)
+    # The metrics exist, but the test server gives them no data (and so the query is optional).
+    empty_on_test_server: EmptyReason | None = None
+
+    def __post_init__(self) -> None:
+        if self.empty_on_test_server is not None and not self.optional:
+            raise ValueError(f"{self.expr!r}: empty_on_test_server needs optional=True")
 
 
 @dataclass(frozen=True)
@@ -35,6 +51,7 @@ class Panel:
     unit: str = "short"
     kind: str = "timeseries"  # or "heatmap"
     min_zero: bool = True
+    stacked: bool = False  # a timeseries whose series add up (stacked areas)
 
 
 @dataclass(frozen=True)
@@ -60,8 +77,23 @@ def _quantile(q: float, metric: str, by: str, sel: str = SEL) -> str:
     return f"histogram_quantile({q}, sum by ({by}, le) (rate({metric}_bucket{{{sel}}}[{RATE}])))"
 
 
-def _quantiles(metric: str, by: str, qs: tuple[float, ...], sel: str = SEL) -> tuple[Query, ...]:
-    return tuple(Query(_quantile(q, metric, by, sel), f"p{round(q * 100)} {{{{{by}}}}}") for q in qs)
+def _quantiles(
+    metric: str,
+    by: str,
+    qs: tuple[float, ...],
+    sel: str = SEL,
+    empty_on_test_server: EmptyReason | None = None,
+) -> tuple[Query, ...]:
+    optional = empty_on_test_server is not None
+    return tuple(
+        Query(
+            _quantile(q, metric, by, sel),
+            f"p{round(q * 100)} {{{{{by}}}}}",
+            optional=optional,
+            empty_on_test_server=empty_on_test_server,
+        )
+        for q in qs
+    )
 
 
 VARIABLES: tuple[Variable, ...] = (
@@ -151,6 +183,84 @@ ROWS: tuple[Row, ...] = (
                 "Hardware operational intensity (HOI)",
                 "Peak FLOP/s over memory bandwidth of the device profile (FLOP per byte).",
                 (Query(f"pte_hardware_operational_intensity{{{SEL}}}", "{{model}} e{{engine}} {{device}}"),),
+            ),
+        ),
+    ),
+    Row(
+        "Seconds and money",
+        (
+            Panel(
+                "Where the GPU time goes",
+                "Engine busy time charged to finished requests, by term of the step-time model "
+                "(docs/cost-model.md §5b), in GPU-seconds per second: 1 is one engine busy all the "
+                "time. With the step hook.",
+                (Query(_rate("pte_gpu_seconds_total", "model, phase"), "{{model}} {{phase}}"),),
+                stacked=True,
+            ),
+            Panel(
+                "Cost per hour by model",
+                "USD per hour of finished requests: GPU seconds × GPUs per engine × "
+                "PTE_GPU_HOURLY_PRICE. Without a price there is no money to show (0 or no data).",
+                (
+                    Query(
+                        f"3600 * {_rate('pte_cost_usd_total', 'model')}",
+                        "{{model}}",
+                        optional=True,
+                        empty_on_test_server=UNPRICED,
+                    ),
+                ),
+                unit="currencyUSD",
+            ),
+            Panel(
+                "GPU seconds per session (p50 / p95)",
+                "GPU seconds of closed sessions (observed when a session closes; with the step hook).",
+                _quantiles("pte_session_gpu_seconds", "model", (0.5, 0.95), SEL_MODEL),
+                unit="s",
+            ),
+            Panel(
+                "Cost per session (p50 / p95)",
+                "USD of closed sessions (observed when a session closes; with a price).",
+                _quantiles("pte_session_cost_usd", "model", (0.5, 0.95), SEL_MODEL, UNPRICED),
+                unit="currencyUSD",
+            ),
+            Panel(
+                "Interference share of latency",
+                "Part of finished requests' latency spent on other requests' work, queue included: "
+                "interference / (own GPU seconds + interference).",
+                (
+                    Query(
+                        f"{_rate('pte_interference_seconds_total', 'model')}"
+                        f" / ({_rate('pte_gpu_seconds_total', 'model')}"
+                        f" + {_rate('pte_interference_seconds_total', 'model')})",
+                        "{{model}}",
+                    ),
+                ),
+                unit="percentunit",
+            ),
+            Panel(
+                "Step-time model: calibration quality",
+                "γ measured by the engine's step-time model over γ from theory (1: theory holds), "
+                "and how well the model fits the engine's recent steps (R², MAPE as a ratio; after "
+                "the first online fit).",
+                (
+                    Query(
+                        f"pte_gamma_measured{{{SEL}}} / ignoring (device) pte_gamma{{{SEL}}}",
+                        "γ measured / theory {{model}} e{{engine}}",
+                    ),
+                    Query(
+                        f"pte_step_model_r2{{{SEL}}}",
+                        "R² {{model}} e{{engine}}",
+                        optional=True,
+                        empty_on_test_server=UNFITTED,
+                    ),
+                    Query(
+                        f"pte_step_model_mape_ratio{{{SEL}}}",
+                        "MAPE {{model}} e{{engine}}",
+                        optional=True,
+                        empty_on_test_server=UNFITTED,
+                    ),
+                ),
+                min_zero=False,
             ),
         ),
     ),

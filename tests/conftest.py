@@ -144,15 +144,16 @@ class Server:
 
 @pytest.fixture(scope="session")
 def server(tiny_model, tmp_path_factory) -> Iterator[Server]:
-    """Every feature on: request log, sessions and routes (VLLM_PLUGINS=pte), OTLP export
-    to an in-process receiver, an API key, and vLLM's dev routes (prefix-cache reset)."""
+    """Every feature on: request log, sessions and routes (VLLM_PLUGINS names pte, and
+    vLLM's filesystem LoRA resolver as the README's form that keeps other plugins), OTLP
+    export to an in-process receiver, an API key, and vLLM's dev routes (prefix-cache reset)."""
     work = tmp_path_factory.mktemp("server")
     log = work / "requests.jsonl"
     otlp = OtlpReceiver()
     env = {
         "PTE_REQUEST_LOG": str(log),
         "PTE_DEVICE": "h100-sxm",
-        "VLLM_PLUGINS": "pte",
+        "VLLM_PLUGINS": "pte,lora_filesystem_resolver",
         "VLLM_SERVER_DEV_MODE": "1",
         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": otlp.endpoint,
         "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",  # the receiver speaks OTLP/HTTP only

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from grafana.panels import PANELS, QUERIES, VARIABLES
+from grafana.panels import PANELS, QUERIES, ROWS, VARIABLES, Query
 from pte_instrument.server.exporters.catalog import Family, families
 from tests.conftest import ROOT
 
@@ -41,21 +41,64 @@ def test_committed_dashboard_is_what_the_generator_makes():
     assert render() == render()  # deterministic within a run too
 
 
+# Metrics that are exported but have no data on the end-to-end test server (the step hook
+# on, no PTE_GPU_HOURLY_PRICE, too few steps for the online fit), by the reason a query gives.
+EMPTY_ON_TEST_SERVER = {
+    "unpriced": {"pte_cost_usd_total", "pte_session_cost_usd_bucket", "pte_session_cost_usd_sum",
+                 "pte_session_cost_usd_count"},
+    "unfitted": {"pte_step_model_r2", "pte_step_model_mape_ratio"},
+}  # fmt: skip
+
+
+def check_catalogued(title: str, expr: str, known: dict[str, Family]) -> None:
+    """Every metric of ``expr`` is exported, and every label it matches on exists."""
+    missing = metric_names(expr) - known.keys()
+    assert not missing, f"{title}: unknown metrics {sorted(missing)} in {expr!r}"
+    for metric, labels in selector_labels(expr):
+        fam = known[metric]
+        allowed = set(fam.labels) | ({"le"} if metric.endswith("_bucket") else set())
+        assert labels <= allowed, f"{title}: {metric} has no label(s) {sorted(labels - allowed)}"
+
+
 def test_every_required_query_reads_exported_metrics_and_labels():
     known = by_sample()
-    for title, expr, optional in QUERIES:
-        names = metric_names(expr)
-        assert names, f"{title}: no pte_* metric in {expr!r}"
-        missing = names - known.keys()
-        if optional:
-            # An optional query whose metrics now exist should become a required one.
-            assert missing, f"{title}: {expr!r} is marked optional but every metric exists now"
-            continue
-        assert not missing, f"{title}: unknown metrics {sorted(missing)} in {expr!r}"
-        for metric, labels in selector_labels(expr):
-            fam = known[metric]
-            allowed = set(fam.labels) | ({"le"} if metric.endswith("_bucket") else set())
-            assert labels <= allowed, f"{title}: {metric} has no label(s) {sorted(labels - allowed)}"
+    maybe_empty = set().union(*EMPTY_ON_TEST_SERVER.values())
+    for p in PANELS:
+        for q in p.queries:
+            title, expr = p.title, q.expr
+            names = metric_names(expr)
+            assert names, f"{title}: no pte_* metric in {expr!r}"
+            if q.empty_on_test_server is not None:
+                # optional because the test server has no data for it: still catalogued metrics
+                # and labels, and it does read a metric that is empty there for that reason.
+                assert q.optional, f"{title}: {expr!r} may be empty on the test server but is required"
+                check_catalogued(title, expr, known)
+                reason = EMPTY_ON_TEST_SERVER[q.empty_on_test_server]
+                assert names & reason, (
+                    f"{title}: {expr!r} reads no {q.empty_on_test_server} metric {sorted(reason)}"
+                )
+                continue
+            if q.optional:
+                # An optional query whose metrics now exist should become a required one.
+                assert names - known.keys(), (
+                    f"{title}: {expr!r} is marked optional but every metric exists now"
+                )
+                continue
+            check_catalogued(title, expr, known)
+            # a required query must not read what the test server leaves empty
+            assert not names & maybe_empty, f"{title}: {expr!r} reads {sorted(names & maybe_empty)}: mark it"
+
+
+def test_queries_list_what_the_panels_hold():
+    """QUERIES (what the end-to-end test evaluates) is every panel query, with its optional flag."""
+    assert [(p.title, q.expr, q.optional) for p in PANELS for q in p.queries] == QUERIES
+    flagged = [q for p in PANELS for q in p.queries if q.empty_on_test_server is not None]
+    assert flagged and all(q.optional for q in flagged)
+
+
+def test_empty_on_test_server_needs_optional():
+    with pytest.raises(ValueError, match="needs optional=True"):
+        Query("pte_cost_usd_total", "x", empty_on_test_server="unpriced")
 
 
 def test_template_variables_read_exported_series():
@@ -106,3 +149,19 @@ def test_the_promised_panels_are_there():
     assert required <= queried, sorted(required - queried)
     assert any('finish_reason="length"' in e for _, e, _ in QUERIES)
     assert any("pte_gamma_measured" in e and not opt for _, e, opt in QUERIES)  # exported by the step hook
+
+
+def test_the_seconds_and_money_row_is_there():
+    """Where the GPU time goes, money, sessions, interference and calibration, by what they query."""
+    row = next(r for r in ROWS if r.title == "Seconds and money")
+    queries = [q for p in row.panels for q in p.queries]
+    required = set().union(*(metric_names(q.expr) for q in queries if not q.optional))
+    assert {"pte_gpu_seconds_total", "pte_session_gpu_seconds_bucket", "pte_interference_seconds_total",
+            "pte_gamma_measured", "pte_gamma"} <= required  # fmt: skip
+    unpriced = set().union(*(metric_names(q.expr) for q in queries if q.empty_on_test_server == "unpriced"))
+    assert {"pte_cost_usd_total", "pte_session_cost_usd_bucket"} <= unpriced
+    unfitted = set().union(*(metric_names(q.expr) for q in queries if q.empty_on_test_server == "unfitted"))
+    assert unfitted == {"pte_step_model_r2", "pte_step_model_mape_ratio"}
+    gpu = next(p for p in row.panels if "pte_gpu_seconds_total" in p.queries[0].expr)
+    assert gpu.stacked and "phase" in gpu.queries[0].expr
+    assert any("3600 *" in q.expr and "pte_cost_usd_total" in q.expr for q in queries)  # per hour

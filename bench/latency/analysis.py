@@ -295,6 +295,13 @@ REQUEST_FIELDS = (
     "gamma", "hoi", "pte_reference", "pte_served", "pte_ideal", "pte_prefill", "pte_decode",
     "queued_s", "prefill_s", "decode_s", "inference_s", "e2e_s", "finished_at", "num_preemptions",
 )  # fmt: skip
+# Seconds from the engine hook (docs/cost-model.md §5b): the request's share of measured step
+# time, by term; the step-time model's cost of its own work alone; the steps it was in plus
+# its queue time; the part of those that was other requests' work; money.
+SECONDS_FIELDS = (
+    "gpu_seconds", "gpu_seconds_prefill", "gpu_seconds_kv_read", "gpu_seconds_weights",
+    "gpu_seconds_overhead", "predicted_seconds", "latency_explained_s", "interference_s", "cost_usd",
+)  # fmt: skip
 # Engine-side fields exist only with the scheduler hook. The roofline one is read under both
 # spellings: ``engine_roofline_pte`` and the request ledger's ``engine_pte_roofline``.
 ENGINE_FIELDS: dict[str, tuple[str, ...]] = {
@@ -346,7 +353,7 @@ class RequestTable:
 
 
 def request_table(records: Sequence[Mapping[str, Any]]) -> RequestTable:
-    cols = {k: _col(records, k) for k in REQUEST_FIELDS}
+    cols = {k: _col(records, k) for k in (*REQUEST_FIELDS, *SECONDS_FIELDS)}
     for k, aliases in ENGINE_FIELDS.items():
         cols[k] = _col(records, k, *aliases)
     return RequestTable(
@@ -445,6 +452,8 @@ def usable_steps(s: StepTable) -> StepTable:
 
 PRICE_RATIOS = (1.5, 3.0, 4.0)
 PRIMARY = "PTE served"
+PREDICTED = "predicted seconds"  # the step-time model's cost of the request's own work alone
+GPU_SECONDS = "GPU seconds"  # the request's share of the measured step times
 
 
 @dataclass(frozen=True)
@@ -497,6 +506,12 @@ def request_metrics(t: RequestTable, gamma_calibrated: float | None = None,
     if request_model is not None:
         m.append(Metric("fitted request model", "model", request_model.predict_requests(t),
                         "a·prefill + b·Σctx + c·(D−1) + e, fitted at concurrency 1"))  # fmt: skip
+    if t.has("predicted_seconds"):
+        m.append(Metric(PREDICTED, "model", t["predicted_seconds"],
+                        "engine: the step-time model's cost of the request's own work alone (online fit)"))  # fmt: skip
+    if t.has("gpu_seconds"):
+        m.append(Metric(GPU_SECONDS, "measured", t["gpu_seconds"],
+                        "engine: its share of each measured step time it was in"))  # fmt: skip
     return m
 
 
@@ -536,11 +551,15 @@ class MetricResult:
     note: str = ""
     # r(primary) − r(this) with a paired bootstrap interval (None for the primary itself)
     primary_minus_this: tuple[float, float, float] | None = None
+    # r(reference) − r(this), paired, for each further reference metric of the level
+    versus: dict[str, tuple[float, float, float]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         d = {"name": self.name, "kind": self.kind, "note": self.note, **self.corr.to_dict()}
         if self.primary_minus_this is not None:
             d["primary_minus_this_pearson"] = [_num(v) for v in self.primary_minus_this]
+        if self.versus:
+            d["reference_minus_this_pearson"] = {k: [_num(x) for x in v] for k, v in self.versus.items()}
         return d
 
 
@@ -553,6 +572,7 @@ class LevelResult:
     primary: str
     metrics: list[MetricResult] = field(default_factory=list)
     note: str = ""
+    references: tuple[str, ...] = ()  # further metrics every other one is compared with (paired)
 
     def get(self, name: str) -> MetricResult | None:
         return next((m for m in self.metrics if m.name == name), None)
@@ -567,6 +587,7 @@ class LevelResult:
         return {
             "level": self.level, "phase": self.phase, "time": self.time, "n": self.n,
             "primary": self.primary, "note": self.note, "metrics": [m.to_dict() for m in self.metrics],
+            "references": list(self.references),
         }  # fmt: skip
 
 
@@ -580,13 +601,23 @@ def evaluate(
     n_boot: int = 1000,
     seed: int = 0,
     note: str = "",
+    references: Sequence[str] = (),
 ) -> LevelResult:
-    """Correlate every metric with the measured time on the same rows (paired resamples)."""  # fmt: skip
+    """Correlate every metric with the measured time on the same rows (paired resamples), and
+    each with the primary and with every reference present: r(reference) − r(metric), paired."""  # fmt: skip
     names = [m.name for m in metrics]
     p = names.index(primary) if primary in names else None
     stats = bootstrap_metrics([m.values for m in metrics], time, p, n_boot, seed)
-    results = [MetricResult(m.name, m.kind, c, m.note, d) for m, (c, d) in zip(metrics, stats, strict=True)]
-    return LevelResult(level, phase, time_name, int(np.isfinite(time).sum()), primary, results, note)
+    refs = tuple(r for r in references if r in names and r != primary)
+    results = []
+    for m, (c, d) in zip(metrics, stats, strict=True):
+        versus = {
+            r: bootstrap_pearson_diff(metrics[names.index(r)].values, m.values, time, n_boot, seed)
+            for r in refs
+            if r != m.name
+        }
+        results.append(MetricResult(m.name, m.kind, c, m.note, d, versus))
+    return LevelResult(level, phase, time_name, int(np.isfinite(time).sum()), primary, results, note, refs)
 
 
 def evaluate_turns(

@@ -9,8 +9,10 @@ What decorrelates PTE from token counts is that the two things PTE weighs differ
 independently: the context (grows every turn; some tool results are long, unfiltered dumps)
 and the output length (drawn per turn from a range). Sessions run concurrently (a thread
 each, ``concurrency`` at a time); turns within a session are sequential, with a tool pause
-between them. Every length is drawn from a per-session generator seeded by (seed, session
-index), so a run is reproducible whatever the thread scheduling.
+between them. Every length and word is drawn from a per-session generator seeded by (seed,
+session index), and the prompts do not name the phase, so a run is reproducible whatever the
+thread scheduling and each phase replays the same sessions: session i's turn t has the same
+prompt and output lengths at every concurrency (greedy decoding, ignore_eos).
 """
 
 from __future__ import annotations
@@ -103,6 +105,17 @@ class TurnPlan:
     pause_s: float
 
 
+def session_name(index: int) -> str:
+    """A session's name within a phase; its id is ``<prefix>-<name>``."""
+    return f"s{index:03d}"
+
+
+def session_index(session_id: str | None) -> int | None:
+    """The index of a session id ``<prefix>-s<index>`` (None for any other id)."""
+    _, sep, name = str(session_id or "").rpartition("-s")
+    return int(name) if sep and name.isdigit() else None
+
+
 def plan_session(cfg: DriverConfig, index: int) -> tuple[int, list[TurnPlan]]:
     """Task length and per-turn lengths of session ``index``: a pure function of (seed, index)."""
     rng = random.Random(f"pte-latency-{cfg.seed}-{index}")
@@ -178,14 +191,17 @@ def run_phase(
 
     def one_session(client: httpx.Client, index: int) -> None:
         task_words, plan = plan_session(cfg, index)
-        sid = f"{cfg.session_prefix}-s{index:03d}"
+        sid = f"{cfg.session_prefix}-{session_name(index)}"
         base = WorkloadConfig(
             sessions=1, turns=cfg.turns, task_words=task_words, seed=cfg.seed,
             session_header=cfg.session_header,
         )  # fmt: skip
+        # The task text names the session by its index alone: every phase then sends the same
+        # prompts (lengths and token ids), whatever its session prefix.
         session = AgentSession(
-            sid, base, system_prompt, random.Random(f"pte-latency-words-{cfg.seed}-{index}")
+            session_name(index), base, system_prompt, random.Random(f"pte-latency-words-{cfg.seed}-{index}")
         )
+        session.session_id = sid
         for i, p in enumerate(plan):
             if stop.is_set():
                 return

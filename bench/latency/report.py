@@ -20,10 +20,19 @@ import numpy as np
 from pte_instrument.cost.devices import DEFAULT_DEVICE, PROFILES, DeviceProfile
 
 from . import analysis as A
+from . import seconds as S
+from . import step_model as SM
 from .calibrate import TERM_LABELS, Calibration, calibrate_requests, calibrate_steps, explain_shares
 
 TARGET_R = 0.95
 TARGET_RHO = 0.95
+# The seconds of the engine hook (docs/cost-model.md §5b).
+TARGET_R_PREDICTED = 0.97  # r(predicted_seconds, inference_s) alone
+TARGET_ATTRIBUTION = 0.97  # median gpu_seconds / inference_s alone
+TARGET_COVERAGE = 0.95  # median latency_explained_s / (inference_s + queued_s) under load
+TARGET_MATCHED_RHO = 0.9  # Spearman(gpu_seconds under load, inference_s of the same request alone)
+TARGET_STEP_MAPE = 0.10  # the four-term model on all steps
+TARGET_STEP_R_DECODE = 0.98  # the four-term model on decode-only steps
 
 # ---------------------------------------------------------------------------------------
 # Analysis of one run
@@ -53,6 +62,7 @@ class Target:
     met: bool | None  # None: could not be evaluated
     detail: str = ""
     diagnosis: str = ""
+    ci: tuple[float, float] | None = None  # 95% bootstrap interval of the value
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -75,6 +85,9 @@ class LatencyAnalysis:
     cost_model: dict[str, Any]
     targets: list[Target] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    step_model: SM.StepModelAnalysis | None = None
+    # phase → attribution and coverage summaries, gaps between steps, matched-pair facts
+    seconds: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def level(self, level: str, phase: str) -> A.LevelResult | None:
         return next((lv for lv in self.levels if lv.level == level and lv.phase == phase), None)
@@ -96,7 +109,13 @@ class LatencyAnalysis:
             "turn_profiles": self.turn_profiles,
             "targets": [t.to_dict() for t in self.targets],
             "notes": self.notes,
+            "step_model": self.step_model.to_dict() if self.step_model is not None else None,
+            "seconds": {k: _seconds_dict(v) for k, v in self.seconds.items()},
         }
+
+
+def _seconds_dict(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: (v.to_dict() if hasattr(v, "to_dict") else v) for k, v in d.items()}
 
 
 def _phase_of_requests(t: A.RequestTable, p: Phase) -> np.ndarray:
@@ -118,8 +137,13 @@ def analyse_logs(
     host_profile: DeviceProfile | None = None,
     profiles: Mapping[str, DeviceProfile] = PROFILES,
     default_device: str = DEFAULT_DEVICE,
+    model_dir: str | Path | None = None,
+    dtype: str = "float32",
+    engine_step_model: Mapping[str, Any] | None = None,
 ) -> LatencyAnalysis:
-    """Everything the report shows, from the two logs and the phase windows."""
+    """Everything the report shows, from the two logs and the phase windows. ``model_dir``
+    and ``dtype`` give theory a shape when the step log has no header; ``engine_step_model``
+    is /pte/summary's engine_hook.step_model at the end of the run (the online fit)."""
     notes: list[str] = []
     req = A.usable_requests(A.request_table(A.load_jsonl(requests_path)))
     steps = A.load_steps(steps_path) if steps_path else None
@@ -185,6 +209,11 @@ def analyse_logs(
         for name, s in subsets:
             levels.append(A.evaluate("step", name, "dt_s", s["dt_s"], _step_metrics(s, step_fit, step_fit_dec),
                                      "PTE (logged γ)", n_boot, seed))  # fmt: skip
+    step_model = None
+    if steps is not None:
+        step_model = _four_term(
+            steps, phases, host_profile, model_dir, dtype, engine_step_model, n_boot, seed
+        )
     turn_profiles: dict[str, Any] = {}
     for p in phases:
         t = phase_req[p.name]
@@ -193,7 +222,7 @@ def analyse_logs(
             continue
         rm = A.request_metrics(t, gamma_cal, request_fit)
         levels.append(A.evaluate("request", p.name, "inference_s", t["inference_s"], rm, A.PRIMARY, n_boot, seed,
-                                 note=f"concurrency {p.concurrency}"))  # fmt: skip
+                                 note=f"concurrency {p.concurrency}", references=(A.PREDICTED,)))  # fmt: skip
         if (t.turn > 0).any():
             has = t.turn > 0
             tt = t.select(has)
@@ -217,13 +246,95 @@ def analyse_logs(
             t["pte_prefill"], t["pte_decode"], gamma, hoi, profs, default_device, t["inference_s"]
         )
 
+    seconds = _seconds(phases, phase_req, phase_steps, alone, n_boot, seed)
+    for p in phases:
+        m = seconds.get(p.name, {}).pop("matched_level", None)
+        if m is not None:
+            levels.append(m)
+    if len(req) and not req.has("gpu_seconds"):
+        notes.append("no engine seconds (gpu_seconds, predicted_seconds) in the request log: run with the "
+                     "engine hook; the seconds targets are not evaluated")  # fmt: skip
+
     out = LatencyAnalysis(
         phases=list(phases), requests=req, steps=steps, phase_requests=phase_req, phase_steps=phase_steps,
         step_fit=step_fit, step_fit_decode=step_fit_dec, phase_step_fits=phase_fits, request_fit=request_fit,
         levels=levels, robustness=robust, turn_profiles=turn_profiles, cost_model=cost_model, notes=notes,
+        step_model=step_model, seconds=seconds,
     )  # fmt: skip
     out.targets = evaluate_targets(out)
     return out
+
+
+def _four_term(
+    steps: A.StepTable, phases: Sequence[Phase], host: DeviceProfile | None, model_dir: str | Path | None,
+    dtype: str, engine_step_model: Mapping[str, Any] | None, n_boot: int, seed: int,
+) -> SM.StepModelAnalysis:  # fmt: skip
+    """The four-term model fitted on the phases' steps, scored on all, decode-only, each phase."""
+    subsets = {"all": np.ones(len(steps), dtype=bool), "decode-only": steps["prefill"] == 0}
+    for p in phases:
+        subsets[p.name] = (steps["t"] >= p.t_start) & (steps["t"] <= p.t_end)
+    th = SM.build_theory(steps.header, model_dir, dtype, host)
+    online = SM.engine_online_model(engine_step_model)
+    return SM.analyse_step_model(steps, subsets, th, online, n_boot, seed)
+
+
+MATCHED_PRIMARY = "GPU seconds (under load)"
+
+
+def _seconds(
+    phases: Sequence[Phase], phase_req: Mapping[str, A.RequestTable], phase_steps: Mapping[str, A.StepTable],
+    alone: Phase | None, n_boot: int, seed: int,
+) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """Per phase: attribution and coverage summaries, gaps between steps, and under load the
+    requests matched to the same requests alone (as a level of its own, ``matched_level``)."""
+    out: dict[str, dict[str, Any]] = {}
+    base = phase_req.get(alone.name) if alone is not None and alone.concurrency == 1 else None
+    for p in phases:
+        t = phase_req[p.name]
+        d: dict[str, Any] = {"concurrency": p.concurrency}
+        if p.name in phase_steps:
+            st = phase_steps[p.name]
+            d["gaps_between_steps"] = S.gaps_between_steps(st["t"], st["dt_s"])
+            d["median_step_s"] = float(np.median(st["dt_s"]))
+        if len(t) >= 3 and t.has("gpu_seconds"):
+            d["attribution"] = S.attribution(t, TARGET_ATTRIBUTION, n_boot, seed)
+            d["coverage"] = S.coverage(t, TARGET_COVERAGE, n_boot, seed)
+            d["interference_share_median"] = _median(S.ratios(t["interference_s"], t["latency_explained_s"]))
+            d["preempted_share"] = float(np.mean(np.nan_to_num(t["num_preemptions"]) > 0))
+            if base is not None and p.concurrency > 1 and base.has("gpu_seconds"):
+                d.update(_matched(p, t, base, n_boot, seed))
+        out[p.name] = d
+    return out
+
+
+def _median(x: np.ndarray) -> float:
+    return float(np.median(x)) if x.size else math.nan
+
+
+def _matched(p: Phase, load: A.RequestTable, alone: A.RequestTable, n_boot: int, seed: int) -> dict[str, Any]:
+    il, ia = S.match_requests(load, alone)
+    if il.size < 3:
+        return {"matched": {"n": int(il.size)}}
+    lt, y = _take(load, il), alone["inference_s"][ia]
+    metrics = [
+        A.Metric(MATCHED_PRIMARY, "measured", lt["gpu_seconds"], "its share of the steps it was in, under load"),
+        A.Metric("predicted seconds (under load)", "model", lt["predicted_seconds"], "its own work alone, as the engine priced it under load"),
+        A.Metric("inference_s under load", "measured", lt["inference_s"], "the same request's own time under load"),
+        A.Metric("latency explained (under load)", "measured", lt["latency_explained_s"], "steps it was in + queue"),
+        A.Metric("PTE served", "pte", lt["pte_served"], "under load (prefix-cache hits may differ)"),
+        A.Metric("output tokens", "baseline", lt["output_tokens"], ""),
+    ]  # fmt: skip
+    level = A.evaluate("matched", p.name, "inference_s of the same request alone (c1)", y, metrics,
+                       MATCHED_PRIMARY, n_boot, seed, note=f"concurrency {p.concurrency}, matched by session index and turn")  # fmt: skip
+    return {"matched": {**S.matched_columns(load, alone, il, ia), **S.same_work(load, alone, il, ia)},
+            "matched_level": level}  # fmt: skip
+
+
+def _take(t: A.RequestTable, idx: np.ndarray) -> A.RequestTable:
+    """Rows of ``t`` in the order of ``idx``."""
+    return A.RequestTable([t.request_id[i] for i in idx], [t.session_id[i] for i in idx], t.turn[idx],
+                          [t.device[i] for i in idx], [t.finish_reason[i] for i in idx],
+                          {k: v[idx] for k, v in t.cols.items()})  # fmt: skip
 
 
 def _step_metrics(s: A.StepTable, fit: Calibration | None, fit_dec: Calibration | None) -> list[A.Metric]:
@@ -316,8 +427,216 @@ def diagnose_step(a: LatencyAnalysis) -> str:
     return " ".join(parts)
 
 
-def evaluate_targets(a: LatencyAnalysis) -> list[Target]:
+def _ci(c: tuple[float, float] | None) -> str:
+    if c is None or not all(math.isfinite(v) for v in c):
+        return "no interval"
+    return f"95% CI {c[0]:.3f}–{c[1]:.3f}"
+
+
+def _met(value: float, ok: bool) -> bool | None:
+    return bool(ok) if math.isfinite(value) else None
+
+
+def _alone(a: LatencyAnalysis) -> Phase | None:
+    return next((p for p in sorted(a.phases, key=lambda p: p.concurrency) if p.concurrency == 1), None)
+
+
+def _gaps_text(a: LatencyAnalysis, phase: str) -> str:
+    d = a.seconds.get(phase, {})
+    g, step = d.get("gaps_between_steps") or {}, d.get("median_step_s")
+    if not g.get("n") or g.get("median_s") is None or step is None:
+        return ""
+    return (f"consecutive steps are {g['median_s'] * 1e3:.2f} ms apart (median) beyond their dt_s, against a "
+            f"median step of {step * 1e3:.2f} ms: {g['share_of_step_time']:.1%} of the engine's busy time "
+            "lies outside every step's dt_s (scheduling the next step, the engine loop's bookkeeping), and a "
+            "request's steps do not cover it")  # fmt: skip
+
+
+def diagnose_predicted(a: LatencyAnalysis, lv: A.LevelResult, t: A.RequestTable) -> str:
+    """Why predicted_seconds misses alone: the model's error (predicted vs the measured
+    durations of the request's own steps) or the time outside steps (those vs inference_s)."""
+    r_pg = A.pearson(t["predicted_seconds"], t["gpu_seconds"])
+    r_gi = _r(lv, A.GPU_SECONDS)
+    parts = [f"Alone, a request's GPU seconds are the measured durations of its own steps: r(predicted, GPU "
+             f"seconds) = {_fmt(r_pg)} is the step-time model's error, r(GPU seconds, inference_s) = "
+             f"{_fmt(r_gi)} the time outside the steps."]  # fmt: skip
+    if math.isfinite(r_pg) and (not math.isfinite(r_gi) or r_pg <= r_gi):
+        shares = S.residual_terms(t, t["gpu_seconds"] - t["predicted_seconds"])
+        if shares:
+            k = max(shares, key=lambda x: shares[x] if math.isfinite(shares[x]) else -1)
+            label = {"prefill": "prefill tokens (a)", "ctx": "Σ decode context (b)",
+                     "steps": "decode steps (w + o)"}[k]  # fmt: skip
+            ratio = S.ratios(t["predicted_seconds"], t["gpu_seconds"])
+            parts.append(f"The model's error dominates: predicted/measured has median {_median(ratio):.3f}, "
+                         f"p10–p90 {np.quantile(ratio, 0.1):.3f}–{np.quantile(ratio, 0.9):.3f}; of what a linear "
+                         f"model of the request's work explains of it, {shares[k]:.0%} follows {label}.")  # fmt: skip
+        drift = S.drift(t["predicted_seconds"], t["gpu_seconds"], t["finished_at"])
+        if math.isfinite(drift) and drift >= 0.2:
+            parts.append(f"Consecutive requests' predicted/measured ratios correlate (r = {drift:.2f}): the host's "
+                         "speed drifts over seconds to minutes with the other load on its cores, and the model, "
+                         "fitted over the last 4,096 steps, cannot follow it.")  # fmt: skip
+        sm = a.step_model
+        if sm is not None and sm.online is not None:
+            sc = sm.get(SM.ONLINE, "all")
+            if sc is not None:
+                parts.append(f"The engine's online fit at the end of the run scores MAPE {sc.mape:.1%} on the "
+                             "steps; the predicted seconds of each request were priced by the fit of its moment.")  # fmt: skip
+    else:
+        gaps = _gaps_text(a, lv.phase)
+        parts.append("The time outside the steps dominates" + (f": {gaps}." if gaps else "."))
+    return " ".join(parts)
+
+
+def diagnose_attribution(a: LatencyAnalysis, phase: str, t: A.RequestTable) -> str:
+    gap = (t["inference_s"] - t["gpu_seconds"]) / np.maximum(t["output_tokens"], 1)
+    gap = gap[np.isfinite(gap)]
+    parts = []
+    if gap.size:
+        parts.append(f"A request's inference time exceeds its steps by a median {np.median(gap) * 1e3:.2f} ms "
+                     "per output token (one step each).")  # fmt: skip
+    gaps = _gaps_text(a, phase)
+    if gaps:
+        parts.append(gaps[0].upper() + gaps[1:] + ".")
+    return " ".join(parts)
+
+
+def diagnose_coverage(a: LatencyAnalysis, phase: str) -> str:
+    d = a.seconds.get(phase, {})
+    parts = []
+    gaps = _gaps_text(a, phase)
+    if gaps:
+        parts.append(gaps[0].upper() + gaps[1:] + ".")
+    pre = d.get("preempted_share")
+    if pre:
+        parts.append(f"{pre:.0%} of the requests were preempted: the steps they waited through between their "
+                     "eviction and their recompute are not steps they were scheduled in.")  # fmt: skip
+    return " ".join(parts)
+
+
+def diagnose_matched(a: LatencyAnalysis, phase: str, lv: A.LevelResult | None) -> str:
+    m = a.seconds.get(phase, {}).get("matched") or {}
+    parts = []
+    terms = [(k, v) for k, v in m.items() if k in S.GPU_TERMS and isinstance(v, dict)]
+    shared_alone = sum((v.get("share_alone") or 0) for k, v in terms if k in ("weights", "overhead"))
+    shared_load = sum((v.get("share_under_load") or 0) for k, v in terms if k in ("weights", "overhead"))
+    if terms and shared_alone - shared_load >= 0.2:
+        parts.append(f"Alone, the weight read and the per-step overhead are {shared_alone:.0%} of a request's GPU "
+                     f"seconds; under load, split over the requests of each step, {shared_load:.0%}. Batching "
+                     "amortises them, so under load a request's GPU seconds rank by its own prefill and KV reads, "
+                     "alone mostly by its number of steps (output tokens): the cost of a request under load is "
+                     "not its cost alone.")  # fmt: skip
+    if terms:
+        parts.append("GPU seconds under load by term (share; r with the same term alone): " + ", ".join(
+            f"{k} {v['share_under_load']:.0%}; {_fmt(v['pearson_load_vs_alone'], 2)}"
+            for k, v in terms if v.get("share_under_load") is not None) + ".")  # fmt: skip
+        shared = shared_load
+        if shared >= 0.3 and shared_alone - shared_load < 0.2:
+            parts.append(f"{shared:.0%} of it is the weight read and the per-step overhead, split evenly over the "
+                         "requests of each step: a request's share follows how many steps it lived through and "
+                         "how full they were, not its own work.")  # fmt: skip
+    if m.get("computed_prefill_equal") is not None and m["computed_prefill_equal"] < 0.9:
+        parts.append(f"Only {m['computed_prefill_equal']:.0%} of the matched pairs computed the same prefill (the "
+                     "prefix cache hit differently under load): the work itself differed.")  # fmt: skip
+    if lv is not None:
+        r_inf = lv.get("inference_s under load")
+        if r_inf is not None:
+            parts.append(f"For comparison, the request's own inference time under load ranks it ρ = "
+                         f"{_fmt(r_inf.corr.spearman)} against alone.")  # fmt: skip
+    return " ".join(parts)
+
+
+def seconds_targets(a: LatencyAnalysis) -> list[Target]:
+    """The targets of the engine hook's seconds (docs/cost-model.md §5b), from this run."""
     out: list[Target] = []
+    alone = _alone(a)
+    if alone is None:
+        return out
+    t, lv = a.phase_requests.get(alone.name), a.level("request", alone.name)
+    if t is None or lv is None or lv.get(A.PREDICTED) is None:
+        out.append(Target("c=1 r(predicted_seconds, inference_s)", f"≥ {TARGET_R_PREDICTED}", None, None,
+                          "no predicted_seconds in the request log: run with the engine hook"))  # fmt: skip
+        return out
+    pm = lv.get(A.PREDICTED)
+    r = pm.corr.pearson
+    met = _met(r, r >= TARGET_R_PREDICTED)
+    gm = lv.get(A.GPU_SECONDS)
+    detail = f"{_ci(pm.corr.pearson_ci)}; Spearman ρ {_corr_cell(pm.corr, 'spearman')}"
+    if gm is not None:
+        detail += f"; GPU seconds: r {_corr_cell(gm.corr)}, ρ {_corr_cell(gm.corr, 'spearman')}"
+    out.append(Target("c=1 r(predicted_seconds, inference_s)", f"≥ {TARGET_R_PREDICTED}", r, met, detail,
+                      "" if met else diagnose_predicted(a, lv, t), pm.corr.pearson_ci))  # fmt: skip
+    rivals = [m for m in lv.metrics if (m.kind == "baseline" or m.name == A.PRIMARY)
+              and math.isfinite(m.versus.get(A.PREDICTED, (math.nan,))[0])]  # fmt: skip
+    if rivals:
+        closest = min(rivals, key=lambda m: m.versus[A.PREDICTED][0])
+        d = closest.versus[A.PREDICTED]
+        met = _met(d[0], all(m.versus[A.PREDICTED][0] > 0 for m in rivals))
+        sig = sum(1 for m in rivals if m.versus[A.PREDICTED][1] > 0)
+        out.append(Target("c=1 predicted_seconds above every token baseline and PTE served",
+                          "r(predicted) − r(each) > 0", d[0], met,
+                          f"closest: {closest.name} (r {_fmt(closest.corr.pearson)}), r(predicted) − r = {d[0]:+.3f}, "
+                          f"{_ci((d[1], d[2]))}; the interval excludes 0 for {sig} of {len(rivals)}",
+                          "" if met else diagnose_predicted(a, lv, t), (d[1], d[2])))  # fmt: skip
+    att = a.seconds.get(alone.name, {}).get("attribution")
+    if att is not None:
+        met = _met(att.median, att.median >= TARGET_ATTRIBUTION)
+        out.append(Target("c=1 gpu_seconds / inference_s (median)", f"≥ {TARGET_ATTRIBUTION}", att.median, met,
+                          f"{_ci(att.median_ci)}; share of requests ≥ {TARGET_ATTRIBUTION}: {att.share_at_least:.1%} "
+                          f"({_ci(att.share_ci)}); p10 {att.quantiles['p10']:.3f}, p90 {att.quantiles['p90']:.3f}",
+                          "" if met else diagnose_attribution(a, alone.name, t), att.median_ci))  # fmt: skip
+    for p in sorted(a.phases, key=lambda p: p.concurrency):
+        if p.concurrency <= 1:
+            continue
+        d = a.seconds.get(p.name, {})
+        cov = d.get("coverage")
+        if cov is not None:
+            met = _met(cov.median, cov.median >= TARGET_COVERAGE)
+            out.append(Target(f"c={p.concurrency} latency explained / (inference_s + queued_s) (median)",
+                              f"≥ {TARGET_COVERAGE}", cov.median, met,
+                              f"{_ci(cov.median_ci)}; p05 {cov.quantiles['p05']:.3f}, p95 {cov.quantiles['p95']:.3f}; "
+                              f"share ≥ {TARGET_COVERAGE}: {cov.share_at_least:.1%}",
+                              "" if met else diagnose_coverage(a, p.name), cov.median_ci))  # fmt: skip
+        mlv = a.level("matched", p.name)
+        mm = mlv.get(MATCHED_PRIMARY) if mlv is not None else None
+        if mm is not None:
+            rho = mm.corr.spearman
+            met = _met(rho, rho >= TARGET_MATCHED_RHO)
+            out.append(Target(f"c={p.concurrency} Spearman(gpu_seconds under load, inference_s alone)",
+                              f"≥ {TARGET_MATCHED_RHO}", rho, met,
+                              f"{_ci(mm.corr.spearman_ci)}; {mm.corr.n} requests matched by session and turn; "
+                              f"Pearson {_corr_cell(mm.corr)}",
+                              "" if met else diagnose_matched(a, p.name, mlv), mm.corr.spearman_ci))  # fmt: skip
+    return out
+
+
+def step_model_targets(a: LatencyAnalysis) -> list[Target]:
+    sm = a.step_model
+    if sm is None:
+        return []
+    out = []
+    sc, th = sm.get(SM.FITTED, "all"), sm.get(SM.THEORY, "all")
+    if sc is not None:
+        met = _met(sc.mape, sc.mape <= TARGET_STEP_MAPE)
+        extra = f"; theory alone {th.mape:.1%}" if th is not None else ""
+        why = "" if met else SM.explain_step_miss(sm, "all", "mape")
+        if not met and th is not None:
+            why += " " + SM.explain_theory(sm) + "."
+        out.append(Target("step MAPE, four-term fit, all steps", f"≤ {TARGET_STEP_MAPE:.0%}", sc.mape, met,
+                          f"{_ci(sc.mape_ci)}; median APE {sc.median_ape:.1%}, R² {_fmt(sc.r2)}, n {sc.n}{extra}",
+                          why.strip(), sc.mape_ci))  # fmt: skip
+    sd, thd = sm.get(SM.FITTED, "decode-only"), sm.get(SM.THEORY, "decode-only")
+    if sd is not None:
+        r = sd.corr.pearson
+        met = _met(r, r >= TARGET_STEP_R_DECODE)
+        extra = f"; theory alone r {_fmt(thd.corr.pearson)}" if thd is not None else ""
+        out.append(Target("step r, four-term fit, decode-only steps", f"≥ {TARGET_STEP_R_DECODE}", r, met,
+                          f"{_ci(sd.corr.pearson_ci)}; MAPE {sd.mape:.1%}, n {sd.n}{extra}",
+                          "" if met else SM.explain_step_miss(sm, "decode-only", "r"), sd.corr.pearson_ci))  # fmt: skip
+    return out
+
+
+def evaluate_targets(a: LatencyAnalysis) -> list[Target]:
+    out: list[Target] = [*seconds_targets(a), *step_model_targets(a)]
     phases = sorted(a.phases, key=lambda p: p.concurrency)
     for p in phases:
         lv = a.level("request", p.name)
@@ -329,7 +648,7 @@ def evaluate_targets(a: LatencyAnalysis) -> list[Target]:
         met = bool(r >= TARGET_R) if math.isfinite(r) else None
         out.append(Target(f"request r(PTE served, inference_s), {label}", f"≥ {TARGET_R}", r, met,
                           f"95% CI {_fmt(prim.corr.pearson_ci[0])}–{_fmt(prim.corr.pearson_ci[1])}" if prim else "",
-                          "" if met else diagnose_request(a, lv)))  # fmt: skip
+                          "" if met else diagnose_request(a, lv), prim.corr.pearson_ci if prim else None))  # fmt: skip
         best = lv.best("baseline")
         if prim is not None and best is not None:
             beats = bool(r > best.corr.pearson)
@@ -341,7 +660,7 @@ def evaluate_targets(a: LatencyAnalysis) -> list[Target]:
             out.append(Target(f"PTE served beats every baseline at request level, {label}",
                               "r above the best baseline", d, beats,
                               f"best baseline {best.name} r = {_fmt(best.corr.pearson)}{sig}",
-                              "" if beats else diagnose_request(a, lv)))  # fmt: skip
+                              "" if beats else diagnose_request(a, lv), (diff[1], diff[2]) if diff else None))  # fmt: skip
     lv = a.level("step", "all")
     if lv is not None:
         m = lv.get("calibrated step model")
@@ -349,14 +668,14 @@ def evaluate_targets(a: LatencyAnalysis) -> list[Target]:
         met = bool(r >= TARGET_R) if math.isfinite(r) else None
         out.append(Target("step r(calibrated model, dt_s), all phases", f"≥ {TARGET_R}", r, met,
                           f"{a.step_fit.formula()} (R² {a.step_fit.r2:.3f})" if a.step_fit else "",
-                          "" if met else diagnose_step(a)))  # fmt: skip
+                          "" if met else diagnose_step(a), m.corr.pearson_ci if m else None))  # fmt: skip
         pm = lv.get("PTE (logged γ)")
         if pm is not None:
             r2 = pm.corr.pearson
             out.append(Target("step r(PTE at logged γ, dt_s), all phases", f"≥ {TARGET_R}", r2,
                               bool(r2 >= TARGET_R) if math.isfinite(r2) else None,
                               "the γ the plugin priced with, no fitting",
-                              "" if r2 >= TARGET_R else diagnose_step(a)))  # fmt: skip
+                              "" if r2 >= TARGET_R else diagnose_step(a), pm.corr.pearson_ci))  # fmt: skip
     elif a.steps is None:
         out.append(Target("step r(calibrated model, dt_s)", f"≥ {TARGET_R}", None, None,
                           "no step log: run with the engine hook"))  # fmt: skip
@@ -433,22 +752,135 @@ def _corr_cell(c: A.Corr, which: str = "pearson") -> str:
     return f"{v:.3f} [{lo:.2f}, {hi:.2f}]" if math.isfinite(lo) else f"{v:.3f}"
 
 
+def _diff_cell(d: tuple[float, float, float] | None) -> str:
+    if d is None or not math.isfinite(d[0]):
+        return "—"
+    return f"{d[0]:+.3f} [{d[1]:+.2f}, {d[2]:+.2f}]" if math.isfinite(d[1]) else f"{d[0]:+.3f}"
+
+
 def level_table(lv: A.LevelResult) -> list[str]:
-    rows = [f"| metric | kind | Pearson r [95% CI] | Spearman ρ [95% CI] | r({lv.primary}) − r(metric) [95% CI] |",
-            "|---|---|---|---|---|"]  # fmt: skip
+    refs = [r for r in lv.references if lv.get(r) is not None]
+    head = "".join(f" r({r}) − r(metric) [95% CI] |" for r in refs)
+    rows = [f"| metric | kind | Pearson r [95% CI] | Spearman ρ [95% CI] | r({lv.primary}) − r(metric) [95% CI] |{head}",
+            "|---|---|---|---|---|" + "---|" * len(refs)]  # fmt: skip
     for m in sorted(lv.metrics, key=lambda m: -(m.corr.pearson if math.isfinite(m.corr.pearson) else -9)):
-        d = m.primary_minus_this
-        dc = "—" if d is None or not math.isfinite(d[0]) else (
-            f"{d[0]:+.3f} [{d[1]:+.2f}, {d[2]:+.2f}]" if math.isfinite(d[1]) else f"{d[0]:+.3f}")  # fmt: skip
-        name = f"**{m.name}**" if m.name == lv.primary else m.name
-        rows.append(f"| {name} | {m.kind} | {_corr_cell(m.corr)} | {_corr_cell(m.corr, 'spearman')} | {dc} |")
+        name = f"**{m.name}**" if m.name == lv.primary or m.name in refs else m.name
+        more = "".join(f" {_diff_cell(m.versus.get(r))} |" for r in refs)
+        rows.append(f"| {name} | {m.kind} | {_corr_cell(m.corr)} | {_corr_cell(m.corr, 'spearman')} | "
+                    f"{_diff_cell(m.primary_minus_this)} |{more}")  # fmt: skip
     return rows
+
+
+def _ratio_cell(r: S.RatioSummary | None) -> str:
+    if r is None or not math.isfinite(r.median):
+        return "n/a"
+    lo, hi = r.median_ci
+    return f"{r.median:.3f} [{lo:.3f}, {hi:.3f}]" if math.isfinite(lo) else f"{r.median:.3f}"
+
+
+def seconds_section(a: LatencyAnalysis) -> list[str]:
+    """Per phase: the attribution check, latency explained coverage, gaps between steps."""
+    rows = [d for d in a.seconds.values() if d.get("attribution") is not None]
+    if not rows:
+        return []
+    L = ["## Engine seconds per request", "",
+         "GPU seconds: the request's share of each measured step it was in; latency explained: those "
+         "steps' durations + its queue time (docs/cost-model.md §5b). Medians with 95% bootstrap intervals.", "",
+         f"| phase | n | gpu_seconds / inference_s | share ≥ {TARGET_ATTRIBUTION} | p10–p90 | latency explained / "
+         f"(inference + queue) | share ≥ {TARGET_COVERAGE} | p05–p95 | interference share (median) | gap between "
+         "steps (median ms) | preempted |", "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for name, d in a.seconds.items():
+        at, cov = d.get("attribution"), d.get("coverage")
+        if at is None or cov is None:
+            continue
+        g = d.get("gaps_between_steps") or {}
+        gap = "n/a" if g.get("median_s") is None else f"{g['median_s'] * 1e3:.2f}"
+        L.append(f"| {name} | {at.n} | {_ratio_cell(at)} | {at.share_at_least:.1%} | {at.quantiles['p10']:.3f}–"
+                 f"{at.quantiles['p90']:.3f} | {_ratio_cell(cov)} | {cov.share_at_least:.1%} | "
+                 f"{cov.quantiles['p05']:.3f}–{cov.quantiles['p95']:.3f} | {_fmt(d.get('interference_share_median'))} | "
+                 f"{gap} | {d.get('preempted_share', 0):.1%} |")  # fmt: skip
+    L.append("")
+    for name, d in a.seconds.items():
+        m = d.get("matched")
+        if m and m.get("n"):
+            L.append(f"- {name}: {m['n']} requests matched to the same request alone; equal prompt tokens "
+                     f"{_pct(m.get('prompt_tokens_equal'))}, output tokens {_pct(m.get('output_tokens_equal'))}, "
+                     f"computed prefill {_pct(m.get('computed_prefill_equal'))}; median GPU seconds under load ÷ "
+                     f"alone {_fmt(m.get('gpu_seconds_load_over_alone_median'))}")  # fmt: skip
+    L.append("")
+    return L
+
+
+def _pct(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.0%}"
+
+
+def step_model_section(a: LatencyAnalysis) -> list[str]:
+    sm = a.step_model
+    if sm is None:
+        return []
+    L = ["## Step-time model (four terms)", "",
+         "t_step ≈ a·prefill + b·ctx + w·memory_bound + o (docs/cost-model.md §5b), fitted on all steps of the "
+         "phases with `pte_instrument.cost.step_time.fit` (theory as the prior), scored beside theory alone and "
+         "the engine's online fit at the end of the run.", "",
+         "| model | a (s/prefill token) | b (s/context token) | w (s/memory-bound step) | o (s/step) | γ = b/a | w/a (PTE) | source |",
+         "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    models = [(SM.FITTED, sm.fit.model)]
+    if sm.theory is not None:
+        models.append((SM.THEORY, sm.theory.model))
+    if sm.online is not None:
+        models.append((SM.ONLINE, sm.online))
+    for name, m in models:
+        L.append(f"| {name} | {m.a:.4g} | {m.b:.4g} | {m.w:.4g} | {m.o:.4g} | {_fmt(m.gamma_measured, 5)} | "
+                 f"{_fmt(m.weights_pte, 1)} | {m.source} |")  # fmt: skip
+    if sm.fit.from_prior:
+        L.append(
+            f"\nTerms taken from the prior (not identifiable on these steps): {', '.join(sm.fit.from_prior)}."
+        )
+    L += ["", "| model | steps | n | MAPE [95% CI] | median APE | R² | Pearson r [95% CI] | Spearman ρ |",
+          "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for sc in sm.scores:
+        ci = f" [{sc.mape_ci[0]:.1%}, {sc.mape_ci[1]:.1%}]" if math.isfinite(sc.mape_ci[0]) else ""
+        L.append(f"| {sc.model} | {sc.subset} | {sc.n} | {sc.mape:.1%}{ci} | {sc.median_ape:.1%} | {_fmt(sc.r2)} | "
+                 f"{_corr_cell(sc.corr)} | {_fmt(sc.corr.spearman)} |")  # fmt: skip
+    L += ["", "Error of the four-term fit by the term that dominates each step's prediction:", "",
+          "| steps | dominant term | steps | share | MAPE | share of Σ APE | share of Σ squared error | median (pred − dt)/dt |",
+          "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for subset in ("all", "decode-only"):
+        for e in sm.errors.get(subset, []):
+            L.append(f"| {subset} | {SM.TERM_NAMES[e.term]} | {e.steps} | {e.step_share:.1%} | {e.mape:.1%} | "
+                     f"{e.ape_share:.1%} | {e.sq_share:.1%} | {e.bias:+.1%} |")  # fmt: skip
+    leads = sm.leads.get("all") or {}
+    if leads:
+        L += ["", "r of the relative residual with what the model leaves out (all steps): "
+              + ", ".join(f"{k} {_fmt(v, 2)}" for k, v in leads.items())]  # fmt: skip
+    if sm.theory_errors:
+        L += ["", "- " + SM.explain_theory(sm)]
+    if sm.theory is not None and sm.theory.notes:
+        L += [f"- {n}" for n in sm.theory.notes]
+    L.append("")
+    return L
 
 
 def _cal_rows(name: str, c: Calibration) -> str:
     return (f"| {name} | {c.n} | {c.r2:.3f} | {_fmt(c.gamma_measured, 5)} [{_fmt(c.gamma_ci[0], 5)}, "
             f"{_fmt(c.gamma_ci[1], 5)}] | {_fmt(c.gamma_theory, 5) if c.gamma_theory else 'n/a'} | "
             f"{_fmt(c.const_pte, 1)} | {c.formula()} |")  # fmt: skip
+
+
+LOAD_NOTE_ABOVE = 2.0  # load average above which the report says other work shared the host
+
+
+def _load_note(data: Mapping[str, Any]) -> list[str]:
+    """One line when the host was loaded by other work during the run (load average > 2)."""
+    loads = [(data.get("machine") or {}).get("load_avg_1m"), data.get("load_avg_1m_end"),
+             *((p or {}).get("load_avg_1m_end") for p in data.get("phases_run") or [])]  # fmt: skip
+    loads = [float(v) for v in loads if isinstance(v, (int, float))]
+    if not loads or max(loads) <= LOAD_NOTE_ABOVE:
+        return []
+    return [f"**Timings were taken with other load on the machine**: 1-minute load average up to {max(loads):.1f} "
+            f"(sampled at the start, at the end of each phase and of the run) on "
+            f"{(data.get('machine') or {}).get('cpu_count')} CPUs; step and request times carry that jitter."]  # fmt: skip
 
 
 def markdown(a: LatencyAnalysis | None, data: Mapping[str, Any], pngs: Sequence[str]) -> str:
@@ -463,6 +895,7 @@ def markdown(a: LatencyAnalysis | None, data: Mapping[str, Any], pngs: Sequence[
         + ("" if load_end is None else f", {load_end} at end")
         + f"; python {m.get('python')}, torch {m.get('torch') or '-'}, vLLM {m.get('vllm') or '-'}.",
         f"Code: `{data.get('git_commit')}`{' (working tree dirty)' if data.get('git_dirty') else ''}.",
+        *_load_note(data),
         "",
         "Configuration:",
         "",
@@ -473,10 +906,13 @@ def markdown(a: LatencyAnalysis | None, data: Mapping[str, Any], pngs: Sequence[
     ]
     if a is None:
         return "\n".join([*L, "No analysis (the run failed before any request was logged).", ""])
-    L += ["## Targets", "", "| target | wanted | measured | met |", "|---|---|---|---|"]
+    L += ["## Targets", "", "| target | wanted | measured | 95% CI | met |", "|---|---|---|---|---|"]
     for t in a.targets:
         met = {True: "yes", False: "**no**", None: "n/a"}[t.met]
-        L.append(f"| {t.name} | {t.target} | {_fmt(t.value)} | {met} |")
+        ci = (
+            "–" if t.ci is None or not all(math.isfinite(v) for v in t.ci) else f"{t.ci[0]:.3f}–{t.ci[1]:.3f}"
+        )
+        L.append(f"| {t.name} | {t.target} | {_fmt(t.value)} | {ci} | {met} |")
     L.append("")
     for t in a.targets:
         if t.detail or t.diagnosis:
@@ -509,8 +945,11 @@ def markdown(a: LatencyAnalysis | None, data: Mapping[str, Any], pngs: Sequence[
         if c is not None:
             L.append(f"- {explain_shares(c)}; terms: " + ", ".join(TERM_LABELS.get(k, k) for k in c.terms))
     L.append("")
+    L += seconds_section(a)
+    L += step_model_section(a)
     for lv in a.levels:
-        title = {"step": "Step level", "request": "Request level", "turn": "Turn level"}[lv.level]
+        title = {"step": "Step level", "request": "Request level", "turn": "Turn level",
+                 "matched": "Request level, under load vs the same request alone"}[lv.level]  # fmt: skip
         L += [f"## {title} — {lv.phase} ({lv.time}, n = {lv.n})", ""]
         if lv.note:
             L += [lv.note, ""]

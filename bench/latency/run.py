@@ -2,8 +2,8 @@
 start the server with the plugin (request log) and the engine hook (step log), run agent
 sessions at each concurrency, then analyse and write the report.
 
-    python -m bench.latency.run --model-preset tiny                       # < 5 min on 2 cores
-    python -m bench.latency.run --model-preset small                      # ~20 min on 2 cores
+    python -m bench.latency.run --model-preset tiny                       # concurrency 1, 16, 64
+    python -m bench.latency.run --model-preset small --turns 6            # the headline
     python -m bench.latency.run --model-preset tiny --concurrency 1,16 --sessions 24 --turns 8 \\
         --out bench/results/latency-tiny-<host>-<date>/
     python -m bench.latency.run --analyse bench/results/latency-tiny-<host>-<date>/   # re-analyse logs
@@ -27,6 +27,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from bench.provenance import bench_parser, hostname, load_avg_1m, provenance
 from pte_instrument.cost.devices import DeviceProfile
@@ -55,8 +57,8 @@ class PresetDefaults:
 # Sized for a small CPU host (two cores); each results folder's run.json records how long the
 # preset took there.
 PRESET_DEFAULTS = {
-    "tiny": PresetDefaults("1,16", 24, 8, "8,96", "8,60", "300,900", "20,300", 4096, 1),
-    "small": PresetDefaults("1,16", 12, 8, "16,160", "8,60", "400,1400", "50,600", 8192, 4),
+    "tiny": PresetDefaults("1,16,64", 24, 8, "8,96", "8,60", "300,900", "20,300", 4096, 1),
+    "small": PresetDefaults("1,16,64", 12, 8, "16,160", "8,60", "400,1400", "50,600", 8192, 6),
 }
 
 
@@ -81,6 +83,27 @@ def _wait_for_requests(path: Path, prefix: str, n: int, timeout_s: float = 30.0)
         if count >= n or time.monotonic() > deadline:
             return count
         time.sleep(0.25)
+
+
+def _reset_prefix_cache(url: str) -> str | None:
+    """Empty the prefix cache (vLLM's dev-mode route) so that a phase does not find the
+    previous phase's prompts cached: every phase replays the same sessions. An error message
+    when it could not."""
+    try:
+        r = httpx.post(f"{url}/reset_prefix_cache", timeout=30)
+    except httpx.HTTPError as e:
+        return f"{type(e).__name__}: {e}"
+    return None if r.status_code == 200 else f"HTTP {r.status_code}"
+
+
+def _step_model(url: str) -> dict[str, Any] | None:
+    """The engine's step-time model as /pte/summary shows it (engine_hook.step_model)."""
+    try:
+        r = httpx.get(f"{url}/pte/summary", timeout=30)
+        r.raise_for_status()
+        return (r.json().get("engine_hook") or {}).get("step_model")
+    except (httpx.HTTPError, ValueError):
+        return None
 
 
 def _gzip(path: Path) -> Path | None:
@@ -190,11 +213,25 @@ def analyse_dir(out: Path, plots: bool = True) -> list[Path]:
     analysis = None
     req_path = _log_path(out, "requests.jsonl")
     if req_path.exists():
+        runs = run.get("phases_run") or []
         analysis = analyse_logs(req_path, _log_path(out, "steps.jsonl"), phases,
                                 n_boot=cfg.get("bootstrap", 1000), seed=cfg.get("seed", 0),
-                                host_profile=host_profile)  # fmt: skip
+                                host_profile=host_profile, model_dir=cfg.get("model_dir"),
+                                dtype=cfg.get("dtype", "float32"),
+                                engine_step_model=runs[-1].get("step_model") if runs else None)  # fmt: skip
     meta = {k: v for k, v in run.items() if k not in ("phases",)}
     return write_report(analysis, meta, out, plots=plots)
+
+
+def print_targets(out: Path) -> None:
+    """The targets of report.json, one line each: what was measured, its interval, met or not."""
+    data = json.loads((out / "report.json").read_text())
+    for t in (data.get("analysis") or {}).get("targets") or []:
+        v, ci = t.get("value"), t.get("ci")
+        value = "n/a" if v is None else f"{v:.3f}"
+        interval = f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci and None not in ci else ""
+        met = {True: "met", False: "MISSED", None: "n/a"}[t.get("met")]
+        print(f"  {met:6s} {t['name']}: {value}{interval} (wanted {t['target']})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.analyse:
         files = analyse_dir(Path(args.analyse), plots=not args.no_plots)
         print("\n".join(str(f) for f in files))
+        print_targets(Path(args.analyse))
         return 0
     t_begin = time.time()
     cfg = _config(args)
@@ -229,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         "PTE_STEP_LOG": str(out / "steps.jsonl"),
         "VLLM_PLUGINS": "pte",  # session routes: the request log gets session ids and turns
         "VLLM_CPU_KVCACHE_SPACE": str(cfg["kv_cache_gib"]),
+        "VLLM_SERVER_DEV_MODE": "1",  # /reset_prefix_cache between phases
     }
     if cfg["pte_device"]:
         env["PTE_DEVICE"] = cfg["pte_device"]
@@ -273,14 +312,19 @@ def main(argv: list[str] | None = None) -> int:
     summaries: list[dict[str, Any]] = []
     turns_out = out / "turns.jsonl"
     try:
-        # Warm-up: the first requests pay one-off costs (compilation of new shapes, allocator).
+        # Warm-up: the first requests pay one-off costs (compilation of new shapes, allocator),
+        # and the engine's online step-time fit (refitted every 256 steps) needs a few hundred
+        # steps, prefill and decode, before its predicted seconds are a fit's rather than theory's.
         run_phase(server.url, server.served_name, DriverConfig(
-            sessions=2, turns=2, concurrency=2, output_tokens=(8, 16), max_model_len=cfg["max_model_len"],
+            sessions=6, turns=3, concurrency=2, output_tokens=(24, 64), max_model_len=cfg["max_model_len"],
             session_prefix="warmup", seed=cfg["seed"] + 10_000), progress=False)  # fmt: skip
         time.sleep(0.5)
         with turns_out.open("w") as tf:
             for c in cfg["concurrency"]:
                 dcfg = _driver_config(cfg, c)
+                err = _reset_prefix_cache(server.url)
+                if err is not None:
+                    notes.append(f"phase c{c}: the prefix cache could not be reset ({err})")
                 say(
                     f"[latency] phase c{c}: {dcfg.sessions} sessions × {dcfg.turns} turns, concurrency {c}",
                     flush=True,
@@ -293,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
                 if got < ok:
                     notes.append(f"phase c{c}: {got} of {ok} requests reached the request log")
                 phases.append(Phase(f"c{c}", c, res.t_start, res.t_end, dcfg.session_prefix))
-                summaries.append({"name": f"c{c}", **res.summary()})
+                summaries.append({"name": f"c{c}", **res.summary(), "step_model": _step_model(server.url),
+                                  "load_avg_1m_end": load_avg_1m()})  # fmt: skip
                 say(
                     f"[latency] phase c{c} done in {res.wall_s:.1f}s ({ok} turns, {res.errors} errors)",
                     flush=True,
@@ -319,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     say(f"[latency] done in {meta['wall_s_total']:.0f}s; report: {out / 'report.md'}", flush=True)
     for f in files:
         say(f"  {f}")
+    print_targets(out)
     return 0
 
 

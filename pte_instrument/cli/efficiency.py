@@ -1,5 +1,6 @@
 """``pte efficiency`` and ``pte report``: hooks that add the two subcommands to the ``pte``
-argparse CLI. Each handler returns an exit code; bad input gives one line on stderr and
+argparse CLI. ``pte report`` reads a trajectory log or the plugin's request log, told apart
+by the file's first JSON object. Each handler returns an exit code; bad input gives one line on stderr and
 exit code 2, never a traceback (the convention of :mod:`pte_instrument.cli.errors`). Human
 output is markdown; ``--json`` is stable JSON. matplotlib and pyarrow are imported only by
 the commands that use them (``--plots``, Parquet input)."""
@@ -18,6 +19,15 @@ from pte_instrument.cost.devices import DeviceProfile, UnknownDeviceError, resol
 from pte_instrument.cost.model import CostModel
 from pte_instrument.offline.decomposition import DEFAULT_BOOTSTRAP, DEFAULT_SPLITS, AnalysisError, analyze
 from pte_instrument.offline.records import RecordError, build_tables, join_request_log, load_records
+from pte_instrument.offline.request_log import (
+    DEFAULT_LIMIT,
+    SORT_KEYS,
+    detect_kind,
+    is_gzip,
+    load_request_log,
+    request_log_markdown,
+    request_log_report,
+)
 
 MAX_WARNINGS = 20
 
@@ -212,42 +222,124 @@ def cost_model_for_gamma(gamma: float) -> CostModel:
     return CostModel(shape, device)
 
 
+def _positive_int(v: str) -> int:
+    n = _non_negative(v)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+# Options of one kind of log only (dest → flag): given with the other kind, bad input.
+TRAJECTORY_ONLY = {"model_dir": "--model-dir", "gamma": "--gamma", "device": "--device", "variant": "--variant",
+                   "bootstrap": "--bootstrap", "seed": "--seed", "plots": "--plots"}  # fmt: skip
+REQUEST_LOG_ONLY = {"limit": "--limit", "sort": "--sort"}
+
+
 def add_report_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "report",
-        help="trajectory log → PTE tables, inefficiency patterns and plots",
-        description="Price agent trajectories (JSONL, see docs/efficiency.md) in PTE and report "
-        "accuracy, uncached tokens, tool calls, average PTE, the four tool-use inefficiency "
-        "patterns with their PTE multipliers, per-step PTE and correct vs incorrect PTE.",
+        help="trajectory log → PTE tables and patterns; request log → GPU seconds and cost",
+        description="A trajectory log (JSONL, see docs/efficiency.md): price the agent trajectories "
+        "in PTE and report accuracy, uncached tokens, tool calls, average PTE, the four tool-use "
+        "inefficiency patterns with their PTE multipliers, per-step PTE and correct vs incorrect "
+        "PTE (needs --model-dir or --gamma). The plugin's request log (PTE_REQUEST_LOG, JSONL or "
+        ".gz; told apart by its lines' request_id and pte_served): GPU seconds by term, predicted "
+        "seconds, latency explained, interference share, cost and served PTE, per model and for "
+        "the top sessions (already priced by the server: no cost options).",
     )
-    p.add_argument("trajectories", help="trajectory JSONL file")
-    cost = p.add_mutually_exclusive_group(required=True)
-    cost.add_argument("--model-dir", help="model directory or config.json (γ from its shape)")
-    cost.add_argument("--gamma", type=_positive_float, help="use this γ directly")
-    p.add_argument("--device", default="auto", help="device profile with --model-dir (default auto)")
+    p.add_argument(
+        "log", metavar="LOG", help="trajectory JSONL file, or the plugin's request log (.jsonl, .gz)"
+    )
+    cost = p.add_mutually_exclusive_group()
+    cost.add_argument("--model-dir", help="trajectories: model directory or config.json (γ from its shape)")
+    cost.add_argument("--gamma", type=_positive_float, help="trajectories: use this γ directly")
+    p.add_argument(
+        "--device", default=None, help="trajectories: device profile with --model-dir (default auto)"
+    )
     p.add_argument(
         "--variant",
         choices=("served", "reference", "ideal"),
-        default="served",
-        help="PTE variant for patterns, steps and correct-vs-incorrect (default served)",
+        default=None,
+        help="trajectories: PTE variant for patterns, steps and correct-vs-incorrect (default served)",
     )
-    p.add_argument("--bootstrap", type=_non_negative, default=DEFAULT_BOOTSTRAP)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--strict", action="store_true", help="fail on any bad trajectory")
+    p.add_argument(
+        "--bootstrap", type=_non_negative, default=None, help=f"trajectories (default {DEFAULT_BOOTSTRAP})"
+    )
+    p.add_argument("--seed", type=int, default=None, help="trajectories (default 0)")
+    p.add_argument(
+        "--limit",
+        type=_positive_int,
+        default=None,
+        help=f"request log: sessions shown (default {DEFAULT_LIMIT})",
+    )
+    p.add_argument(
+        "--sort",
+        choices=("auto", *SORT_KEYS),
+        default=None,
+        help="request log: rank sessions by this total (default auto: cost_usd when priced, "
+        "else gpu_seconds with the step hook, else pte_served)",
+    )
+    p.add_argument(
+        "--strict", action="store_true", help="fail on any bad line instead of dropping and listing it"
+    )
+    p.set_defaults(report_parser=p)
     return _output_options(p, "report", _report)
 
 
+def _given(args: argparse.Namespace, options: dict[str, str]) -> list[str]:
+    return [flag for dest, flag in options.items() if getattr(args, dest) is not None]
+
+
 def _report(args: argparse.Namespace) -> int:
+    if detect_kind(args.log) == "requests":
+        return _report_requests(args)
+    if is_gzip(args.log):
+        raise UsageError(
+            f"{args.log}: a gzipped trajectory log: gunzip it first (only request logs are read as .gz)"
+        )
+    given = _given(args, REQUEST_LOG_ONLY)
+    if given:
+        raise UsageError(f"{args.log} is a trajectory log; options for request logs only: {', '.join(given)}")
+    if args.gamma is None and args.model_dir is None:
+        # a command-line error like argparse's own (usage line, exit 2)
+        args.report_parser.error(
+            f"{args.log} is a trajectory log: one of the arguments --model-dir --gamma is required"
+        )
+    return _report_trajectories(args)
+
+
+def _report_requests(args: argparse.Namespace) -> int:
+    given = _given(args, TRAJECTORY_ONLY)
+    if given:
+        raise UsageError(
+            f"{args.log} is a request log, priced by the server; options for trajectory logs only: "
+            f"{', '.join(given)}"
+        )
+    loaded = load_request_log(args.log, strict=args.strict)
+    _warn_problems("report", list(loaded.problems))
+    limit = DEFAULT_LIMIT if args.limit is None else args.limit
+    report = request_log_report(loaded, args.sort or "auto", limit)
+    if args.json:
+        print_json(report)
+    else:
+        sys.stdout.write(request_log_markdown(report))
+    return 0
+
+
+def _report_trajectories(args: argparse.Namespace) -> int:
     from pte_instrument.offline.patterns import load_trajectories, trajectory_report
     from pte_instrument.offline.report import trajectory_json, trajectory_markdown
 
+    variant = args.variant or "served"
+    bootstrap = DEFAULT_BOOTSTRAP if args.bootstrap is None else args.bootstrap
+    seed = 0 if args.seed is None else args.seed
     if args.gamma is not None:
         model = cost_model_for_gamma(args.gamma)
     else:
-        model = CostModel(parse_shape(load_config(args.model_dir)), resolve_device(args.device))
-    loaded = load_trajectories(args.trajectories, strict=args.strict)
+        model = CostModel(parse_shape(load_config(args.model_dir)), resolve_device(args.device or "auto"))
+    loaded = load_trajectories(args.log, strict=args.strict)
     _warn_problems("report", loaded.problems)
-    groups = trajectory_report(loaded.trajectories, model, args.variant, args.bootstrap, args.seed)
+    groups = trajectory_report(loaded.trajectories, model, variant, bootstrap, seed)
     info = model.describe()
     cost = {
         "gamma": info["gamma"],
@@ -260,10 +352,10 @@ def _report(args: argparse.Namespace) -> int:
 
         _write_plots("report", trajectory_plots, groups, args.plots)
     if args.json:
-        settings = {"variant": args.variant, "bootstrap": args.bootstrap, "seed": args.seed}
+        settings = {"variant": variant, "bootstrap": bootstrap, "seed": seed}
         print_json(trajectory_json(groups, cost, loaded.summary(), settings))
     else:
-        sys.stdout.write(trajectory_markdown(groups, cost, loaded.summary(), args.variant))
+        sys.stdout.write(trajectory_markdown(groups, cost, loaded.summary(), variant))
     return 0
 
 

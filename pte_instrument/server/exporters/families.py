@@ -26,6 +26,12 @@ PTE_BUCKETS = (*(float(f"{m}e{e}") for e in range(8) for m in (1, 3.16)), 1e8)
 # 1 ms … 1,000 s: a decode step to a long agent turn.
 SECONDS_BUCKETS = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0, 300.0, 1000.0)
 
+# 10 ms … 10,000 s of GPU time: one short turn to a long agent session.
+SESSION_SECONDS_BUCKETS = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0, 300.0, 1000.0, 3000.0, 10000.0)
+
+# $0.00001 … $100: a short turn on a cheap GPU to a long session on an expensive node.
+USD_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
+
 REQ = ("model", "engine")
 EVAL = ("model", "benchmark")
 
@@ -178,6 +184,14 @@ FAMILIES: tuple[FamilySpec, ...] = (
                ("model",), buckets=PTE_BUCKETS),
     FamilySpec("session_eviction", "pte_session_eviction_tax_pte", "histogram",
                "Eviction tax (PTE) per closed agent session.", ("model",), buckets=(0.0, *PTE_BUCKETS)),
+    # Observed only for sessions that have them (> 0): without the step hook a session has no
+    # GPU seconds, without PTE_GPU_HOURLY_PRICE no cost; a 0 there would be a guess.
+    FamilySpec("session_gpu_seconds", "pte_session_gpu_seconds", "histogram",
+               "GPU seconds per closed agent session (sessions with step-hook seconds only).", ("model",),
+               buckets=SESSION_SECONDS_BUCKETS),
+    FamilySpec("session_cost_usd", "pte_session_cost_usd", "histogram",
+               "Cost in USD per closed agent session (sessions with a price only: PTE_GPU_HOURLY_PRICE).",
+               ("model",), buckets=USD_BUCKETS),
     FamilySpec("tool_pause", "pte_tool_pause_seconds", "histogram",
                "Pause between a session's turn ending and its next turn arriving.",
                ("model",), buckets=(0.01, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 300, 900, 3600)),

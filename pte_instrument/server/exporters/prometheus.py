@@ -88,6 +88,8 @@ class PteMetrics:
     session_turns: Histogram
     session_pte: Histogram
     session_eviction: Histogram
+    session_gpu_seconds: Histogram
+    session_cost_usd: Histogram
     tool_pause: Histogram
     sessions_closed: Counter
     session_ids_rejected: Counter
@@ -124,6 +126,13 @@ class PteMetrics:
         self.session_turns.labels(model).observe(summary["turns"])
         self.session_pte.labels(model).observe(summary["pte_served"])
         self.session_eviction.labels(model).observe(summary["pte_eviction_tax"])
+        # Summed with None as 0: a 0 means the session had none (no step hook, no price), so
+        # it is not observed rather than counted as free.
+        gpu_seconds, cost = summary.get("gpu_seconds") or 0.0, summary.get("cost_usd") or 0.0
+        if gpu_seconds > 0:
+            self.session_gpu_seconds.labels(model).observe(gpu_seconds)
+        if cost > 0:
+            self.session_cost_usd.labels(model).observe(cost)
         self.sessions_closed.labels(model, reason).inc()
 
 

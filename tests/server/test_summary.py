@@ -1,0 +1,72 @@
+"""``/pte/summary``'s per-model totals: PTE and tokens over every request; seconds and money
+summed over the requests that had them (None counts as 0), beside how many did."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pte_instrument.server.exporters.summary import FIELDS, ModelTotals
+from pte_instrument.server.ledger import RequestRecord
+
+
+def record(model: str = "m", **kw: object) -> RequestRecord:
+    base = {f.name: 0.0 for f in dataclasses.fields(RequestRecord) if f.default is dataclasses.MISSING}
+    base.update(request_id="r", session_id=None, turn=None, model=model, engine=0, finish_reason="stop",
+                device="h200", pause_s=None, prompt_tokens=100, cached_tokens=20, output_tokens=10,
+                pte_served=90.0)  # fmt: skip
+    return RequestRecord(**{**base, **kw})
+
+
+def timed(
+    gpu: tuple[float, float, float, float], explained: float, cost: float | None, **kw: object
+) -> RequestRecord:
+    prefill, kv, weights, overhead = gpu
+    total = prefill + kv + weights + overhead
+    return record(gpu_seconds=total, gpu_seconds_prefill=prefill, gpu_seconds_kv_read=kv,
+                  gpu_seconds_weights=weights, gpu_seconds_overhead=overhead, predicted_seconds=0.9 * total,
+                  latency_explained_s=explained, interference_s=explained - total, cost_usd=cost, **kw)  # fmt: skip
+
+
+def test_seconds_and_money_are_summed_over_the_requests_that_had_them():
+    totals = ModelTotals()
+    totals.export(timed((0.5, 0.25, 0.125, 0.125), explained=1.5, cost=0.002))  # 1.0 s, priced
+    totals.export(timed((0.25, 0.5, 0.0, 0.25), explained=1.0, cost=None))  # 1.0 s, no price
+    totals.export(record())  # no step hook: no seconds, no money
+    totals.export(timed((1.0, 0.0, 0.0, 0.0), explained=4.0, cost=0.01, model="other"))
+    snap = totals.snapshot()
+    assert set(snap) == {"m", "other"}
+    m = snap["m"]
+    assert set(m) == set(FIELDS)
+    assert m["requests"] == 3 and m["pte_served"] == 270.0 and m["prompt_tokens"] == 300
+    assert m["requests_timed"] == 2 and m["requests_priced"] == 1
+    assert m["gpu_seconds"] == pytest.approx(2.0)
+    assert m["gpu_seconds_prefill"] == pytest.approx(0.75)
+    assert m["gpu_seconds_kv_read"] == pytest.approx(0.75)
+    assert m["gpu_seconds_weights"] == pytest.approx(0.125)
+    assert m["gpu_seconds_overhead"] == pytest.approx(0.375)
+    assert m["predicted_seconds"] == pytest.approx(1.8)
+    assert m["latency_explained_s"] == pytest.approx(2.5)
+    assert m["interference_s"] == pytest.approx(0.5)  # 0.5 + 0.0
+    assert m["cost_usd"] == pytest.approx(0.002)
+    o = snap["other"]
+    assert (o["requests"], o["requests_timed"], o["requests_priced"]) == (1, 1, 1)
+    assert o["gpu_seconds"] == 1.0 and o["interference_s"] == 3.0 and o["cost_usd"] == 0.01
+
+
+def test_a_model_without_the_step_hook_shows_zero_seconds_from_zero_requests():
+    totals = ModelTotals()
+    totals.export(record())
+    totals.export(record())
+    m = totals.snapshot()["m"]
+    assert m["requests"] == 2 and m["requests_timed"] == 0 and m["requests_priced"] == 0
+    assert m["gpu_seconds"] == 0 and m["cost_usd"] == 0 and m["latency_explained_s"] == 0
+
+
+def test_the_snapshot_is_a_copy():
+    totals = ModelTotals()
+    totals.export(record())
+    snap = totals.snapshot()
+    snap["m"]["requests"] = 99
+    assert totals.snapshot()["m"]["requests"] == 1
