@@ -294,6 +294,7 @@ REQUEST_FIELDS = (
     "prompt_tokens", "cached_tokens", "computed_prefill_tokens", "recomputed_tokens", "output_tokens",
     "gamma", "hoi", "pte_reference", "pte_served", "pte_ideal", "pte_prefill", "pte_decode",
     "queued_s", "prefill_s", "decode_s", "inference_s", "e2e_s", "finished_at", "num_preemptions",
+    "arrived_at",
 )  # fmt: skip
 # Seconds from the engine hook (docs/cost-model.md §5b): the request's share of measured step
 # time, by term; the step-time model's cost of its own work alone; the steps it was in plus

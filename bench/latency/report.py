@@ -221,6 +221,8 @@ def analyse_logs(
             notes.append(f"phase {p.name}: only {len(t)} usable requests in the log; not analysed")
             continue
         rm = A.request_metrics(t, gamma_cal, request_fit)
+        if p.concurrency == 1 and step_model is not None and t.has("arrived_at"):
+            rm += _offline_alone_metrics(t, steps, step_model)
         levels.append(A.evaluate("request", p.name, "inference_s", t["inference_s"], rm, A.PRIMARY, n_boot, seed,
                                  note=f"concurrency {p.concurrency}", references=(A.PREDICTED,)))  # fmt: skip
         if (t.turn > 0).any():
@@ -276,6 +278,24 @@ def _four_term(
     th = SM.build_theory(steps.header, model_dir, dtype, host)
     online = SM.engine_online_model(engine_step_model)
     return SM.analyse_step_model(steps, subsets, th, online, n_boot, seed)
+
+
+OFFLINE_PREDICTED = "predicted seconds (offline four-term fit)"
+STEP_TIME_ALONE = "Σ dt_s of its steps (step log)"
+
+
+def _offline_alone_metrics(t: A.RequestTable, steps: A.StepTable, sm: SM.StepModelAnalysis) -> list[A.Metric]:
+    """Alone, the steps scheduled while a request was in the engine are its own: their
+    measured durations (a check of the engine's GPU seconds) and the offline fit's
+    prediction of them (one fit of the whole run, against the engine's fit of the moment)."""
+    c = SM.step_columns(steps)
+    pred = sm.fit.model.predict(c.prefill, c.ctx, c.memory_bound)
+    return [
+        A.Metric(OFFLINE_PREDICTED, "model", S.alone_step_sums(t, steps["t"], pred),
+                 "Σ over its steps of the four-term model fitted on the whole step log"),
+        A.Metric(STEP_TIME_ALONE, "measured", S.alone_step_sums(t, steps["t"], steps["dt_s"]),
+                 "Σ dt_s of the steps scheduled between its arrival and its end"),
+    ]  # fmt: skip
 
 
 MATCHED_PRIMARY = "GPU seconds (under load)"
@@ -475,6 +495,10 @@ def diagnose_predicted(a: LatencyAnalysis, lv: A.LevelResult, t: A.RequestTable)
             parts.append(f"Consecutive requests' predicted/measured ratios correlate (r = {drift:.2f}): the host's "
                          "speed drifts over seconds to minutes with the other load on its cores, and the model, "
                          "fitted over the last 4,096 steps, cannot follow it.")  # fmt: skip
+        r_off, r_sum = _r(lv, OFFLINE_PREDICTED), _r(lv, STEP_TIME_ALONE)
+        if math.isfinite(r_off):
+            parts.append(f"One four-term fit of the whole step log, summed over each request's steps, reaches "
+                         f"r = {r_off:.3f} (the steps' measured durations: {_fmt(r_sum)}).")  # fmt: skip
         sm = a.step_model
         if sm is not None and sm.online is not None:
             sc = sm.get(SM.ONLINE, "all")

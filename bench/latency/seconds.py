@@ -209,5 +209,23 @@ def residual_terms(t: RequestTable, err: np.ndarray) -> dict[str, float]:
     return {k: (float(v) / tot if tot > 0 else math.nan) for k, v in zip(cols, contrib, strict=True)}
 
 
+def alone_step_sums(t: RequestTable, step_t: Any, step_values: Any) -> np.ndarray:
+    """Σ of a per-step value over the steps scheduled while each request was in the engine
+    ([arrived_at, arrived_at + e2e_s]). Only alone (concurrency 1) does that window hold the
+    request's own steps and no other's; NaN for a request without its arrival time."""
+    st = np.asarray(step_t, dtype=np.float64)
+    order = np.argsort(st, kind="stable")
+    st = st[order]
+    csum = np.concatenate([[0.0], np.cumsum(np.asarray(step_values, dtype=np.float64)[order])])
+    start = t["arrived_at"]
+    end = start + t["e2e_s"]
+    out = np.full(len(t), np.nan)
+    ok = np.isfinite(start) & np.isfinite(end)
+    lo = np.searchsorted(st, start[ok], side="left")
+    hi = np.searchsorted(st, end[ok], side="right")
+    out[ok] = csum[hi] - csum[lo]
+    return out
+
+
 def names_present(t: RequestTable, names: Sequence[str]) -> bool:
     return all(t.has(n) for n in names)

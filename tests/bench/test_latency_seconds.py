@@ -134,6 +134,16 @@ def test_gaps_between_steps_hand_computed() -> None:
     assert g["share_of_step_time"] == pytest.approx(0.3 / (0.3 + 2.3), rel=1e-5)  # dt of every step
 
 
+def test_alone_step_sums_take_the_steps_inside_each_request() -> None:
+    t = A.request_table([_req(arrived_at=10.0, e2e_s=1.0), _req(arrived_at=12.0, e2e_s=0.5),
+                         _req(arrived_at=None)])  # fmt: skip
+    step_t = np.array([12.5, 9.9, 10.0, 10.4, 11.0, 11.5, 12.2])
+    vals = np.array([100.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0])
+    got = S.alone_step_sums(t, step_t, vals)
+    # [10, 11]: 2 + 4 + 8; [12, 12.5]: 32 + 100; no arrival time: NaN
+    assert got[:2].tolist() == [14.0, 132.0] and math.isnan(got[2])
+
+
 def test_drift_tells_a_slowing_host_from_independent_errors() -> None:
     rng = np.random.default_rng(0)
     n = 200
