@@ -89,7 +89,7 @@ def shape_from_header(header: Mapping[str, Any]) -> tuple[ModelShape, float]:
     groups = tuple(
         KVGroup(0, float(g) * per_gamma, w) for g, w in zip(header["gammas"], windows, strict=True)
     )
-    shape = ModelShape("step log header", 0, 0, 0, 0, 0, "unknown", 0.0, groups, n_active, n_total)
+    shape = ModelShape.from_kv_groups("step log header", groups, n_active, n_total)
     return shape, float(header["weights_pte"]) * per_gamma / n_total
 
 

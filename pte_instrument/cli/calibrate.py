@@ -258,19 +258,7 @@ def _shape_from_header(h: StepLogHeader) -> tuple[ModelShape, float]:
         raise UsageError("the step log's header has malformed gammas/windows")
     per_gamma = 2.0 * h.n_active / h.hoi
     groups = tuple(KVGroup(0, g * per_gamma, w) for g, w in zip(h.gammas, h.windows, strict=True))
-    shape = ModelShape(
-        model_type="step-log header",
-        n_layers=0,
-        hidden_size=0,
-        n_heads=0,
-        n_kv_heads=0,
-        head_dim=0,
-        attention="unknown",
-        kv_dtype_bytes=0.0,
-        kv_groups=groups,
-        n_active=h.n_active,
-        n_total=h.n_total,
-    )
+    shape = ModelShape.from_kv_groups("step-log header", groups, h.n_active, h.n_total)
     return shape, h.weights_pte * per_gamma / h.n_total
 
 

@@ -205,19 +205,7 @@ def cost_model_for_gamma(gamma: float) -> CostModel:
     """A CostModel whose γ is exactly ``gamma``: one full-attention KV group of 2γ bytes per
     token, N_active = 1, HOI = 1 (γ = bytes · HOI / (2 · N_active)). Pricing then goes
     through the same core formula as a model read from its config."""
-    shape = ModelShape(
-        model_type="gamma-override",
-        n_layers=1,
-        hidden_size=1,
-        n_heads=1,
-        n_kv_heads=1,
-        head_dim=1,
-        attention="mha",
-        kv_dtype_bytes=2,
-        kv_groups=(KVGroup(layers=1, bytes_per_token=2.0 * gamma, window=None),),
-        n_active=1.0,
-        n_total=1.0,
-    )
+    shape = ModelShape.from_kv_groups("gamma-override", (KVGroup(1, 2.0 * gamma, None),), n_active=1.0)
     device = DeviceProfile(f"gamma={gamma:g}", 1.0, 1.0, "γ given on the command line")
     return CostModel(shape, device)
 

@@ -88,6 +88,15 @@ class ModelShape:
         """KV bytes read per context token at full context (windows not applied)."""
         return sum(g.bytes_per_token for g in self.kv_groups)
 
+    @classmethod
+    def from_kv_groups(
+        cls, model_type: str, kv_groups: tuple[KVGroup, ...], n_active: float, n_total: float | None = None
+    ) -> ModelShape:
+        """A shape known only by what pricing needs (KV groups and weights), not by its
+        layers: a γ given directly, or a step log's header."""
+        return cls(model_type, 0, 0, 0, 0, 0, "unknown", 0.0, kv_groups, n_active,
+                   n_active if n_total is None else n_total)  # fmt: skip
+
 
 def load_config(path: str | Path) -> dict[str, Any]:
     """Load ``config.json`` from a model directory or a file path."""
