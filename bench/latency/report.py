@@ -892,6 +892,13 @@ def _cal_rows(name: str, c: Calibration) -> str:
             f"{_fmt(c.const_pte, 1)} | {c.formula()} |")  # fmt: skip
 
 
+def _analysed(data: Mapping[str, Any]) -> str:
+    an = data.get("analysed") or {}
+    if not an:
+        return ""
+    return f"; analysed {an.get('date')} with `{an.get('git_commit')}`{' (dirty)' if an.get('git_dirty') else ''}"
+
+
 LOAD_NOTE_ABOVE = 2.0  # load average above which the report says other work shared the host
 
 
@@ -918,7 +925,9 @@ def markdown(a: LatencyAnalysis | None, data: Mapping[str, Any], pngs: Sequence[
         f"({m.get('affinity_cpus')} usable), load avg {m.get('load_avg_1m')} at start"
         + ("" if load_end is None else f", {load_end} at end")
         + f"; python {m.get('python')}, torch {m.get('torch') or '-'}, vLLM {m.get('vllm') or '-'}.",
-        f"Code: `{data.get('git_commit')}`{' (working tree dirty)' if data.get('git_dirty') else ''}.",
+        f"Code: `{data.get('git_commit')}`{' (working tree dirty)' if data.get('git_dirty') else ''}"
+        + _analysed(data)
+        + ".",
         *_load_note(data),
         "",
         "Configuration:",
@@ -936,7 +945,7 @@ def markdown(a: LatencyAnalysis | None, data: Mapping[str, Any], pngs: Sequence[
         ci = (
             "–" if t.ci is None or not all(math.isfinite(v) for v in t.ci) else f"{t.ci[0]:.3f}–{t.ci[1]:.3f}"
         )
-        L.append(f"| {t.name} | {t.target} | {_fmt(t.value)} | {ci} | {met} |")
+        L.append(f"| {t.name} | {t.target} | {_fmt(t.value, 4)} | {ci} | {met} |")
     L.append("")
     for t in a.targets:
         if t.detail or t.diagnosis:

@@ -220,6 +220,8 @@ def analyse_dir(out: Path, plots: bool = True) -> list[Path]:
                                 dtype=cfg.get("dtype", "float32"),
                                 engine_step_model=runs[-1].get("step_model") if runs else None)  # fmt: skip
     meta = {k: v for k, v in run.items() if k not in ("phases",)}
+    # The run's provenance is that of the measurement; the analysis may be newer code.
+    meta["analysed"] = {k: v for k, v in provenance().items() if k != "machine"}
     return write_report(analysis, meta, out, plots=plots)
 
 
@@ -228,7 +230,7 @@ def print_targets(out: Path) -> None:
     data = json.loads((out / "report.json").read_text())
     for t in (data.get("analysis") or {}).get("targets") or []:
         v, ci = t.get("value"), t.get("ci")
-        value = "n/a" if v is None else f"{v:.3f}"
+        value = "n/a" if v is None else f"{v:.4f}"
         interval = f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci and None not in ci else ""
         met = {True: "met", False: "MISSED", None: "n/a"}[t.get("met")]
         print(f"  {met:6s} {t['name']}: {value}{interval} (wanted {t['target']})")
