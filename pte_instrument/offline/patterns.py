@@ -17,7 +17,6 @@ and :func:`~pte_instrument.cost.model.price_turn`: the live path's formula, not 
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import zlib
@@ -31,7 +30,14 @@ import numpy as np
 
 from pte_instrument.cost.model import CostModel, TurnCost, price_turn, session_turns
 from pte_instrument.offline.decomposition import DEFAULT_BOOTSTRAP, Estimate
-from pte_instrument.offline.records import Problem, RecordError, drop_duplicates, json_loads, refuse_bad_load
+from pte_instrument.offline.records import (
+    Problem,
+    RecordError,
+    drop_duplicates,
+    json_lines,
+    parse_rows,
+    refuse_bad_load,
+)
 from pte_instrument.offline.statistics import bootstrap_means, interval_bounds, spearman
 
 PATTERNS = (
@@ -199,32 +205,12 @@ def load_trajectories(path: str | Path, strict: bool = False) -> TrajectoryLoad:
         text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise RecordError(f"cannot read {p}: {getattr(e, 'strerror', None) or e}") from None
-    trajs: list[Trajectory] = []
-    problems: list[Problem] = []
-    rows = 0
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        rows += 1
-        where = f"{p}:{lineno}"
-        try:
-            raw = json_loads(line)
-            if not isinstance(raw, dict):
-                raise TrajectoryError("not a JSON object")
-            trajs.append(parse_trajectory(raw, where))
-        except json.JSONDecodeError as e:
-            problems.append(Problem(where, f"invalid JSON ({e.msg})"))
-        except TrajectoryError as e:
-            soft = raw if isinstance(raw, dict) else {}
-            problems.append(
-                Problem(
-                    where,
-                    str(e),
-                    _s(soft.get("model")),
-                    _s(soft.get("task", soft.get("benchmark"))),
-                    _s(soft.get("id")),
-                )
-            )
+    trajs, problems, rows = parse_rows(
+        json_lines(p, text.splitlines()),
+        parse_trajectory,
+        TrajectoryError,
+        lambda raw: (_s(raw.get("model")), _s(raw.get("task", raw.get("benchmark"))), _s(raw.get("id"))),
+    )
     trajs, dups = drop_duplicates(trajs, lambda t: (t.model, t.task, t.id), "trajectory id within model+task")
     problems += dups
     refuse_bad_load(problems, strict, bool(trajs), "trajectory record", "trajectories", str(p))

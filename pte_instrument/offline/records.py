@@ -14,10 +14,11 @@ import functools
 import json
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from itertools import chain
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -45,6 +46,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
 PTE_FIELDS = ("pte_served", "pte_reference", "pte_ideal")
 _TRUE = {"true", "t", "yes", "y", "1"}
 _FALSE = {"false", "f", "no", "n", "0"}
+T = TypeVar("T")
 
 
 class RecordError(ValueError):
@@ -166,7 +168,13 @@ def _iter_json(p: Path) -> Iterator[tuple[str, Mapping[str, Any] | _RowError]]:
             where = f"{p}[{k}]"
             yield where, row if isinstance(row, dict) else _RowError("not a JSON object")
         return
-    for lineno, line in enumerate(text.splitlines(), 1):
+    yield from json_lines(p, text.splitlines())
+
+
+def json_lines(p: Path, lines: Iterable[str]) -> Iterator[tuple[str, dict[str, Any] | _RowError]]:
+    """(``file:line``, its JSON object or why it is none) for every non-blank line of a JSONL
+    file: the one reading of a line that every JSONL input shares."""
+    for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
         where = f"{p}:{lineno}"
@@ -337,31 +345,40 @@ def load_records(paths: str | Path | Sequence[str | Path], strict: bool = False)
     """
     if isinstance(paths, (str, Path)):
         paths = [paths]
-    records: list[EvalRecord] = []
-    problems: list[Problem] = []
-    rows_read = 0
-    for path in paths:
-        for where, row in iter_rows(path):
-            rows_read += 1
-            if isinstance(row, _RowError):
-                problems.append(Problem(where, str(row)))
-                continue
-            try:
-                records.append(parse_record(row, where))
-            except _RowError as e:
-                problems.append(
-                    Problem(
-                        where,
-                        str(e),
-                        _soft(row, "model"),
-                        _soft(row, "benchmark"),
-                        _soft(row, "instance_id"),
-                    )
-                )
+    records, problems, rows_read = parse_rows(
+        chain.from_iterable(iter_rows(path) for path in paths),
+        parse_record,
+        _RowError,
+        lambda row: (_soft(row, "model"), _soft(row, "benchmark"), _soft(row, "instance_id")),
+    )
     records, more = check_consistency(records)
     problems += more
     refuse_bad_load(problems, strict, bool(records), "record", "evaluation records", ", ".join(map(str, paths)))
     return LoadResult(records, problems, rows_read, [str(p) for p in paths])
+
+
+def parse_rows(
+    rows: Iterable[tuple[str, Mapping[str, Any] | _RowError]],
+    parse: Callable[[Mapping[str, Any], str], T],
+    error: type[Exception],
+    identify: Callable[[Mapping[str, Any]], tuple[str | None, str | None, str | None]],
+) -> tuple[list[T], list[Problem], int]:
+    """Every (where, row) parsed, or listed as a problem: a row that could not be read, or
+    one ``parse`` refused (raising ``error``), named by ``identify`` (model, benchmark,
+    instance) as far as the row tells. Also the number of rows read."""
+    parsed: list[T] = []
+    problems: list[Problem] = []
+    n = 0
+    for where, row in rows:
+        n += 1
+        if isinstance(row, _RowError):
+            problems.append(Problem(where, str(row)))
+            continue
+        try:
+            parsed.append(parse(row, where))
+        except error as e:
+            problems.append(Problem(where, str(e), *identify(row)))
+    return parsed, problems, n
 
 
 def refuse_bad_load(problems: Sequence[Problem], strict: bool, found: bool, row: str, rows: str, where: str) -> None:

@@ -12,7 +12,6 @@ report lists it (``strict``: the first one is an error).
 from __future__ import annotations
 
 import gzip
-import json
 import math
 import zlib
 from collections import defaultdict
@@ -21,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pte_instrument.offline.records import Problem, RecordError, json_loads, refuse_bad_load
+from pte_instrument.offline.records import Problem, RecordError, json_lines, parse_rows, refuse_bad_load
 from pte_instrument.offline.report import fmt, md_table, problems_markdown
 
 SCHEMA = "pte-request-log-report/1"
@@ -161,15 +160,8 @@ def is_gzip(path: str | Path) -> bool:
 def detect_kind(path: str | Path) -> Kind:
     """``"requests"`` when the first JSON object of the file has ``request_id`` and
     ``pte_served`` (the request log's lines do), else ``"trajectories"``."""
-    seen = 0
-    for line in _open(Path(path)):
-        if not line.strip():
-            continue
-        seen += 1
-        try:
-            row = json_loads(line)
-        except json.JSONDecodeError:
-            row = None
+    p = Path(path)
+    for seen, (_, row) in enumerate(json_lines(p, _open(p)), 1):
         if isinstance(row, dict):
             return "requests" if "request_id" in row and "pte_served" in row else "trajectories"
         if seen >= DETECT_LINES:
@@ -225,26 +217,12 @@ def parse_line(row: Mapping[str, Any], where: str = "") -> RequestLine:
 def load_request_log(path: str | Path, strict: bool = False) -> RequestLogLoad:
     """Read and validate a request log; bad lines are dropped and listed (``strict``: raise)."""
     p = Path(path)
-    lines: list[RequestLine] = []
-    problems: list[Problem] = []
-    rows = 0
-    for lineno, line in enumerate(_open(p), 1):
-        if not line.strip():
-            continue
-        rows += 1
-        where = f"{p}:{lineno}"
-        try:
-            row = json_loads(line)
-        except json.JSONDecodeError as e:
-            problems.append(Problem(where, f"invalid JSON ({e.msg})"))
-            continue
-        if not isinstance(row, dict):
-            problems.append(Problem(where, "not a JSON object"))
-            continue
-        try:
-            lines.append(parse_line(row, where))
-        except _LineError as e:
-            problems.append(Problem(where, str(e), _soft(row, "model"), None, _soft(row, "request_id")))
+    lines, problems, rows = parse_rows(
+        json_lines(p, _open(p)),
+        parse_line,
+        _LineError,
+        lambda row: (_soft(row, "model"), None, _soft(row, "request_id")),
+    )
     refuse_bad_load(problems, strict, bool(lines), "request-log line", "request-log lines", str(p))
     return RequestLogLoad(tuple(lines), tuple(problems), rows, str(p))
 
