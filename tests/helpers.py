@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +17,11 @@ def wait(predicate: Callable[[], bool], timeout_s: float = 20.0, interval_s: flo
             return False
         time.sleep(interval_s)
     return True
+
+
+def jsonl(path: Path) -> list[dict]:
+    """The objects of a JSONL log, one a line; none while the file does not exist yet."""
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
 def fill(directory: Path) -> Path:

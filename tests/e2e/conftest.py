@@ -1,8 +1,16 @@
 """Every test in this folder starts a real vLLM engine (the CPU build): marked here once."""
 
-from pathlib import Path
+from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
 import pytest
+
+from tests.conftest import start_server
 
 HERE = Path(__file__).parent
 
@@ -11,3 +19,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if HERE in Path(item.fspath).parents:
             item.add_marker(pytest.mark.vllm)
+
+
+@contextlib.contextmanager
+def serving(
+    tiny_model: Path, work: Path, env: dict[str, str], args: list[str]
+) -> Iterator[tuple[Any, httpx.Client]]:
+    """A server of its own for a test module, and a client for it; stopped however the
+    module ends."""
+    vllm = start_server(tiny_model, work, env, args)
+    try:
+        yield vllm, httpx.Client(base_url=vllm.url, timeout=120)
+    finally:
+        vllm.stop()

@@ -9,15 +9,13 @@ import json
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-import httpx
 import pytest
 
-from tests.conftest import start_server
+from tests.e2e.conftest import serving
 from tests.e2e.test_vllm_plugin import words
 from tests.exposition import metric_sum, samples
-from tests.helpers import wait
+from tests.helpers import jsonl, wait
 
 PRICE = 2.5  # USD per GPU-hour
 
@@ -28,15 +26,8 @@ def timed(tiny_model, tmp_path_factory):
     env = {"PTE_REQUEST_LOG": str(work / "requests.jsonl"), "PTE_STEP_LOG": str(work / "steps.jsonl"),
            "VLLM_PLUGINS": "pte", "PTE_GPU_HOURLY_PRICE": str(PRICE)}  # fmt: skip
     args = ["--scheduler-cls", "pte_instrument.vllm_adapter.scheduler.PteScheduler", "--max-num-seqs", "8"]
-    vllm = start_server(tiny_model, work, env, args)
-    try:
-        yield vllm, work, httpx.Client(base_url=vllm.url, timeout=120)
-    finally:
-        vllm.stop()
-
-
-def log_lines(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    with serving(tiny_model, work, env, args) as (vllm, client):
+        yield vllm, work, client
 
 
 def test_gpu_seconds_add_up_to_the_engines_busy_time(timed):
@@ -59,7 +50,7 @@ def test_gpu_seconds_add_up_to_the_engines_busy_time(timed):
         ids = {i for batch in pool.map(agent, sessions) for i in batch}
     log = work / "requests.jsonl"
     assert wait(
-        lambda: len([e for e in log_lines(log) if e["request_id"].rpartition("-")[0] in ids]) == len(ids)
+        lambda: len([e for e in jsonl(log) if e["request_id"].rpartition("-")[0] in ids]) == len(ids)
     )
 
     def quiet() -> bool:
@@ -67,7 +58,7 @@ def test_gpu_seconds_add_up_to_the_engines_busy_time(timed):
         return hook["requests_waiting"] == 0 and not any(hook["live_requests"].values())
 
     assert wait(quiet)
-    entries = log_lines(log)  # every request this server ran: the charge covers them all
+    entries = jsonl(log)  # every request this server ran: the charge covers them all
     m = samples(client.get("/metrics").text)
     busy = metric_sum(m, "pte_engine_busy_seconds")
     charged = sum(e["gpu_seconds"] for e in entries)

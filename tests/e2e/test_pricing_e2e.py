@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import subprocess
 import sys
 import time
@@ -17,7 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import start_server
+from tests.e2e.conftest import serving
+from tests.helpers import jsonl
 
 HOOK = ["--scheduler-cls", "pte_instrument.vllm_adapter.scheduler.PteScheduler"]
 
@@ -28,15 +28,8 @@ def served(tiny_model, tmp_path_factory):
     log = work / "requests.jsonl"
     env = {"PTE_REQUEST_LOG": str(log), "VLLM_PLUGINS": "pte", "PTE_DEVICE": "h100-sxm"}
     # one sequence at a time: a second request waits in the queue while the first runs
-    vllm = start_server(tiny_model, work, env, [*HOOK, "--max-num-seqs", "1"])
-    try:
-        yield vllm, log, httpx.Client(base_url=vllm.url, timeout=120)
-    finally:
-        vllm.stop()
-
-
-def log_entries(log: Path) -> list[dict]:
-    return [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+    with serving(tiny_model, work, env, [*HOOK, "--max-num-seqs", "1"]) as (vllm, client):
+        yield vllm, log, client
 
 
 def wait_for(log: Path, match, n: int, timeout_s: float = 20.0) -> list[dict]:
@@ -44,12 +37,12 @@ def wait_for(log: Path, match, n: int, timeout_s: float = 20.0) -> list[dict]:
     a late duplicate would show)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        found = [e for e in log_entries(log) if match(e)]
+        found = [e for e in jsonl(log) if match(e)]
         if len(found) >= n:
             time.sleep(1.0)
-            return [e for e in log_entries(log) if match(e)]
+            return [e for e in jsonl(log) if match(e)]
         time.sleep(0.1)
-    return [e for e in log_entries(log) if match(e)]
+    return [e for e in jsonl(log) if match(e)]
 
 
 def faults(client: httpx.Client) -> dict[str, float]:
