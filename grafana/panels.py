@@ -96,6 +96,27 @@ def _quantiles(
     )
 
 
+def _rates_by_model(**metrics: str) -> tuple[Query, ...]:
+    """Counters side by side, one rate per model each, the legend led by its keyword."""
+    return tuple(Query(_rate(metric, "model"), f"{name} {{{{model}}}}") for name, metric in metrics.items())
+
+
+def _session_quantiles(
+    title: str,
+    description: str,
+    metric: str,
+    unit: str = "short",
+    empty_on_test_server: EmptyReason | None = None,
+) -> Panel:
+    """A closed-session histogram's p50 and p95 by model (session series carry the model only)."""
+    return Panel(
+        title,
+        description,
+        _quantiles(metric, "model", (0.5, 0.95), SEL_MODEL, empty_on_test_server),
+        unit=unit,
+    )
+
+
 VARIABLES: tuple[Variable, ...] = (
     Variable("model", "Model", "label_values(pte_requests_total, model)", "pte_requests_total", "model"),
     Variable(
@@ -137,19 +158,18 @@ ROWS: tuple[Row, ...] = (
                 "Reference vs served vs ideal PTE rate",
                 "Reference: the published definition (full prompt every turn). Served: what the "
                 "server did. Ideal: had the KV cache survived every tool pause.",
-                (
-                    Query(_rate("pte_reference_pte_total", "model"), "reference {{model}}"),
-                    Query(_rate("pte_served_pte_total", "model"), "served {{model}}"),
-                    Query(_rate("pte_ideal_pte_total", "model"), "ideal {{model}}"),
+                _rates_by_model(
+                    reference="pte_reference_pte_total",
+                    served="pte_served_pte_total",
+                    ideal="pte_ideal_pte_total",
                 ),
             ),
             Panel(
                 "Eviction tax and recompute tax",
                 "PTE per second spent prefilling again: context a session's previous turn had "
                 "paid for (eviction), tokens lost to preemption or KV loss (recompute).",
-                (
-                    Query(_rate("pte_eviction_tax_pte_total", "model"), "eviction {{model}}"),
-                    Query(_rate("pte_recompute_tax_pte_total", "model"), "recompute {{model}}"),
+                _rates_by_model(
+                    eviction="pte_eviction_tax_pte_total", recompute="pte_recompute_tax_pte_total"
                 ),
             ),
             Panel(
@@ -211,17 +231,18 @@ ROWS: tuple[Row, ...] = (
                 ),
                 unit="currencyUSD",
             ),
-            Panel(
+            _session_quantiles(
                 "GPU seconds per session (p50 / p95)",
                 "GPU seconds of closed sessions (observed when a session closes; with the step hook).",
-                _quantiles("pte_session_gpu_seconds", "model", (0.5, 0.95), SEL_MODEL),
+                "pte_session_gpu_seconds",
                 unit="s",
             ),
-            Panel(
+            _session_quantiles(
                 "Cost per session (p50 / p95)",
                 "USD of closed sessions (observed when a session closes; with a price).",
-                _quantiles("pte_session_cost_usd", "model", (0.5, 0.95), SEL_MODEL, UNPRICED),
+                "pte_session_cost_usd",
                 unit="currencyUSD",
+                empty_on_test_server=UNPRICED,
             ),
             Panel(
                 "Interference share of latency",
@@ -279,21 +300,19 @@ ROWS: tuple[Row, ...] = (
                 ),
                 kind="heatmap",
             ),
-            Panel(
-                "Turns per session (p50 / p95)",
-                "Turns of closed sessions.",
-                _quantiles("pte_session_turns", "model", (0.5, 0.95), SEL_MODEL),
+            _session_quantiles(
+                "Turns per session (p50 / p95)", "Turns of closed sessions.", "pte_session_turns"
             ),
-            Panel(
+            _session_quantiles(
                 "Tool pause (p50 / p95)",
                 "Time between a session's turn ending and its next turn arriving.",
-                _quantiles("pte_tool_pause_seconds", "model", (0.5, 0.95), SEL_MODEL),
+                "pte_tool_pause_seconds",
                 unit="s",
             ),
-            Panel(
+            _session_quantiles(
                 "Eviction tax per session (p50 / p95)",
                 "Eviction tax (PTE) of closed sessions.",
-                _quantiles("pte_session_eviction_tax_pte", "model", (0.5, 0.95), SEL_MODEL),
+                "pte_session_eviction_tax_pte",
             ),
             Panel(
                 "Sessions live and closed",
