@@ -33,7 +33,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from pte_instrument.cli.errors import UsageError, print_json, report_warning
+from pte_instrument.cli.errors import UsageError, print_json, report_warning, whole_number
 from pte_instrument.cost.architecture import (
     ArchitectureError,
     KVGroup,
@@ -445,16 +445,6 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bootstrap_count(v: str) -> int:
-    try:
-        n = int(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {v!r}") from None
-    if not 0 <= n <= 100_000:
-        raise argparse.ArgumentTypeError(f"must be from 0 to 100000, got {n}")
-    return n
-
-
 def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "calibrate",
@@ -470,7 +460,7 @@ def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", default=None, help="KV cache dtype with --model-dir (auto, fp8…)")
     p.add_argument(
         "--bootstrap",
-        type=_bootstrap_count,
+        type=whole_number(0, 100_000),
         default=DEFAULT_BOOTSTRAP,
         help=f"bootstrap resamples for the intervals (default {DEFAULT_BOOTSTRAP}; 0: none)",
     )

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from pte_instrument.cli.errors import UsageError, print_json, report_error, report_warning
+from pte_instrument.cli.errors import UsageError, print_json, report_error, report_warning, whole_number
 from pte_instrument.cost.architecture import ArchitectureError, KVGroup, ModelShape, load_config, parse_shape
 from pte_instrument.cost.devices import DeviceProfile, UnknownDeviceError, resolve_device
 from pte_instrument.cost.model import CostModel
@@ -30,6 +30,7 @@ from pte_instrument.offline.request_log import (
 )
 
 MAX_WARNINGS = 20
+_non_negative = whole_number(0)
 
 
 def _warn_problems(command: str, problems: list[Any]) -> None:
@@ -72,16 +73,6 @@ def _output_options(
 
 
 # =========================================================================== efficiency
-
-
-def _non_negative(v: str) -> int:
-    try:
-        n = int(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {v!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
-    return n
 
 
 def add_efficiency_parser(subparsers: Any) -> argparse.ArgumentParser:

@@ -11,8 +11,10 @@ This module imports nothing else of the package, so every sub-command module (``
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 EXIT_OK = 0
@@ -38,3 +40,20 @@ def print_json(data: Any) -> None:
     """Stable JSON on stdout: indented, keys sorted. ``allow_nan=False``: every command turns
     undefined numbers into null, so a NaN here is a bug and raises."""
     print(json.dumps(data, indent=2, sort_keys=True, allow_nan=False))
+
+
+def whole_number(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type``: an integer from ``low`` (up to ``high`` when given)."""
+
+    def parse(v: str) -> int:
+        try:
+            n = int(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {v!r}") from None
+        if high is None and n < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {n}")
+        if high is not None and not low <= n <= high:
+            raise argparse.ArgumentTypeError(f"must be from {low} to {high}, got {n}")
+        return n
+
+    return parse
