@@ -44,6 +44,16 @@ BackendName = Literal["numpy", "torch", "triton", "auto"]
 _ArrayLike = Sequence[int] | np.ndarray
 
 
+def _row(field: str) -> property:
+    """A ``StepBatch`` property for one of ``reference.FIELDS``: a view of its row of ``packed``."""
+    i = ref.FIELDS.index(field)
+
+    def get(batch: StepBatch) -> np.ndarray:
+        return batch.packed[i]
+
+    return property(get, doc=f"The ``{field}`` row of ``packed`` (a view).")
+
+
 @dataclass(frozen=True, eq=False)  # eq on arrays is ambiguous
 class StepBatch:
     """One scheduler step, packed: ``packed`` is a C-contiguous (7, B) int64 array whose rows
@@ -105,33 +115,13 @@ class StepBatch:
     def __len__(self) -> int:
         return self.packed.shape[1]
 
-    @property
-    def slot(self) -> np.ndarray:
-        return self.packed[0]
-
-    @property
-    def c(self) -> np.ndarray:
-        return self.packed[1]
-
-    @property
-    def n(self) -> np.ndarray:
-        return self.packed[2]
-
-    @property
-    def P(self) -> np.ndarray:
-        return self.packed[3]
-
-    @property
-    def H(self) -> np.ndarray:
-        return self.packed[4]
-
-    @property
-    def spec(self) -> np.ndarray:
-        return self.packed[5]
-
-    @property
-    def rejected(self) -> np.ndarray:
-        return self.packed[6]
+    slot = _row("slot")
+    c = _row("c")
+    n = _row("n")
+    P = _row("P")
+    H = _row("H")
+    spec = _row("spec")
+    rejected = _row("rejected")
 
 
 @dataclass(frozen=True, eq=False)
