@@ -17,75 +17,60 @@ from pte_instrument.server.ledger import RequestRecord
 from tests import exposition
 
 M, E = ("model", "engine"), ("model", "benchmark")
-# Exposed name (a counter's with _total) -> (type, label names), written out by hand.
-EXPECTED: dict[str, tuple[str, tuple[str, ...]]] = {
-    "pte_requests_total": ("counter", (*M, "finish_reason")),
-    "pte_served_pte_total": ("counter", (*M, "phase")),
-    "pte_reference_pte_total": ("counter", (*M, "phase")),
-    "pte_ideal_pte_total": ("counter", M),
-    "pte_recompute_tax_pte_total": ("counter", M),
-    "pte_eviction_tax_pte_total": ("counter", M),
-    "pte_prompt_tokens_total": ("counter", M),
-    "pte_cached_tokens_total": ("counter", M),
-    "pte_output_tokens_total": ("counter", M),
-    "pte_request_served_pte": ("histogram", M),
-    "pte_gamma": ("gauge", (*M, "device")),
-    "pte_hardware_operational_intensity": ("gauge", (*M, "device")),
-    "pte_active_parameters": ("gauge", M),
-    "pte_kv_cache_bytes_per_token": ("gauge", M),
-    "pte_engine_served_pte_total": ("counter", M),
-    "pte_engine_recompute_tax_pte_total": ("counter", M),
-    "pte_engine_roofline_pte_total": ("counter", M),
-    "pte_spec_draft_tokens_total": ("counter", M),
-    "pte_spec_rejected_tokens_total": ("counter", M),
-    "pte_wasted_pte_total": ("counter", (*M, "reason")),
-    "pte_gpu_seconds_total": ("counter", (*M, "phase")),
-    "pte_request_gpu_seconds": ("histogram", M),
-    "pte_interference_seconds_total": ("counter", M),
-    "pte_cost_usd_total": ("counter", M),
-    "pte_engine_busy_seconds": ("gauge", M),
-    "pte_gpu_seconds_unattributed": ("gauge", M),
-    "pte_step_model_coefficient": ("gauge", (*M, "term", "source")),
-    "pte_gamma_measured": ("gauge", M),
-    "pte_step_model_r2": ("gauge", M),
-    "pte_step_model_mape_ratio": ("gauge", M),
-    "pte_engine_estimate_gap_pte": ("gauge", M),
-    "pte_eval_requests_total": ("counter", E),
-    "pte_eval_truncated_total": ("counter", E),
-    "pte_eval_output_tokens_total": ("counter", E),
-    "pte_eval_labeled_total": ("counter", E),
-    "pte_eval_labeled_truncated_total": ("counter", E),
-    "pte_eval_labeled_output_tokens_total": ("counter", E),
-    "pte_correct_answers_total": ("counter", E),
-    "pte_session_turns": ("histogram", ("model",)),
-    "pte_session_served_pte": ("histogram", ("model",)),
-    "pte_session_eviction_tax_pte": ("histogram", ("model",)),
-    "pte_session_gpu_seconds": ("histogram", ("model",)),
-    "pte_session_cost_usd": ("histogram", ("model",)),
-    "pte_tool_pause_seconds": ("histogram", ("model",)),
-    "pte_sessions_closed_total": ("counter", ("model", "reason")),
-    "pte_session_ids_rejected_total": ("counter", ("reason",)),
-    "pte_plugin_faults_total": ("counter", ("stage",)),
-    "pte_sessions_live": ("gauge", ()),
-    "pte_sessions_opened_total": ("counter", ()),
-    "pte_session_turn_rows_dropped_total": ("counter", ()),
-    "pte_session_tags_dropped_total": ("counter", ()),
+# (type, label names) -> the exposed names (a counter's with _total) of that type and those
+# labels, written out by hand.
+# fmt: off
+BY_TYPE_AND_LABELS: dict[tuple[str, tuple[str, ...]], tuple[str, ...]] = {
+    ("counter", (*M, "finish_reason")): ("pte_requests_total",),
+    ("counter", (*M, "phase")): ("pte_served_pte_total", "pte_reference_pte_total", "pte_gpu_seconds_total"),
+    ("counter", (*M, "reason")): ("pte_wasted_pte_total",),
+    ("counter", M): (
+        "pte_ideal_pte_total", "pte_recompute_tax_pte_total", "pte_eviction_tax_pte_total",
+        "pte_prompt_tokens_total", "pte_cached_tokens_total", "pte_output_tokens_total",
+        "pte_engine_served_pte_total", "pte_engine_recompute_tax_pte_total", "pte_engine_roofline_pte_total",
+        "pte_spec_draft_tokens_total", "pte_spec_rejected_tokens_total",
+        "pte_interference_seconds_total", "pte_cost_usd_total",
+    ),
+    ("histogram", M): ("pte_request_served_pte", "pte_request_gpu_seconds"),
+    ("gauge", (*M, "device")): ("pte_gamma", "pte_hardware_operational_intensity"),
+    ("gauge", (*M, "term", "source")): ("pte_step_model_coefficient",),
+    ("gauge", M): (
+        "pte_active_parameters", "pte_kv_cache_bytes_per_token", "pte_engine_busy_seconds",
+        "pte_gpu_seconds_unattributed", "pte_gamma_measured", "pte_step_model_r2",
+        "pte_step_model_mape_ratio", "pte_engine_estimate_gap_pte",
+    ),
+    ("counter", E): (
+        "pte_eval_requests_total", "pte_eval_truncated_total", "pte_eval_output_tokens_total",
+        "pte_eval_labeled_total", "pte_eval_labeled_truncated_total", "pte_eval_labeled_output_tokens_total",
+        "pte_correct_answers_total",
+    ),
+    ("histogram", ("model",)): (
+        "pte_session_turns", "pte_session_served_pte", "pte_session_eviction_tax_pte",
+        "pte_session_gpu_seconds", "pte_session_cost_usd", "pte_tool_pause_seconds",
+    ),
+    ("counter", ("model", "reason")): ("pte_sessions_closed_total",),
+    ("counter", ("reason",)): ("pte_session_ids_rejected_total",),
+    ("counter", ("stage",)): ("pte_plugin_faults_total",),
+    ("gauge", ()): ("pte_sessions_live",),
+    ("counter", ()): (
+        "pte_sessions_opened_total", "pte_session_turn_rows_dropped_total", "pte_session_tags_dropped_total",
+    ),
 }
 # How each gauge merges across API-server processes.
 GAUGE_MODES = {
-    "pte_gamma": "mostrecent",
-    "pte_hardware_operational_intensity": "mostrecent",
-    "pte_active_parameters": "mostrecent",
-    "pte_kv_cache_bytes_per_token": "mostrecent",
+    **dict.fromkeys(
+        ("pte_gamma", "pte_hardware_operational_intensity", "pte_active_parameters",
+         "pte_kv_cache_bytes_per_token", "pte_engine_busy_seconds", "pte_gpu_seconds_unattributed",
+         "pte_step_model_coefficient", "pte_gamma_measured", "pte_step_model_r2",
+         "pte_step_model_mape_ratio"),
+        "mostrecent",
+    ),
     "pte_engine_estimate_gap_pte": "sum",  # a running sum that may go negative
-    "pte_engine_busy_seconds": "mostrecent",
-    "pte_gpu_seconds_unattributed": "mostrecent",
-    "pte_step_model_coefficient": "mostrecent",
-    "pte_gamma_measured": "mostrecent",
-    "pte_step_model_r2": "mostrecent",
-    "pte_step_model_mape_ratio": "mostrecent",
     "pte_sessions_live": "livesum",
 }
+# fmt: on
+# Exposed name -> (type, label names).
+EXPECTED = {name: kind_labels for kind_labels, names in BY_TYPE_AND_LABELS.items() for name in names}
 LEDGER = {"sessions_live", "sessions_opened", "turn_rows_dropped", "tags_dropped"}
 
 
