@@ -121,6 +121,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from pte_instrument.engine.accumulator import StepAccumulator, StepBatch
+from tests.helpers import no_host_sync
 
 out = sys.argv[1]
 rng = np.random.default_rng(0)
@@ -136,15 +137,11 @@ for backend in ("triton", "torch"):
                                              P=rng.integers(1, 30_000, size), H=c))
     for b in batches * 2:  # warm-up: compile, fill the pinned pool
         acc.update(b)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         for i in range(1000):
             acc.update(batches[i % len(batches)])
         acc.release(slots[:16])
         acc.allocate_many(16)  # the same 16 slots come back (LIFO), zeroed
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     n_prof = 200
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

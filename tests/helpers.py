@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 
@@ -34,3 +35,17 @@ def fill(directory: Path) -> Path:
             except OSError as e:
                 assert e.errno == errno.ENOSPC
                 return filler
+
+
+@contextlib.contextmanager
+def no_host_sync() -> Iterator[None]:
+    """torch's CUDA sync debug mode "error" for the block: any call that makes the host wait
+    for the GPU raises. The GPU is synchronised first, so work queued before cannot trip it."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

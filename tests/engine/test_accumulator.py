@@ -22,6 +22,7 @@ from pte_instrument.cost.devices import DeviceProfile
 from pte_instrument.cost.model import CostModel, TurnTokens, context_sum, price_turn
 from pte_instrument.engine.accumulator import StepAccumulator, StepBatch, resolve_backend, served_pte
 from pte_instrument.engine.kernels import reference as ref
+from tests.helpers import no_host_sync
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 HAS_TRITON = HAS_TORCH and importlib.util.find_spec("triton") is not None
@@ -492,13 +493,9 @@ def test_cuda_update_never_synchronises(backend: str, seed: int) -> None:
     batches = random_batches(rng, slots, (0, 1, 64, 512, 8192), tokens=10_000, scheduled=500)
     for b in batches:  # warm-up: Triton compiles, the pinned pool fills
         acc.update(b)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         for i in range(200):
             acc.update(batches[i % len(batches)])
         acc.release(slots[:8])
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     requests, per_step = acc.conservation()
     np.testing.assert_array_equal(requests, per_step, err_msg=f"seed={seed}")
