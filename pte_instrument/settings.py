@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -56,6 +57,13 @@ BOUNDS: dict[str, Bounds] = {
 }
 
 
+def default_session_store() -> str:
+    """One file per host and user, in the temporary directory: every API server of one
+    ``vllm serve`` finds it, and it survives the server's restart."""
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    return os.path.join(tempfile.gettempdir(), f"pte-instrument-{uid}", "sessions.sqlite3")
+
+
 @dataclass(frozen=True)
 class Settings:
     enabled: bool = True
@@ -66,10 +74,12 @@ class Settings:
     session_header: str = "X-Session-Id"
     session_from_user: bool = False
     max_sessions: int = 5000
+    session_store: str | None = None  # the host's session store (None: a private one per process)
     session_idle_ttl_s: float = 3600.0
     max_turns: int = 64
     feedback_window: int = 50_000
     otel: bool = False
+    otel_logs: bool = False  # a log record per priced request (OTLP), for a fleet's collector
     accumulator_backend: str = "auto"
     step_log: str | None = None
     benchmark_header: str = "X-PTE-Benchmark"
@@ -148,10 +158,17 @@ class Settings:
             session_header=header,
             session_from_user=flag("PTE_SESSION_FROM_USER", False),
             max_sessions=count("PTE_MAX_SESSIONS", 5000),
+            session_store=(env.get("PTE_SESSION_STORE") or "").strip() or default_session_store(),
             session_idle_ttl_s=number("PTE_SESSION_IDLE_TTL_S", 3600.0) or 3600.0,
             max_turns=count("PTE_MAX_TURNS", 64),
             feedback_window=count("PTE_FEEDBACK_WINDOW", 50_000),
             otel=flag("PTE_OTEL", otel_default) and not flag("OTEL_SDK_DISABLED", False),
+            # on where logs have somewhere to go: the base endpoint or the logs endpoint
+            otel_logs=flag(
+                "PTE_OTEL_LOGS",
+                bool(env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_LOGS_ENDPOINT")),
+            )
+            and not flag("OTEL_SDK_DISABLED", False),
             accumulator_backend=backend,
             step_log=(env.get("PTE_STEP_LOG") or "").strip() or None,
             benchmark_labels=frozenset(

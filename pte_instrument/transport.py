@@ -16,6 +16,7 @@ that touches their bytes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import threading
@@ -50,7 +51,8 @@ class Sender:
         self._ctx = zmq.Context.instance()
         self._base = base
         self._socks: dict[int, zmq.Socket] = {}
-        self.dropped = 0
+        self.dropped = 0  # messages
+        self.dropped_batches = 0
 
     def _socket(self, api_server: int) -> zmq.Socket:
         sock = self._socks.get(api_server)
@@ -61,11 +63,15 @@ class Sender:
             sock.connect(address_for(self._base, api_server))
         return sock
 
-    def send(self, messages: list[EngineMessage], api_server: int = 0) -> None:
+    def send(self, messages: list[EngineMessage], api_server: int = 0) -> bool:
+        """Queue one batch; False if the queue was full and the batch is dropped (never blocks)."""
         try:
             self._socket(api_server).send(encode_batch(messages), zmq.NOBLOCK)
         except zmq.Again:
             self.dropped += len(messages)
+            self.dropped_batches += 1
+            return False
+        return True
 
     def close(self) -> None:
         for sock in self._socks.values():
@@ -74,15 +80,21 @@ class Sender:
 
 class Receiver:
     """Binds the PULL side and hands each batch of messages to ``on_messages`` from a
-    daemon thread."""
+    daemon thread; a malformed batch, or one ``on_messages`` fails on, to ``on_error``."""
 
-    def __init__(self, address: str, on_messages: Callable[[list[EngineMessage]], None]) -> None:
+    def __init__(
+        self,
+        address: str,
+        on_messages: Callable[[list[EngineMessage]], None],
+        on_error: Callable[[Exception], None] | None = None,
+    ) -> None:
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.RCVHWM, HIGH_WATER_MARK)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(address)
         self._on_messages = on_messages
+        self._on_error = on_error
         self.errors = 0
         self._thread = threading.Thread(target=self._run, name="pte-engine-receiver", daemon=True)
         self._thread.start()
@@ -94,11 +106,9 @@ class Receiver:
             except zmq.ContextTerminated:
                 return
             try:
-                messages = decode_batch(data)
-            except ValueError:  # malformed: the whole batch is lost
+                self._on_messages(decode_batch(data))  # malformed: the whole batch is lost
+            except Exception as e:
                 self.errors += 1
-                continue
-            try:
-                self._on_messages(messages)
-            except Exception:
-                self.errors += 1
+                if self._on_error is not None:
+                    with contextlib.suppress(Exception):  # the receiver must keep receiving
+                        self._on_error(e)

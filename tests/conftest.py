@@ -42,29 +42,37 @@ API_KEY = "test-key"
 
 
 class OtlpReceiver:
-    """An in-process OTLP/HTTP trace receiver: decodes the protobuf export requests."""
+    """An in-process OTLP/HTTP receiver of traces (``/v1/traces``) and logs (``/v1/logs``):
+    decodes the protobuf export requests."""
 
     def __init__(self) -> None:
+        from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
         from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-        spans = self.spans = []
+        spans, logs = self.spans, self.logs = [], []
+
+        def take_spans(body: bytes) -> None:
+            for rs in ExportTraceServiceRequest.FromString(body).resource_spans:
+                for ss in rs.scope_spans:
+                    for sp in ss.spans:
+                        attrs = {a.key: _any_value(a.value) for a in sp.attributes}
+                        spans.append({"name": sp.name, "start": sp.start_time_unix_nano,
+                                      "end": sp.end_time_unix_nano, "attributes": attrs})  # fmt: skip
+
+        def take_logs(body: bytes) -> None:
+            for rl in ExportLogsServiceRequest.FromString(body).resource_logs:
+                resource = {a.key: _any_value(a.value) for a in rl.resource.attributes}
+                for sl in rl.scope_logs:
+                    for lr in sl.log_records:
+                        attrs = {a.key: _any_value(a.value) for a in lr.attributes}
+                        logs.append({"event_name": lr.event_name, "time": lr.time_unix_nano,
+                                     "severity": lr.severity_text, "body": _any_value(lr.body),
+                                     "attributes": attrs, "resource": resource})  # fmt: skip
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers["Content-Length"]))
-                req = ExportTraceServiceRequest.FromString(body)
-                for rs in req.resource_spans:
-                    for ss in rs.scope_spans:
-                        for sp in ss.spans:
-                            attrs = {a.key: _any_value(a.value) for a in sp.attributes}
-                            spans.append(
-                                {
-                                    "name": sp.name,
-                                    "start": sp.start_time_unix_nano,
-                                    "end": sp.end_time_unix_nano,
-                                    "attributes": attrs,
-                                }
-                            )
+                (take_logs if self.path.endswith("/v1/logs") else take_spans)(body)
                 self.send_response(200)
                 self.send_header("Content-Type", "application/x-protobuf")
                 self.end_headers()
@@ -74,17 +82,23 @@ class OtlpReceiver:
 
         self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-        self.endpoint = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1/traces"
+        base = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.endpoint, self.logs_endpoint = f"{base}/v1/traces", f"{base}/v1/logs"
 
     def span_for(self, response_id: str, timeout_s: float = 10.0) -> dict | None:
+        return self._find(self.spans, lambda a: a.get("gen_ai.response.id") == response_id and "pte.served" in a,
+                          timeout_s)  # fmt: skip
+
+    def log_for(self, request_id: str, timeout_s: float = 10.0) -> dict | None:
+        return self._find(self.logs, lambda a: a.get("request_id") == request_id, timeout_s)
+
+    @staticmethod
+    def _find(items: list[dict], match, timeout_s: float) -> dict | None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            for sp in self.spans:
-                if (
-                    sp["attributes"].get("gen_ai.response.id") == response_id
-                    and "pte.served" in sp["attributes"]
-                ):
-                    return sp
+            for item in list(items):
+                if match(item["attributes"]):
+                    return item
             time.sleep(0.1)
         return None
 
@@ -158,6 +172,9 @@ def server(tiny_model, tmp_path_factory) -> Iterator[Server]:
         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": otlp.endpoint,
         "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",  # the receiver speaks OTLP/HTTP only
         "OTEL_BSP_SCHEDULE_DELAY": "100",
+        "OTEL_EXPORTER_OTLP_LOGS_ENDPOINT": otlp.logs_endpoint,
+        "OTEL_EXPORTER_OTLP_LOGS_PROTOCOL": "http/protobuf",
+        "OTEL_BLRP_SCHEDULE_DELAY": "100",
     }
     vllm = start_server(tiny_model, work, env, ["--api-key", API_KEY])
     try:

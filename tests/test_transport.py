@@ -2,10 +2,11 @@
 only the totals of the requests it submitted."""
 
 import queue
+import time
 import uuid
 
 from pte_instrument.transport import Receiver, Sender, address_for
-from pte_instrument.wire import RequestTotals
+from pte_instrument.wire import RequestTotals, encode_batch
 
 
 def totals(external_id: str) -> RequestTotals:
@@ -24,3 +25,50 @@ def test_each_api_server_receives_only_its_messages(tmp_path):
     assert inbox[0].empty() and inbox[1].empty() and sender.dropped == 0
     sender.close()
     assert receivers[0].errors == receivers[1].errors == 0
+
+
+def test_a_full_queue_drops_and_the_reporter_counts_it(tmp_path, monkeypatch):
+    """Nobody receiving and a tiny queue: sends that cannot be queued are dropped, never
+    block, and each dropped batch is a fault the hook reports later."""
+    from pte_instrument import transport
+    from pte_instrument.engine.report import EngineReporter
+    from pte_instrument.faults import FaultTracker
+    from pte_instrument.wire import EngineFaults
+
+    monkeypatch.setattr(transport, "HIGH_WATER_MARK", 1)
+    base = f"ipc://{tmp_path}/pte-{uuid.uuid4().hex[:6]}"
+    faults = FaultTracker()
+    reporter = EngineReporter(Sender(base), engine=0, faults=faults)
+    for i in range(50):
+        reporter.send([totals(f"r{i}")])
+    assert reporter.sender.dropped > 0
+    assert faults.counts["engine_transport"] == reporter.sender.dropped_batches > 0
+    inbox: queue.Queue = queue.Queue()  # the API server comes up: the drops reach it, counted
+    receiver = Receiver(address_for(base, 0), inbox.put)
+    reported = 0
+    for _ in range(100):
+        reporter.send([])
+        while not inbox.empty():
+            reported += sum(m.counts.get("engine_transport", 0) for m in inbox.get() if isinstance(m, EngineFaults))
+        if reported == faults.counts["engine_transport"]:
+            break
+        time.sleep(0.05)
+    assert reported == faults.counts["engine_transport"]
+    reporter.close()
+    assert receiver.errors == 0
+
+
+def test_the_receiver_reports_each_malformed_batch(tmp_path):
+    import zmq
+
+    address = address_for(f"ipc://{tmp_path}/pte-{uuid.uuid4().hex[:6]}", 0)
+    errors: list[Exception] = []
+    inbox: queue.Queue = queue.Queue()
+    Receiver(address, inbox.put, on_error=errors.append)
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.connect(address)
+    push.send(b"\x00garbage")
+    push.send(encode_batch([]))
+    inbox.get(timeout=5)
+    assert len(errors) == 1 and isinstance(errors[0], ValueError)
+    push.close(0)

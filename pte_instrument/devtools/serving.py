@@ -53,6 +53,10 @@ class VllmServer:
         self.env = {**os.environ, **(env or {})}
         self.env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the CPU build's KV cache
         self.log_path = Path(log_path) if log_path else Path(f"vllm-{self.port}.log")
+        # Sessions of this server only (the host's default store outlives servers): a fresh
+        # store beside its log, unless the caller names one (to test a restart, say).
+        self._fresh_store = "PTE_SESSION_STORE" not in self.env
+        self.env.setdefault("PTE_SESSION_STORE", str(self.log_path.with_suffix(".sessions.sqlite3")))
         self.startup_timeout_s = startup_timeout_s
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -85,6 +89,9 @@ class VllmServer:
 
     def start(self) -> VllmServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if self._fresh_store:
+            for suffix in ("", "-wal", "-shm"):
+                Path(self.env["PTE_SESSION_STORE"] + suffix).unlink(missing_ok=True)
         log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
             self.command(),

@@ -11,6 +11,10 @@ from pte_instrument.transport import Sender
 from pte_instrument.wire import EngineCalibration, EngineFaults, EngineHello, EngineMessage, RequestTotals
 
 
+class TransportDropped(RuntimeError):
+    """A batch the API server's queue had no room for (the API server is down or behind)."""
+
+
 class EngineReporter:
     def __init__(self, sender: Sender, engine: int, faults: FaultTracker) -> None:
         self.sender = sender
@@ -49,8 +53,16 @@ class EngineReporter:
         if new:
             by_server[0].append(EngineFaults(self.engine, new))
         for api_server, batch in by_server.items():
-            self.sender.send(batch, api_server)
-        self._faults_sent = counts
+            if self.sender.send(batch, api_server):
+                if api_server == 0:
+                    self._faults_sent = counts
+            else:  # counted now, reported with a later batch that gets through
+                self.faults.record(
+                    "engine_transport",
+                    TransportDropped(f"{len(batch)} messages to API server {api_server} dropped: its queue is full"),
+                )
+        if not new:
+            self._faults_sent = counts
 
     def close(self) -> None:
         self.sender.close()

@@ -197,3 +197,29 @@ def _engine_fields(totals: RequestTotals | None) -> dict[str, float | None]:
         "engine_rejected_tokens": totals.rejected_tokens,
         "engine_request_id": totals.request_id,
     }
+
+
+# Per-model running sums for ``/pte/summary``: PTE and tokens over every request; seconds
+# (docs/cost-model.md §5b: None without the step hook) and money (None also without
+# PTE_GPU_HOURLY_PRICE) summed with None as 0, beside the count of requests that had them,
+# so a total is never read as covering every request.
+SUMMED_TOKENS_AND_PTE = ("prompt_tokens", "cached_tokens", "computed_prefill_tokens", "recomputed_tokens",
+                         "output_tokens", "pte_reference", "pte_served", "pte_ideal", "pte_prefill",
+                         "pte_decode", "pte_recompute", "pte_eviction_tax")  # fmt: skip
+TIMED = ("gpu_seconds", "gpu_seconds_prefill", "gpu_seconds_kv_read", "gpu_seconds_weights",
+         "gpu_seconds_overhead", "predicted_seconds", "latency_explained_s", "interference_s")  # fmt: skip
+PRICED = ("cost_usd",)
+TIMED_COUNT, PRICED_COUNT = "requests_timed", "requests_priced"
+MODEL_TOTALS = ("requests", *SUMMED_TOKENS_AND_PTE, TIMED_COUNT, *TIMED, PRICED_COUNT, *PRICED)
+
+
+def model_totals_row(r: RequestRecord) -> tuple[float, ...]:
+    """What one record adds to its model's totals, in the order of ``MODEL_TOTALS``."""
+    return (
+        1,
+        *(getattr(r, k) for k in SUMMED_TOKENS_AND_PTE),
+        int(r.gpu_seconds is not None),
+        *(getattr(r, k) or 0.0 for k in TIMED),
+        int(r.cost_usd is not None),
+        *(getattr(r, k) or 0.0 for k in PRICED),
+    )

@@ -1,10 +1,12 @@
 """Process-wide plugin state shared by the stat logger and the HTTP routes, which vLLM
 loads separately into the same API-server process. With several API servers
-(``--api-server-count``) each process has its own: its ledgers hold the requests that
-process served; the metrics merge through prometheus_client's multiprocess files."""
+(``--api-server-count``) each process has its own, and they share what must be host-wide:
+the session store (one SQLite file, ``PTE_SESSION_STORE``) and the metrics (merged through
+prometheus_client's multiprocess files)."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 from typing import Any
@@ -16,10 +18,10 @@ from pte_instrument.faults import FaultTracker, install_log_handler, log
 from pte_instrument.server.engine_join import EngineInbox, RequestJoin
 from pte_instrument.server.exporters.prometheus import LedgerMetrics, PrometheusExporter, metrics_for
 from pte_instrument.server.exporters.request_log import RequestLogWriter
-from pte_instrument.server.exporters.summary import EfficiencyExporter, ModelTotals
+from pte_instrument.server.exporters.summary import EfficiencyExporter
 from pte_instrument.server.live_efficiency import LiveEfficiency
 from pte_instrument.server.request_tags import PendingTags
-from pte_instrument.server.sessions import SessionLedger, SessionState
+from pte_instrument.server.sessions import SessionLedger, StoreError
 from pte_instrument.settings import Settings
 from pte_instrument.transport import ADDRESS_ENV, Receiver, address_for
 from pte_instrument.wire import EngineCalibration
@@ -32,6 +34,7 @@ STAGES = (
     "prometheus",
     "request_log",
     "otel",
+    "otel_logs",
     "summary",
     "middleware",
     "routes",
@@ -55,14 +58,8 @@ class Runtime:
         for stage in STAGES:  # expose every stage's fault counter at 0
             self.metrics.faults.labels(stage)
         self.pending = PendingTags()
-        self.sessions = SessionLedger(
-            max_sessions=settings.max_sessions,
-            idle_ttl_s=settings.session_idle_ttl_s,
-            max_turns=settings.max_turns,
-            on_close=self._session_closed,
-        )
+        self.sessions = self._open_sessions(settings)
         self.ledger_metrics = LedgerMetrics(self.metrics, self.sessions, self.pending)
-        self.totals = ModelTotals()
         self.efficiency = LiveEfficiency(window=settings.feedback_window)
         self.cost_models: dict[tuple[str, int], CostModel] = {}
         self.api_keys: list[str] = []
@@ -76,14 +73,17 @@ class Runtime:
         self.joins: list[RequestJoin] = []  # the stat logger's: finished requests waiting for totals
         self.receiver: Receiver | None = None
         self.api_server = 0  # this process's index among the API servers
-        self.otel: Any = None
-        if settings.otel:
-            try:
-                from pte_instrument.server.exporters.otel import OtelExporter
+        self.otel = self._otel("otel", "OtelExporter") if settings.otel else None
+        self.otel_logs = self._otel("otel_logs", "OtelLogExporter") if settings.otel_logs else None
 
-                self.otel = OtelExporter()
-            except Exception as e:  # missing package, bad OTEL_* values
-                self.faults.record("otel", e)
+    def _otel(self, stage: str, exporter: str) -> Any:
+        try:
+            from pte_instrument.server.exporters import otel
+
+            return getattr(otel, exporter)()
+        except Exception as e:  # missing package, bad OTEL_* values
+            self.faults.record(stage, e)
+            return None
 
     @staticmethod
     def _check_request_log(writer: RequestLogWriter) -> None:
@@ -101,12 +101,16 @@ class Runtime:
 
     def listen(self, api_server: int) -> None:
         """Receive the engine hooks' totals for the requests this API server sends (once)."""
+        self.api_server = api_server
         address = os.environ.get(ADDRESS_ENV)
         if self.receiver is not None or not address:
             return
-        self.api_server = api_server
         try:
-            self.receiver = Receiver(address_for(address, api_server), self.inbox.on_messages)
+            self.receiver = Receiver(
+                address_for(address, api_server),
+                self.inbox.on_messages,
+                on_error=lambda e: self.faults.record("transport", e),
+            )
         except Exception as e:
             self.faults.record("transport", e)
 
@@ -119,9 +123,31 @@ class Runtime:
         except Exception as e:
             self.faults.record("prometheus", e)
 
-    def _session_closed(self, state: SessionState, reason: str) -> None:
+    def _open_sessions(self, settings: Settings) -> SessionLedger:
+        """The host's session store (``PTE_SESSION_STORE``; unset in ``settings``: a private one);
+        if it cannot be opened, a private one, so that sessions are still accounted in this
+        process (one error line says which file and why)."""
+        kwargs: dict[str, Any] = dict(
+            max_sessions=settings.max_sessions,
+            idle_ttl_s=settings.session_idle_ttl_s,
+            max_turns=settings.max_turns,
+            on_close=self._session_closed,
+            on_error=lambda e: self.faults.record("sessions", e),
+        )
         try:
-            self.metrics.session_closed(state.summary(), reason)
+            return SessionLedger(settings.session_store, **kwargs)
+        except StoreError as e:
+            self.faults.record("sessions", e)
+            log.error(
+                "pte-instrument: %s; sessions are kept in a private store of this process instead "
+                "(not shared with other API servers, lost at restart)",
+                e,
+            )
+            return SessionLedger(None, **kwargs)
+
+    def _session_closed(self, summary: dict[str, Any], reason: str) -> None:
+        try:
+            self.metrics.session_closed(summary, reason)
         except Exception as e:
             self.faults.record("prometheus", e)
 
@@ -134,33 +160,31 @@ class Runtime:
         self.cost_models[(model, engine)] = cost_model
         exporters: list[tuple[str, Any]] = [
             ("prometheus", prometheus),
-            ("summary", self.totals),
             ("efficiency", EfficiencyExporter(self.efficiency, self.metrics)),
         ]
         if self.request_log is not None:
             exporters.append(("request_log", self.request_log))
         if self.otel is not None:
             exporters.append(("otel", self.otel))
+        if self.otel_logs is not None:
+            exporters.append(("otel_logs", self.otel_logs))
         return exporters
 
     def summary(self) -> dict[str, Any]:
         s = self.sessions
         return {
             "api_server": {"index": self.api_server, "pid": os.getpid()},
-            "models": self.totals.snapshot(),
+            "models": self._host("models", self.sessions.model_totals, {}),
             "cost_models": [
                 {"model": model, "engine": engine, **cm.describe()}
                 for (model, engine), cm in self.cost_models.items()
             ],
             "sessions": {
-                "live": len(s),
+                **self._host("sessions", self._host_sessions, {"live": None}),
+                "store": str(s.path),
                 "max_sessions": s.max_sessions,
                 "idle_ttl_s": s.idle_ttl_s,
                 "max_turns": s.max_turns,
-                "opened": s.stats.sessions_opened,
-                "expired": s.stats.sessions_expired,
-                "evicted": s.stats.sessions_evicted,
-                "turn_rows_dropped": s.stats.turns_dropped,
                 "pending_requests": len(self.pending),
                 "pending_dropped": self.pending.dropped,
             },
@@ -169,6 +193,20 @@ class Runtime:
             "efficiency": self.efficiency.snapshot(),
             "faults": dict(self.faults.counts),
         }
+
+
+    def _host_sessions(self) -> dict[str, Any]:
+        st = self.sessions.host_stats()
+        return {"live": st["live"], "opened": st["sessions_opened"], "expired": st["sessions_expired"],
+                "evicted": st["sessions_evicted"], "turn_rows_dropped": st["turns_dropped"]}  # fmt: skip
+
+    def _host(self, what: str, read: Any, unknown: Any) -> Any:
+        """A section of the summary read from the host's store; ``unknown`` if it cannot be."""
+        try:
+            return read()
+        except Exception as e:
+            self.faults.record("sessions", e)
+            return unknown
 
 
 _runtime: Runtime | None = None
@@ -184,4 +222,5 @@ def get_runtime() -> Runtime:
             for error in settings.errors:
                 log.error("pte-instrument configuration: %s", error)
             _runtime = Runtime(settings)
+            atexit.register(_runtime.sessions.close)  # commit the queued turns at shutdown
         return _runtime

@@ -1,19 +1,39 @@
-"""Per-session (multi-turn agent) accounting, bounded: at most ``max_sessions`` live
-sessions, each closed after ``idle_ttl_s`` without a turn, and at most ``max_turns`` turn
-rows kept per session (totals keep counting). Whatever is dropped is counted."""
+"""Per-session (multi-turn agent) accounting, in one store per host that every API-server
+process of the server shares: a session's turns are numbered, its pauses and eviction tax
+computed, whichever process each turn reaches, and the ledger outlives a restart.
+
+The store is a SQLite file in WAL mode (the standard library's; no server to run). Writes
+leave the request path: ``add`` queues the record and a writer thread commits what has
+queued in one transaction. Readers see every committed batch of every process; a process's
+own queued turns are seen at once by ``context_for`` (a small overlay of them) and by the
+reads that flush first (``get``, ``top``, ``summary``). A crash loses at most the batch being
+written; SQLite's journal keeps the file whole.
+
+Bounded as before: at most ``max_sessions`` live sessions (the least recently active closes
+first), each closed after ``idle_ttl_s`` without a turn, at most ``max_turns`` turn rows per
+session (totals keep counting). Whatever is dropped is counted.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import queue
+import sqlite3
+import tempfile
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from pte_instrument.cost.model import reusable_prefix
-from pte_instrument.server.bounded import BoundedDict
-from pte_instrument.server.ledger import RequestRecord
+from pte_instrument.failpoints import failpoint
+from pte_instrument.server.ledger import MODEL_TOTALS, RequestRecord, model_totals_row
 
 # Fields of a turn row shown by the HTTP routes and the demo.
 TURN_FIELDS = (
@@ -22,6 +42,35 @@ TURN_FIELDS = (
     "pte_eviction_tax", "pte_recompute", "pause_s", "inference_s", "finish_reason", "finished_at",
     "gpu_seconds", "predicted_seconds", "latency_explained_s", "interference_s", "cost_usd",
 )  # fmt: skip
+
+SUMMED = ("prompt_tokens", "cached_tokens", "output_tokens", "pte_reference", "pte_served", "pte_ideal",
+          "pte_eviction_tax", "pte_recompute", "pause_s", "gpu_seconds", "latency_explained_s",
+          "interference_s", "cost_usd")  # fmt: skip
+
+SCHEMA_VERSION = 1
+_SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS sessions (
+    id TEXT PRIMARY KEY, model TEXT NOT NULL, first_seen REAL NOT NULL, last_seen REAL NOT NULL,
+    touched INTEGER NOT NULL, n_turns INTEGER NOT NULL, turns_dropped INTEGER NOT NULL,
+    last_prompt INTEGER NOT NULL, last_output INTEGER NOT NULL, last_finished_at REAL,
+    {", ".join(f"{k} REAL NOT NULL DEFAULT 0" for k in SUMMED)}
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS sessions_touched ON sessions (touched);
+CREATE INDEX IF NOT EXISTS sessions_last_seen ON sessions (last_seen);
+CREATE TABLE IF NOT EXISTS turns (
+    session_id TEXT NOT NULL, seq INTEGER NOT NULL, row TEXT NOT NULL, PRIMARY KEY (session_id, seq)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS model_totals (
+    model TEXT PRIMARY KEY, {", ".join(f"{k} NOT NULL DEFAULT 0" for k in MODEL_TOTALS)}
+) WITHOUT ROWID;
+"""
+_COUNTED = ("sessions_opened", "sessions_expired", "sessions_evicted", "turns_dropped")
+_SUMMARY_COLUMNS = ("id", "model", "n_turns", "turns_dropped", "first_seen", "last_seen", *SUMMED)
+MAX_QUEUED = 10_000  # records waiting for the writer; past it a record is lost and counted
+_BATCH = 1024  # records per transaction at most
+_EXPIRE_EVERY_S = 1.0  # the writer closes idle sessions at least this often, turns or not
 
 
 @dataclass(frozen=True)
@@ -33,55 +82,47 @@ class TurnContext:
     pause_s: float | None  # tool pause since the previous turn finished
 
 
-@dataclass
-class SessionState:
-    session_id: str
-    model: str
-    first_seen: float
-    last_seen: float
-    turns: deque[tuple[Any, ...]]  # rows of TURN_FIELDS; tuples are half the size of dicts
-    n_turns: int = 0
-    turns_dropped: int = 0
-    last_prompt: int = 0  # the latest turn's prompt and output tokens
-    last_output: int = 0
-    last_finished_at: float | None = None
-    totals: dict[str, float] = field(default_factory=dict)
+@dataclass(frozen=True)
+class _Tail:
+    """The latest turn of a session: all the next turn's context depends on."""
 
-    def summary(self) -> dict[str, Any]:
-        return {
-            "session_id": self.session_id,
-            "model": self.model,
-            "turns": self.n_turns,
-            "turns_dropped": self.turns_dropped,
-            "first_seen": self.first_seen,
-            "last_seen": self.last_seen,
-            **self.totals,
-        }
-
-
-SUMMED = ("prompt_tokens", "cached_tokens", "output_tokens", "pte_reference", "pte_served", "pte_ideal",
-          "pte_eviction_tax", "pte_recompute", "pause_s", "gpu_seconds", "latency_explained_s",
-          "interference_s", "cost_usd")  # fmt: skip
+    n_turns: int
+    last_prompt: int
+    last_output: int
+    last_finished_at: float | None
 
 
 @dataclass
 class LedgerStats:
+    """What this process's writer did (the Prometheus counters of this process); the
+    host-wide counts are ``SessionLedger.host_stats()``."""
+
     sessions_opened: int = 0
     sessions_expired: int = 0  # idle longer than the TTL
     sessions_evicted: int = 0  # pushed out by the max_sessions cap
     turns_dropped: int = 0  # rows beyond max_turns (their totals are kept)
+    records_lost: int = 0  # not stored: the queue was full or the batch failed
+
+
+class StoreError(RuntimeError):
+    """The session store cannot be opened or used (the message names the file and why)."""
 
 
 class SessionLedger:
     def __init__(
         self,
+        path: str | Path | None = None,
         max_sessions: int = 5000,
         idle_ttl_s: float = 3600.0,
         max_turns: int = 64,
         block_size: int = 1,
-        on_close: Callable[[SessionState, str], None] | None = None,
+        on_close: Callable[[dict[str, Any], str], None] | None = None,
+        on_error: Callable[[Exception], None] | None = None,
         clock: Callable[[], float] = time.time,
+        max_queued: int = MAX_QUEUED,
     ) -> None:
+        """``path``: the store (None: a private file, deleted at ``close``). ``on_close(summary,
+        reason)`` runs for each session this process closes; ``on_error`` for each failed write."""
         if max_sessions < 1 or max_turns < 1 or idle_ttl_s <= 0:
             raise ValueError("max_sessions and max_turns must be ≥ 1, idle_ttl_s > 0")
         self.max_sessions = max_sessions
@@ -89,89 +130,350 @@ class SessionLedger:
         self.max_turns = max_turns
         self.block_size = block_size  # the server's KV block: prefix caching is per block
         self.on_close = on_close
+        self.on_error = on_error
         self.clock = clock
         self.stats = LedgerStats()
-        self._sessions: BoundedDict[str, SessionState] = BoundedDict(max_sessions)  # least recently seen first
-        self._lock = threading.Lock()
+        self._private = path is None
+        if path is None:
+            fd, name = tempfile.mkstemp(prefix="pte-sessions-", suffix=".sqlite3")
+            os.close(fd)
+            path = name
+        self.path = Path(path)
+        self._reader = _connect(self.path)
+        self._reader_lock = threading.Lock()
+        self._overlay: dict[str, _Tail] = {}  # this process's turns not yet committed
+        self._overlay_lock = threading.Lock()
+        self._max_queued = max_queued
+        self._queue: queue.Queue[Any] = queue.Queue(max_queued)
+        self._live = self._count_live()
+        self._writer: threading.Thread | None = None
+        self._writer_lock = threading.Lock()
 
     def __len__(self) -> int:
-        return len(self._sessions)
+        """Live sessions on the host, as of this process's latest commit (no query)."""
+        return self._live
+
+    # --- the pricing path: one indexed read, no write ---
 
     def context_for(self, session_id: str, arrived_at: float, prompt_tokens: int) -> TurnContext:
         """Turn number, reusable prefix and pause for the next turn of ``session_id``."""
-        with self._lock:
-            s = self._sessions.get(session_id)
-            if s is None:
-                return TurnContext(turn=1, reusable_tokens=0, pause_s=None)
-            pause = None if s.last_finished_at is None else max(0.0, arrived_at - s.last_finished_at)
-            reusable = reusable_prefix(s.last_prompt, s.last_output, prompt_tokens, self.block_size)
-            return TurnContext(s.n_turns + 1, reusable, pause)
+        with self._overlay_lock:
+            tail = self._overlay.get(session_id)
+        if tail is None:
+            tail = self._stored_tail(session_id)
+        if tail is None:
+            return TurnContext(turn=1, reusable_tokens=0, pause_s=None)
+        pause = None if tail.last_finished_at is None else max(0.0, arrived_at - tail.last_finished_at)
+        reusable = reusable_prefix(tail.last_prompt, tail.last_output, prompt_tokens, self.block_size)
+        return TurnContext(tail.n_turns + 1, reusable, pause)
 
     def add(self, record: RequestRecord) -> None:
-        if record.session_id is None:
+        """Queue a priced request (its model's totals; a turn, if it has a session) for the
+        writer; never blocks."""
+        tail = None
+        if record.session_id is not None:
+            tail = _Tail(record.turn or 1, record.prompt_tokens, record.output_tokens, record.finished_at)
+        try:
+            self._queue.put_nowait(("add", record, tail))
+        except queue.Full:
+            self.stats.records_lost += 1
+            self._error(StoreError(f"session store {self.path}: {self._max_queued} records waiting; one lost"))
             return
-        closed: list[tuple[SessionState, str]] = []
-        with self._lock:
-            now = self.clock()
-            s = self._sessions.get(record.session_id)
-            if s is None:
-                s = SessionState(record.session_id, record.model, now, now, deque(maxlen=self.max_turns),
-                                 totals=dict.fromkeys(SUMMED, 0.0))  # fmt: skip
-                for _, old in self._sessions.put(record.session_id, s):
-                    self.stats.sessions_evicted += 1
-                    closed.append((old, "evicted"))
-                self.stats.sessions_opened += 1
-            else:
-                self._sessions.touch(record.session_id)
-            if len(s.turns) == self.max_turns:
-                s.turns_dropped += 1
-                self.stats.turns_dropped += 1
-            s.turns.append(tuple(getattr(record, k) for k in TURN_FIELDS))
-            s.n_turns += 1
-            s.last_seen = now
-            s.last_prompt, s.last_output = record.prompt_tokens, record.output_tokens
-            s.last_finished_at = record.finished_at
-            for k in SUMMED:
-                s.totals[k] += getattr(record, k) or 0.0
-            closed += self._expire_locked(now)
-        self._notify(closed)
+        if tail is not None:
+            with self._overlay_lock:
+                self._overlay[record.session_id] = tail
+        self._ensure_writer()
 
-    def expire(self) -> int:
-        """Close sessions idle for longer than the TTL; returns how many."""
-        with self._lock:
-            closed = self._expire_locked(self.clock())
-        self._notify(closed)
-        return len(closed)
+    def expire(self) -> None:
+        """Ask the writer to close sessions idle for longer than the TTL now (it also does so
+        on its own every second)."""
+        self._submit(("expire",))
 
-    def _expire_locked(self, now: float) -> list[tuple[SessionState, str]]:
-        closed = []
-        while (entry := self._sessions.oldest()) is not None:
-            oldest = entry[1]
-            if now - oldest.last_seen <= self.idle_ttl_s:
-                break
-            self._sessions.pop_oldest()
-            self.stats.sessions_expired += 1
-            closed.append((oldest, "idle"))
-        return closed
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until everything queued before now is committed (or failed); False on timeout."""
+        done = threading.Event()
+        deadline = time.monotonic() + timeout
+        try:  # a full queue drains: wait for room rather than give up
+            self._queue.put(("flush", done), timeout=timeout)
+        except queue.Full:
+            return False
+        self._ensure_writer()
+        return done.wait(max(0.0, deadline - time.monotonic()))
 
-    def _notify(self, closed: list[tuple[SessionState, str]]) -> None:
-        if self.on_close is not None:
-            for state, reason in closed:
-                self.on_close(state, reason)
+    def close(self) -> None:
+        """Commit what is queued, stop the writer and close the store."""
+        with self._writer_lock:
+            writer, self._writer = self._writer, None
+        if writer is not None:
+            self._queue.put(("stop",))
+            writer.join(10)
+        with self._reader_lock:
+            self._reader.close()
+        if self._private:
+            for suffix in ("", "-wal", "-shm"):
+                with contextlib.suppress(OSError):
+                    os.unlink(f"{self.path}{suffix}")
+
+    # --- reads for the routes: this process's queued turns first, then the host's store ---
 
     def get(self, session_id: str) -> dict[str, Any] | None:
-        with self._lock:
-            s = self._sessions.get(session_id)
-            return (
-                None
-                if s is None
-                else {**s.summary(), "turn_rows": [dict(zip(TURN_FIELDS, t, strict=True)) for t in s.turns]}
-            )
+        self.flush()
+        with self._reader_lock:
+            row = self._reader.execute(
+                f"SELECT {', '.join(_SUMMARY_COLUMNS)} FROM sessions WHERE id = ?", (session_id,)
+            ).fetchone()
+            if row is None:
+                return None
+            turns = self._reader.execute(
+                "SELECT row FROM turns WHERE session_id = ? ORDER BY seq", (session_id,)
+            ).fetchall()
+        return {**_summary(row), "turn_rows": [json.loads(t[0]) for t in turns]}
 
-    def top(
-        self, limit: int = 50, offset: int = 0, key: str = "pte_served"
-    ) -> tuple[int, list[dict[str, Any]]]:
+    def top(self, limit: int = 50, offset: int = 0, key: str = "pte_served") -> tuple[int, list[dict[str, Any]]]:
         """Live sessions by descending ``key`` (a summed field), paginated; also the total count."""
-        with self._lock:
-            ranked = sorted(self._sessions.values(), key=lambda s: s.totals[key], reverse=True)
-            return len(ranked), [s.summary() for s in ranked[offset : offset + limit]]
+        if key not in SUMMED:
+            raise ValueError(f"cannot sort sessions by {key!r}")
+        self.flush()
+        with self._reader_lock:
+            total = self._reader.execute("SELECT COUNT(*) FROM sessions").fetchone()[0]
+            rows = self._reader.execute(
+                f"SELECT {', '.join(_SUMMARY_COLUMNS)} FROM sessions ORDER BY {key} DESC, id LIMIT ? OFFSET ?",
+                (limit, offset),
+            ).fetchall()
+        return total, [_summary(r) for r in rows]
+
+    def model_totals(self) -> dict[str, dict[str, float]]:
+        """Per-model sums over every request the host priced (``MODEL_TOTALS``)."""
+        self.flush()
+        with self._reader_lock:
+            rows = self._reader.execute(f"SELECT model, {', '.join(MODEL_TOTALS)} FROM model_totals").fetchall()
+        return {row[0]: dict(zip(MODEL_TOTALS, row[1:], strict=True)) for row in rows}
+
+    def host_stats(self) -> dict[str, int]:
+        """Counts over every process of the host since the store was created."""
+        self.flush()
+        with self._reader_lock:
+            counts = dict(self._reader.execute("SELECT name, value FROM counters").fetchall())
+            live = self._reader.execute("SELECT COUNT(*) FROM sessions").fetchone()[0]
+        return {"live": live, **{k: int(counts.get(k, 0)) for k in _COUNTED}}
+
+    # --- the writer thread ---
+
+    def _stored_tail(self, session_id: str) -> _Tail | None:
+        with self._reader_lock:
+            row = self._reader.execute(
+                "SELECT n_turns, last_prompt, last_output, last_finished_at FROM sessions WHERE id = ?",
+                (session_id,),
+            ).fetchone()
+        return None if row is None else _Tail(*row)
+
+    def _count_live(self) -> int:
+        with self._reader_lock:
+            return int(self._reader.execute("SELECT COUNT(*) FROM sessions").fetchone()[0])
+
+    def _submit(self, item: tuple[Any, ...]) -> bool:
+        try:
+            self._queue.put_nowait(item)
+        except queue.Full:
+            return False
+        self._ensure_writer()
+        return True
+
+    def _ensure_writer(self) -> None:
+        if self._writer is not None:
+            return
+        with self._writer_lock:
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._run, name="pte-session-store", daemon=True)
+                self._writer.start()
+
+    def _run(self) -> None:
+        try:
+            db = _connect(self.path)
+        except Exception as e:
+            self._error(e)
+            db = None
+        next_expiry = 0.0
+        while True:
+            try:
+                first = self._queue.get(timeout=_EXPIRE_EVERY_S)
+            except queue.Empty:
+                first = ("expire",)
+            batch = [first]
+            while len(batch) < _BATCH:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            now = self.clock()
+            expire = any(item[0] == "expire" for item in batch) or time.monotonic() >= next_expiry
+            if expire:
+                next_expiry = time.monotonic() + _EXPIRE_EVERY_S
+            closed = self._commit(db, [item for item in batch if item[0] == "add"], now, expire)
+            self._notify(closed)
+            for item in batch:
+                if item[0] == "flush":
+                    item[1].set()
+            if any(item[0] == "stop" for item in batch):
+                if db is not None:
+                    db.close()
+                return
+
+    def _commit(
+        self, db: sqlite3.Connection | None, adds: list[tuple[Any, ...]], now: float, expire: bool
+    ) -> list[tuple[dict[str, Any], str]]:
+        if db is None or not (adds or expire):
+            self._settle(adds)
+            return []
+        try:
+            with db:  # one transaction: all of the batch or none of it
+                db.execute("BEGIN IMMEDIATE")
+                batch = _Batch(db, self.max_turns)
+                for _, record, _ in adds:
+                    batch.total(record)
+                    if record.session_id is None:
+                        continue
+                    if batch.apply(record, now) and batch.live > self.max_sessions:
+                        batch.close("ORDER BY touched LIMIT ?", (batch.live - self.max_sessions,), "evicted")
+                if expire:
+                    batch.close("WHERE last_seen < ?", (now - self.idle_ttl_s,), "idle")
+                batch.count()
+                failpoint("session_store")
+        except Exception as e:
+            self.stats.records_lost += len(adds)
+            self._error(StoreError(f"session store {self.path}: a batch of {len(adds)} turns was lost ({e})"))
+            self._settle(adds)
+            return []
+        self._live = batch.live
+        for name in _COUNTED:
+            setattr(self.stats, name, getattr(self.stats, name) + getattr(batch.delta, name))
+        self._settle(adds)
+        return batch.closed
+
+    def _settle(self, adds: Iterable[tuple[Any, ...]]) -> None:
+        """Drop the overlay entries the batch committed (unless a later turn replaced them)."""
+        with self._overlay_lock:
+            for _, record, tail in adds:
+                if tail is not None and self._overlay.get(record.session_id) is tail:
+                    del self._overlay[record.session_id]
+            if not self._overlay:  # a dict keeps its largest table: start a small one
+                self._overlay = {}
+
+    def _notify(self, closed: list[tuple[dict[str, Any], str]]) -> None:
+        if self.on_close is not None:
+            for summary, reason in closed:
+                try:
+                    self.on_close(summary, reason)
+                except Exception as e:
+                    self._error(e)
+
+    def _error(self, e: Exception) -> None:
+        if self.on_error is not None:
+            with contextlib.suppress(Exception):  # the fault counter must not raise either
+                self.on_error(e)
+
+
+def _connect(path: Path) -> sqlite3.Connection:
+    """A connection to the store, created with its schema if new; a file that is not a
+    session store of this version is a :class:`StoreError` naming it."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        db = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False)
+        db.execute("PRAGMA journal_mode = WAL")
+        db.execute("PRAGMA synchronous = NORMAL")  # WAL: a process crash loses nothing committed
+        db.executescript(_SCHEMA)
+        db.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (SCHEMA_VERSION,))
+        version = db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()[0]
+    except (sqlite3.Error, OSError) as e:
+        raise StoreError(f"cannot open the session store {path}: {e}") from None
+    if version != SCHEMA_VERSION:
+        db.close()
+        raise StoreError(f"the session store {path} has schema {version!r}, this version reads {SCHEMA_VERSION}")
+    return db
+
+
+_UPSERT = (
+    "INSERT INTO sessions (id, model, first_seen, last_seen, touched, n_turns, turns_dropped, last_prompt,"
+    f" last_output, last_finished_at, {', '.join(SUMMED)}) VALUES (?, ?, ?, ?, ?, 1, 0, ?, ?, ?,"
+    f" {', '.join('?' * len(SUMMED))}) ON CONFLICT (id) DO UPDATE SET last_seen = excluded.last_seen,"
+    " touched = excluded.touched, n_turns = n_turns + 1, last_prompt = excluded.last_prompt,"
+    " last_output = excluded.last_output, last_finished_at = excluded.last_finished_at, "
+    + ", ".join(f"{k} = {k} + excluded.{k}" for k in SUMMED)
+    + " RETURNING n_turns"
+)
+_ADD_TOTALS = (
+    f"INSERT INTO model_totals (model, {', '.join(MODEL_TOTALS)}) VALUES (?, {', '.join('?' * len(MODEL_TOTALS))})"
+    " ON CONFLICT (model) DO UPDATE SET " + ", ".join(f"{k} = {k} + excluded.{k}" for k in MODEL_TOTALS)
+)
+_TURN_ROW = msgspec.json.Encoder()
+_CLOSE = f"DELETE FROM sessions WHERE id = ? RETURNING {', '.join(_SUMMARY_COLUMNS)}"
+
+
+class _Batch:
+    """One transaction of the writer: the turns it applies and the sessions it closes."""
+
+    def __init__(self, db: sqlite3.Connection, max_turns: int) -> None:
+        self.db = db
+        self.max_turns = max_turns
+        self.delta = LedgerStats()
+        self.closed: list[tuple[dict[str, Any], str]] = []
+        self.live = db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0]
+        # Least recently active first: one counter for the host, read once under the write lock.
+        self.touched = db.execute("SELECT COALESCE(MAX(touched), 0) FROM sessions").fetchone()[0]
+
+    def total(self, r: RequestRecord) -> None:
+        self.db.execute(_ADD_TOTALS, (r.model, *model_totals_row(r)))
+
+    def apply(self, r: RequestRecord, now: float) -> bool:
+        """One turn into the store; True if it opened its session."""
+        self.touched += 1
+        sums = [getattr(r, k) or 0.0 for k in SUMMED]
+        seq = self.db.execute(
+            _UPSERT,
+            (r.session_id, r.model, now, now, self.touched, r.prompt_tokens, r.output_tokens, r.finished_at, *sums),
+        ).fetchone()[0]
+        row = _TURN_ROW.encode({k: getattr(r, k) for k in TURN_FIELDS})
+        self.db.execute("INSERT OR REPLACE INTO turns VALUES (?, ?, ?)", (r.session_id, seq, row))
+        if seq > self.max_turns:
+            cur = self.db.execute("DELETE FROM turns WHERE session_id = ? AND seq <= ?",
+                                  (r.session_id, seq - self.max_turns))  # fmt: skip
+            if cur.rowcount > 0:
+                self.db.execute("UPDATE sessions SET turns_dropped = turns_dropped + ? WHERE id = ?",
+                                (cur.rowcount, r.session_id))  # fmt: skip
+                self.delta.turns_dropped += cur.rowcount
+        if seq == 1:
+            self.delta.sessions_opened += 1
+            self.live += 1
+        return seq == 1
+
+    def close(self, where: str, args: tuple[Any, ...], reason: str) -> None:
+        """Close the sessions ``where`` selects, with their turn rows."""
+        for (sid,) in self.db.execute(f"SELECT id FROM sessions {where}", args).fetchall():
+            row = self.db.execute(_CLOSE, (sid,)).fetchone()
+            self.db.execute("DELETE FROM turns WHERE session_id = ?", (sid,))
+            self.closed.append((_summary(row), reason))
+            self.live -= 1
+            if reason == "evicted":
+                self.delta.sessions_evicted += 1
+            else:
+                self.delta.sessions_expired += 1
+
+    def count(self) -> None:
+        """The host-wide counters, by what this batch did."""
+        for name in _COUNTED:
+            if n := getattr(self.delta, name):
+                self.db.execute(
+                    "INSERT INTO counters VALUES (?, ?) ON CONFLICT (name) DO UPDATE SET value = value + ?",
+                    (name, n, n),
+                )
+
+
+def _summary(row: tuple[Any, ...]) -> dict[str, Any]:
+    s = dict(zip(_SUMMARY_COLUMNS, row, strict=True))
+    return {
+        "session_id": s.pop("id"),
+        "model": s.pop("model"),
+        "turns": s.pop("n_turns"),
+        "turns_dropped": s.pop("turns_dropped"),
+        **s,
+    }

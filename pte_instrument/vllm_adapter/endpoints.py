@@ -11,6 +11,7 @@ one HTTP request (``n > 1``, a list of prompts) carries it.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -191,10 +192,18 @@ def _feedback_target(body: dict[str, Any]) -> tuple[bool, str | None, str | None
     return correct, rid, sid
 
 
+API_SERVER_HEADER = "X-PTE-API-Server"  # on every /pte/* answer: the index of the API server
+
+
 def build_router(runtime: Runtime) -> APIRouter:
     router = APIRouter(prefix="/pte", tags=["pte-instrument"])
 
     async def guarded(request: Request, handler: Callable[[], Awaitable[JSONResponse]]) -> JSONResponse:
+        response = await _answer(request, handler)
+        response.headers[API_SERVER_HEADER] = str(runtime.api_server)  # which process answered
+        return response
+
+    async def _answer(request: Request, handler: Callable[[], Awaitable[JSONResponse]]) -> JSONResponse:
         if not _authorized(request, runtime):  # before anything of the request is read
             return _error(401, "Unauthorized: send Authorization: Bearer <api key>")
         try:
@@ -213,7 +222,7 @@ def build_router(runtime: Runtime) -> APIRouter:
     @router.get("/summary")
     async def summary(request: Request) -> JSONResponse:
         async def handler() -> JSONResponse:
-            return JSONResponse(runtime.summary())
+            return JSONResponse(await asyncio.to_thread(runtime.summary))  # reads the shared store
 
         return await guarded(request, handler)
 
@@ -240,7 +249,7 @@ def build_router(runtime: Runtime) -> APIRouter:
             sort = request.query_params.get("sort", "pte_served")
             if sort not in SORT_KEYS:
                 raise ValueError(f"query parameter 'sort' cannot be {quoted(sort)}")
-            total, rows = runtime.sessions.top(limit, offset, key=sort)
+            total, rows = await asyncio.to_thread(runtime.sessions.top, limit, offset, sort)
             return JSONResponse(
                 {"total": total, "limit": limit, "offset": offset, "sort": sort, "sessions": rows}
             )
@@ -254,7 +263,7 @@ def build_router(runtime: Runtime) -> APIRouter:
             sid, reason = validate_session_id(session_id)
             if sid is None:
                 raise ValueError(f"malformed session id ({reason})")
-            found = runtime.sessions.get(sid)
+            found = await asyncio.to_thread(runtime.sessions.get, sid)
             return _error(404, f"no live session {quoted(sid)}") if found is None else JSONResponse(found)
 
         return await guarded(request, handler)

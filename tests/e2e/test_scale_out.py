@@ -1,10 +1,13 @@
 """Scale-out serving: two API servers (prometheus_client multiprocess mode) in front of two
 data-parallel engines, each engine with the step hook. The merged /metrics must equal an
 independent computation from the responses, per engine label; each API server receives
-the engine totals of its own requests; gauges are one series, not one per process."""
+the engine totals of its own requests; gauges are one series, not one per process; agent
+sessions whose turns reach either API server (a fresh connection per turn, tool pauses past
+the keep-alive) are one session, the same from both."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import time
@@ -13,7 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from pte_instrument.devtools.workload import AgentSession, WorkloadConfig
 from tests.conftest import scrape, start_server
+from tests.e2e.test_sessions_e2e import reusable
 from tests.e2e.test_vllm_plugin import independent_gamma, words
 from tests.exposition import metric_sum
 
@@ -44,15 +49,19 @@ def complete(url: str, prompt: str, max_tokens: int, client: httpx.Client | None
     return r.json()
 
 
-def summaries(url: str) -> dict[int, dict]:
-    """/pte/summary of every API server: fresh connections until each has answered."""
+def from_each_api_server(url: str, path: str) -> dict[int, dict]:
+    """``path`` as each API server answers it: fresh connections until both have."""
     seen: dict[int, dict] = {}
     for _ in range(200):
-        s = httpx.get(f"{url}/pte/summary", timeout=10).json()
-        seen[s["api_server"]["index"]] = s
+        r = httpx.get(f"{url}{path}", timeout=10)
+        seen[int(r.headers["X-PTE-API-Server"])] = r.json() if r.status_code == 200 else {"status": r.status_code}
         if len(seen) == 2:
             break
     return seen
+
+
+def summaries(url: str) -> dict[int, dict]:
+    return from_each_api_server(url, "/pte/summary")
 
 
 def test_two_api_servers_two_engines_match_the_responses(scaled, tiny_model):
@@ -131,3 +140,58 @@ def test_two_api_servers_two_engines_match_the_responses(scaled, tiny_model):
     lines = [json.loads(line) for line in log.read_text().splitlines()]  # both servers append
     ids = sorted(rec["request_id"].rpartition("-")[0] for rec in lines)
     assert ids == sorted(r["id"] for r in responses)
+
+
+FRESH_SESSIONS, FRESH_TURNS = 32, 4
+KEEP_ALIVE_S = 5  # uvicorn's: a pause past it closes a kept connection, so the turn lands anywhere
+
+
+def test_sessions_on_fresh_connections_are_one_session_from_either_api_server(scaled):
+    """Every turn on a connection of its own, some after pauses past the keep-alive: each
+    session's turn table and eviction tax, read from either API server, equal an
+    independent computation from its responses."""
+    vllm, _ = scaled
+    cfg = WorkloadConfig(turns=FRESH_TURNS, max_tokens=6, task_words=30, tool_result_words=60)
+    system = "You are an agent. " + words(random.Random(7), 150)
+
+    def run(k: int) -> list:
+        rng = random.Random(k)
+        session = AgentSession(f"fresh-{k}", cfg, system, rng)
+        results = []
+        for t in range(FRESH_TURNS):
+            if t:  # a tool pause: every fourth session waits past the keep-alive
+                time.sleep(KEEP_ALIVE_S + 1.5 if k % 4 == 0 and t == 2 else rng.uniform(0.05, 0.5))
+            with httpx.Client(base_url=vllm.url, timeout=180) as fresh:
+                results.append(session.step(fresh, "tiny"))
+        return results
+
+    with ThreadPoolExecutor(FRESH_SESSIONS) as pool:
+        sessions = list(pool.map(run, range(FRESH_SESSIONS)))
+
+    priced = sum(len(turns) for turns in sessions)
+    assert wait_for_requests(vllm.url, at_least=priced)
+    for k, turns in enumerate(sessions):
+        views = from_each_api_server(vllm.url, f"/pte/sessions/fresh-{k}")
+        assert sorted(views) == [0, 1], views
+        assert views[0] == views[1]  # one store: the same answer from both processes
+        rows = views[0]["turn_rows"]
+        assert [r["turn"] for r in rows] == list(range(1, FRESH_TURNS + 1))
+        assert [r["request_id"].rpartition("-")[0] for r in rows] == [t.request_id for t in turns]
+        assert [r["cached_tokens"] for r in rows] == [t.cached_tokens for t in turns]
+        taxes = [0] + [max(0, reusable(prev) - cur.cached_tokens) for prev, cur in itertools.pairwise(turns)]
+        assert [r["pte_eviction_tax"] for r in rows] == taxes
+        assert views[0]["pte_eviction_tax"] == sum(taxes)
+        pauses = [r["pause_s"] for r in rows]
+        assert pauses[0] is None and all(p >= 0 for p in pauses[1:])
+        if k % 4 == 0:
+            assert pauses[2] > KEEP_ALIVE_S
+
+
+def wait_for_requests(url: str, at_least: int, timeout_s: float = 30) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        counts = [sum(t["requests"] for t in s["models"].values()) for s in summaries(url).values()]
+        if sum(counts) >= at_least:
+            return True
+        time.sleep(0.3)
+    return False

@@ -101,6 +101,20 @@ def test_otlp_span_carries_genai_and_pte_attributes(server):
     assert span["end"] - span["start"] == pytest.approx(rec["e2e_s"] * 1e9, abs=1e3)
 
 
+def test_otlp_log_record_is_the_request_log_line(server):
+    """A collector gathering every replica's log records holds every replica's request log."""
+    sid = f"otel-log-{random.getrandbits(32):x}"
+    (turn,) = run_session(server, sid, turns=1)
+    rec = server.log_records({turn.request_id})[turn.request_id][0]
+    log = server.otlp.log_for(rec["request_id"])
+    assert log is not None, "no log record received by the OTLP receiver"
+    assert log["event_name"] == "pte.request" and log["severity"] == "INFO"
+    assert log["attributes"] == {k: v for k, v in rec.items() if v is not None}
+    assert log["time"] == int(rec["finished_at"] * 1e9)
+    assert log["resource"]["service.name"] == "vllm"
+    assert rec["session_id"] == sid and rec["request_id"] in log["body"]
+
+
 def test_routes_paginate_validate_and_require_the_key(server):
     for sid in (f"route-a-{random.getrandbits(16)}", f"route-b-{random.getrandbits(16)}"):
         run_session(server, sid, turns=1)

@@ -34,8 +34,9 @@ class FakeSender:
     def __init__(self) -> None:
         self.batches: list[tuple[int, list]] = []
 
-    def send(self, messages: list, api_server: int = 0) -> None:
+    def send(self, messages: list, api_server: int = 0) -> bool:
         self.batches.append((api_server, messages))
+        return True
 
 
 def test_faults_at_set_up_travel_with_the_hello():

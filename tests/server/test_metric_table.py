@@ -66,7 +66,7 @@ GAUGE_MODES = {
         "mostrecent",
     ),
     "pte_engine_estimate_gap_pte": "sum",  # a running sum that may go negative
-    "pte_sessions_live": "livesum",
+    "pte_sessions_live": "mostrecent",  # every API server reads the host's one store
 }
 # fmt: on
 # Exposed name -> (type, label names).

@@ -1,17 +1,19 @@
 """The session ledger and session-id handling: bounded, ordered, nothing lost silently."""
 
+import threading
 import tracemalloc
 from dataclasses import replace
 
 import pytest
 
+from pte_instrument import failpoints
 from pte_instrument.cost.architecture import load_config, parse_shape
 from pte_instrument.cost.devices import PROFILES
 from pte_instrument.cost.model import CostModel
 from pte_instrument.server.ledger import FinishedRequest, price_request
 from pte_instrument.server.live_efficiency import LiveEfficiency
 from pte_instrument.server.request_tags import PendingTags, RequestTag, validate_session_id
-from pte_instrument.server.sessions import SessionLedger
+from pte_instrument.server.sessions import SessionLedger, StoreError
 from tests.cost.test_architecture import FIX
 
 COST = CostModel(parse_shape(load_config(FIX / "dense_mha.json")), PROFILES["h200"])
@@ -42,9 +44,23 @@ def turn(
     return record
 
 
-def test_turns_reuse_and_pause():
+@pytest.fixture
+def ledgers():
+    """Session ledgers over private stores, closed (and their files removed) after the test."""
+    made: list[SessionLedger] = []
+
+    def make(**kwargs) -> SessionLedger:
+        made.append(SessionLedger(**kwargs))
+        return made[-1]
+
+    yield make
+    for ledger in made:
+        ledger.close()
+
+
+def test_turns_reuse_and_pause(ledgers):
     clock = Clock()
-    ledger = SessionLedger(block_size=16, clock=clock)
+    ledger = ledgers(block_size=16, clock=clock)
     r1 = turn(ledger, "s", prompt=100, output=11, cached=0, finished_at=1000.0)
     # turn 2 arrives 5 s after turn 1 ended (finished 1007, took 2 s)
     r2 = turn(ledger, "s", prompt=180, output=5, cached=96, finished_at=1007.0, e2e=2.0)
@@ -58,29 +74,73 @@ def test_turns_reuse_and_pause():
     assert s["pause_s"] == pytest.approx(5.0)
 
 
-def test_max_turns_keeps_totals():
-    ledger = SessionLedger(max_turns=3)
+def test_two_processes_on_one_store_number_one_session(ledgers, tmp_path):
+    """Turns of one session alternating between two API servers' ledgers (one file) are one
+    session: numbered in order, each pause and reusable prefix from the turn before, which
+    the other process priced; either reads the same session back."""
+    path = tmp_path / "sessions.sqlite3"
+    a, b = ledgers(path=path, block_size=16), ledgers(path=path, block_size=16)
+    r1 = turn(a, "s", prompt=100, output=11, cached=0, finished_at=1000.0)
+    assert a.flush()  # committed: the other process's next read sees it
+    r2 = turn(b, "s", prompt=180, output=5, cached=0, finished_at=1007.0, e2e=2.0)
+    assert b.flush()
+    r3 = turn(a, "s", prompt=260, output=5, cached=176, finished_at=1010.0, e2e=1.0)
+    assert (r1.turn, r2.turn, r3.turn) == (1, 2, 3)
+    assert r2.pause_s == pytest.approx(5.0) and r3.pause_s == pytest.approx(2.0)
+    assert r2.pte_eviction_tax == 96  # 110 computed → 96 in whole blocks, none of it cached
+    assert r3.pte_eviction_tax == 0  # 184 computed → 176 reusable, all cached
+    assert a.get("s") == b.get("s") and [t["turn"] for t in a.get("s")["turn_rows"]] == [1, 2, 3]
+    assert a.host_stats()["sessions_opened"] == 1 == b.host_stats()["sessions_opened"]
+
+
+def test_the_store_outlives_the_process(tmp_path):
+    """A new ledger on the same file (an API server restarted) continues every session."""
+    path = tmp_path / "sessions.sqlite3"
+    first = SessionLedger(path, block_size=16)
+    turn(first, "s", prompt=100, output=11, cached=0, finished_at=1000.0)
+    first.close()  # commits what is queued
+    again = SessionLedger(path, block_size=16)
+    try:
+        r2 = turn(again, "s", prompt=180, output=5, cached=0, finished_at=1100.0)
+        assert r2.turn == 2 and r2.pte_eviction_tax == 96 and len(again) == 1
+    finally:
+        again.close()
+
+
+def test_a_file_that_is_not_a_store_is_refused_by_name(tmp_path):
+    bad = tmp_path / "not-a-store.sqlite3"
+    bad.write_bytes(b"this is not SQLite" * 100)
+    with pytest.raises(StoreError, match=r"not-a-store\.sqlite3"):
+        SessionLedger(bad)
+    with pytest.raises(StoreError, match="cannot open"):
+        SessionLedger(tmp_path)  # a directory
+
+
+def test_max_turns_keeps_totals(ledgers):
+    ledger = ledgers(max_turns=3)
     records = [turn(ledger, "s", 10 * (i + 1), 2, 0, 1000.0 + i) for i in range(5)]
-    s = ledger.get("s")
+    s = ledger.get("s")  # reads flush this process's queued turns first
     assert [t["turn"] for t in s["turn_rows"]] == [3, 4, 5]
     assert s["turns"] == 5 and s["turns_dropped"] == 2 and ledger.stats.turns_dropped == 2
     assert s["pte_served"] == pytest.approx(sum(r.pte_served for r in records))
 
 
-def test_cap_and_ttl_close_sessions_with_a_reason():
+def test_cap_and_ttl_close_sessions_with_a_reason(ledgers):
     clock = Clock()
     closed = []
-    ledger = SessionLedger(
-        max_sessions=2, idle_ttl_s=60, clock=clock, on_close=lambda s, why: closed.append((s.session_id, why))
+    ledger = ledgers(
+        max_sessions=2, idle_ttl_s=60, clock=clock, on_close=lambda s, why: closed.append((s["session_id"], why))
     )
     for sid in ("a", "b", "c"):
         turn(ledger, sid, 10, 1, 0, clock.t)
+    assert ledger.flush()
     assert closed == [("a", "evicted")] and len(ledger) == 2
     clock.t += 30
     turn(ledger, "b", 20, 1, 0, clock.t)  # b active again
     clock.t += 45  # c idle 75 s, b 45 s
-    assert ledger.expire() == 1
-    assert closed[-1] == ("c", "idle") and ledger.get("b") is not None
+    ledger.expire()
+    assert ledger.flush()
+    assert closed[-1] == ("c", "idle") and len(closed) == 2 and ledger.get("b") is not None
     assert (ledger.stats.sessions_opened, ledger.stats.sessions_evicted, ledger.stats.sessions_expired) == (
         3,
         1,
@@ -88,8 +148,8 @@ def test_cap_and_ttl_close_sessions_with_a_reason():
     )
 
 
-def test_top_sessions_sorted_and_paginated():
-    ledger = SessionLedger()
+def test_top_sessions_sorted_and_paginated(ledgers):
+    ledger = ledgers()
     for sid, prompt in (("small", 10), ("big", 1000), ("mid", 100)):
         turn(ledger, sid, prompt, 1, 0, 1000.0)
     total, rows = ledger.top(limit=2)
@@ -97,9 +157,9 @@ def test_top_sessions_sorted_and_paginated():
     assert [r["session_id"] for r in ledger.top(limit=2, offset=2)[1]] == ["small"]
 
 
-def test_hundred_thousand_session_ids_stay_bounded():
+def test_hundred_thousand_session_ids_stay_bounded(ledgers):
     cap = 1000
-    ledger = SessionLedger(max_sessions=cap, max_turns=4)
+    ledger = ledgers(max_sessions=cap, max_turns=4)
     pending = PendingTags(capacity=cap)
     recent = LiveEfficiency(window=cap)  # the feedback window: the other per-request store
     tracemalloc.start()
@@ -110,13 +170,53 @@ def test_hundred_thousand_session_ids_stay_bounded():
     template = turn(ledger, "template", 50, 2, 0, 1000.0)
     for i in range(100_000):
         pending.put(f"req-{i}", RequestTag(f"sid-{i}", "none"))
-        ledger.add(replace(template, session_id=f"sid-{i}"))
         recent.observe(f"req-{i}", f"sid-{i}", "m", "none", 2, "stop")
+        if i % 5 == 0:  # the store is on disk: 20,000 new sessions show its bound in memory
+            ledger.add(replace(template, session_id=f"sid-{i}"))
+        if i % 5000 == 4999:  # the writer keeps pace, as with requests that take time to run
+            assert ledger.flush(timeout=120)
     now, _ = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert len(ledger) == cap and len(pending) == cap
-    assert ledger.stats.sessions_evicted == 101_001 - cap and pending.dropped == 100_000 - cap
+    assert ledger.stats.sessions_evicted == 21_001 - cap and pending.dropped == 100_000 - cap
     assert (now - base) / 2**20 < 2, f"grew {(now - base) / 2**20:.2f} MiB"
+
+
+def test_a_full_write_queue_loses_records_counted(ledgers, monkeypatch):
+    errors: list[Exception] = []
+    ledger = ledgers(max_queued=50, on_error=errors.append)
+    template = turn(ledger, "template", 50, 2, 0, 1000.0)
+    assert ledger.flush()
+    release = threading.Event()
+    commit = ledger._commit
+
+    def stalled(*args):  # a store that has stopped taking writes (a disk that hangs)
+        release.wait(60)
+        return commit(*args)
+
+    monkeypatch.setattr(ledger, "_commit", stalled)
+    for i in range(100):
+        ledger.add(replace(template, session_id=f"s-{i}"))
+    release.set()
+    assert ledger.flush(timeout=60)
+    stored = ledger.host_stats()["sessions_opened"] - 1
+    assert 0 < ledger.stats.records_lost == 100 - stored
+    assert len(errors) == ledger.stats.records_lost and "50 records waiting" in str(errors[0])
+
+
+def test_a_failed_batch_is_lost_whole_and_counted(ledgers, monkeypatch):
+    errors: list[Exception] = []
+    ledger = ledgers(on_error=errors.append)
+    turn(ledger, "kept", 50, 2, 0, 1000.0)
+    assert ledger.flush()
+    monkeypatch.setattr(failpoints, "_points", {"session_store": 1.0})
+    turn(ledger, "kept", 60, 2, 0, 1001.0)
+    turn(ledger, "lost", 50, 2, 0, 1001.0)
+    assert ledger.flush()
+    monkeypatch.setattr(failpoints, "_points", {})
+    assert ledger.stats.records_lost == 2 and "injected fault" in str(errors[-1])
+    assert ledger.get("lost") is None and ledger.get("kept")["turns"] == 1  # nothing half-written
+    assert ledger.host_stats()["sessions_opened"] == 1
 
 
 @pytest.mark.parametrize(
@@ -144,13 +244,13 @@ def test_pending_tags_pop_tries_each_spelling():
     assert p.pop("abc") is None
 
 
-def test_ledger_metrics_publish_state_and_count_drops_once():
+def test_ledger_metrics_publish_state_and_count_drops_once(ledgers):
     from prometheus_client import CollectorRegistry
 
     from pte_instrument.server.exporters.prometheus import LedgerMetrics, PteMetrics
 
     registry = CollectorRegistry()
-    ledger, pending = SessionLedger(max_sessions=2, max_turns=1), PendingTags(capacity=1)
+    ledger, pending = ledgers(max_sessions=2, max_turns=1), PendingTags(capacity=1)
     published = LedgerMetrics(PteMetrics(registry), ledger, pending)
 
     def value(name: str) -> float:
@@ -161,6 +261,7 @@ def test_ledger_metrics_publish_state_and_count_drops_once():
     turn(ledger, "c", 20, 1, 0, 1001.0)  # c's first row dropped by max_turns=1
     pending.put("x", RequestTag("s1", "none"))
     pending.put("y", RequestTag("s2", "none"))  # "x" dropped by the capacity of 1
+    assert ledger.flush()
     published.sync()
     published.sync()  # a second sync with nothing new adds nothing
     assert value("pte_sessions_live") == 2
@@ -168,5 +269,6 @@ def test_ledger_metrics_publish_state_and_count_drops_once():
     assert value("pte_session_turn_rows_dropped_total") == 1
     assert value("pte_session_tags_dropped_total") == 1
     turn(ledger, "d", 10, 1, 0, 1002.0)
+    assert ledger.flush()
     published.sync()
     assert (value("pte_sessions_live"), value("pte_sessions_opened_total")) == (2, 4)

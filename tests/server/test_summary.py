@@ -1,5 +1,6 @@
-"""``/pte/summary``'s per-model totals: PTE and tokens over every request; seconds and money
-summed over the requests that had them (None counts as 0), beside how many did."""
+"""``/pte/summary``'s per-model totals, kept in the host's store: PTE and tokens over every
+request; seconds and money summed over the requests that had them (None counts as 0),
+beside how many did."""
 
 from __future__ import annotations
 
@@ -7,8 +8,15 @@ import dataclasses
 
 import pytest
 
-from pte_instrument.server.exporters.summary import FIELDS, ModelTotals
-from pte_instrument.server.ledger import RequestRecord
+from pte_instrument.server.ledger import MODEL_TOTALS, RequestRecord
+from pte_instrument.server.sessions import SessionLedger
+
+
+@pytest.fixture
+def totals():
+    ledger = SessionLedger()
+    yield ledger
+    ledger.close()
 
 
 def record(model: str = "m", **kw: object) -> RequestRecord:
@@ -29,16 +37,15 @@ def timed(
                   latency_explained_s=explained, interference_s=explained - total, cost_usd=cost, **kw)  # fmt: skip
 
 
-def test_seconds_and_money_are_summed_over_the_requests_that_had_them():
-    totals = ModelTotals()
-    totals.export(timed((0.5, 0.25, 0.125, 0.125), explained=1.5, cost=0.002))  # 1.0 s, priced
-    totals.export(timed((0.25, 0.5, 0.0, 0.25), explained=1.0, cost=None))  # 1.0 s, no price
-    totals.export(record())  # no step hook: no seconds, no money
-    totals.export(timed((1.0, 0.0, 0.0, 0.0), explained=4.0, cost=0.01, model="other"))
-    snap = totals.snapshot()
+def test_seconds_and_money_are_summed_over_the_requests_that_had_them(totals):
+    totals.add(timed((0.5, 0.25, 0.125, 0.125), explained=1.5, cost=0.002))  # 1.0 s, priced
+    totals.add(timed((0.25, 0.5, 0.0, 0.25), explained=1.0, cost=None))  # 1.0 s, no price
+    totals.add(record())  # no step hook: no seconds, no money
+    totals.add(timed((1.0, 0.0, 0.0, 0.0), explained=4.0, cost=0.01, model="other"))
+    snap = totals.model_totals()
     assert set(snap) == {"m", "other"}
     m = snap["m"]
-    assert set(m) == set(FIELDS)
+    assert set(m) == set(MODEL_TOTALS)
     assert m["requests"] == 3 and m["pte_served"] == 270.0 and m["prompt_tokens"] == 300
     assert m["requests_timed"] == 2 and m["requests_priced"] == 1
     assert m["gpu_seconds"] == pytest.approx(2.0)
@@ -55,18 +62,48 @@ def test_seconds_and_money_are_summed_over_the_requests_that_had_them():
     assert o["gpu_seconds"] == 1.0 and o["interference_s"] == 3.0 and o["cost_usd"] == 0.01
 
 
-def test_a_model_without_the_step_hook_shows_zero_seconds_from_zero_requests():
-    totals = ModelTotals()
-    totals.export(record())
-    totals.export(record())
-    m = totals.snapshot()["m"]
+def test_a_model_without_the_step_hook_shows_zero_seconds_from_zero_requests(totals):
+    totals.add(record())
+    totals.add(record())
+    m = totals.model_totals()["m"]
     assert m["requests"] == 2 and m["requests_timed"] == 0 and m["requests_priced"] == 0
     assert m["gpu_seconds"] == 0 and m["cost_usd"] == 0 and m["latency_explained_s"] == 0
 
 
-def test_the_snapshot_is_a_copy():
-    totals = ModelTotals()
-    totals.export(record())
-    snap = totals.snapshot()
+def test_the_snapshot_is_a_copy(totals):
+    totals.add(record())
+    snap = totals.model_totals()
     snap["m"]["requests"] = 99
-    assert totals.snapshot()["m"]["requests"] == 1
+    assert totals.model_totals()["m"]["requests"] == 1
+
+
+def test_two_processes_sharing_the_store_read_the_same_totals(tmp_path):
+    """Two API servers' ledgers on one file: each reads the other's requests too."""
+    path = tmp_path / "sessions.sqlite3"
+    a, b = SessionLedger(path), SessionLedger(path)
+    try:
+        a.add(record(pte_served=10.0))
+        b.add(record(pte_served=5.0))
+        assert b.flush()
+        assert a.model_totals() == b.model_totals()
+        assert a.model_totals()["m"]["requests"] == 2 and a.model_totals()["m"]["pte_served"] == 15.0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_an_unusable_store_is_one_fault_and_a_private_store(tmp_path):
+    from prometheus_client import CollectorRegistry
+
+    from pte_instrument.server.runtime import Runtime
+    from pte_instrument.settings import Settings
+
+    runtime = Runtime(Settings(session_store=str(tmp_path)), CollectorRegistry())  # a directory
+    try:
+        assert runtime.faults.counts["sessions"] == 1
+        runtime.sessions.add(record())
+        summary = runtime.summary()
+        assert summary["models"]["m"]["requests"] == 1  # still accounted, in this process
+        assert summary["sessions"]["store"] != str(tmp_path) and summary["sessions"]["live"] == 0
+    finally:
+        runtime.sessions.close()

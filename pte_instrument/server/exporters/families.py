@@ -201,10 +201,10 @@ FAMILIES: tuple[FamilySpec, ...] = (
                "Requests whose session id was unusable (served, not tracked), by reason.", ("reason",)),
     FamilySpec("faults", "pte_plugin_faults", "counter",
                "Faults inside pte-instrument, by stage; serving continued.", ("stage",)),
-    # --- session-ledger state (process-wide, no labels), published by LedgerMetrics ---
-    # "livesum": each API server's ledger, summed over live processes.
-    FamilySpec("sessions_live", "pte_sessions_live", "gauge", "Agent sessions currently tracked.",
-               multiprocess_mode="livesum", source="ledger"),
+    # --- session-ledger state (no labels), published by LedgerMetrics ---
+    # "mostrecent": every API server reads the one store of the host.
+    FamilySpec("sessions_live", "pte_sessions_live", "gauge", "Agent sessions currently tracked (host-wide).",
+               multiprocess_mode="mostrecent", source="ledger"),
     FamilySpec("sessions_opened", "pte_sessions_opened", "counter", "Agent sessions opened.", source="ledger"),
     FamilySpec("turn_rows_dropped", "pte_session_turn_rows_dropped", "counter",
                "Turn rows not kept past the per-session cap (totals still count).", source="ledger"),

@@ -1,6 +1,8 @@
 """OpenTelemetry: one span per finished request (an agent turn), with the GenAI semantic
-conventions where they apply and ``pte.*`` attributes for the rest. Configured by the
-standard ``OTEL_*`` variables (endpoint, headers, service name, batch delays)."""
+conventions where they apply and ``pte.*`` attributes for the rest; and one log record per
+priced request with the request log's fields, so that a collector gathers every replica's
+ledger. Configured by the standard ``OTEL_*`` variables (endpoint, headers, service name,
+batch delays)."""
 
 from __future__ import annotations
 
@@ -8,19 +10,37 @@ from typing import Any
 
 from pte_instrument.server.ledger import RequestRecord
 
+LOG_EVENT = "pte.request"  # the event name of a priced-request log record
 
-def build_tracer_provider() -> Any:
-    """A provider of our own (vLLM's tracing, when on, keeps its own) exporting OTLP/HTTP."""
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+def _resource() -> Any:
     from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     resource = Resource.create()  # reads OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES
     if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
         resource = resource.merge(Resource({"service.name": "vllm"}))
-    provider = TracerProvider(resource=resource)
+    return resource
+
+
+def build_tracer_provider() -> Any:
+    """A provider of our own (vLLM's tracing, when on, keeps its own) exporting OTLP/HTTP."""
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    provider = TracerProvider(resource=_resource())
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    return provider
+
+
+def build_logger_provider() -> Any:
+    """A log provider of our own exporting OTLP/HTTP (``OTEL_EXPORTER_OTLP[_LOGS]_ENDPOINT``)."""
+    from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
+    from opentelemetry.sdk._logs import LoggerProvider
+    from opentelemetry.sdk._logs.export import BatchLogRecordProcessor
+
+    provider = LoggerProvider(resource=_resource())
+    provider.add_log_record_processor(BatchLogRecordProcessor(OTLPLogExporter()))
     return provider
 
 
@@ -70,6 +90,35 @@ class OtelExporter:
         start_ns = end_ns - int(r.e2e_s * 1e9)
         span = self.tracer.start_span(f"chat {r.model}", start_time=start_ns, attributes=span_attributes(r))
         span.end(end_time=end_ns)
+
+    def shutdown(self) -> None:
+        self.provider.shutdown()
+
+
+def log_attributes(r: RequestRecord) -> dict[str, Any]:
+    """The request log's fields (``docs/request-log.md``) as attributes, under the same names;
+    an unknown value (None) is left out, as OpenTelemetry has no null."""
+    return {k: v for k, v in r.to_dict().items() if v is not None}
+
+
+class OtelLogExporter:
+    """One OTLP log record per priced request: the request log, for a collector."""
+
+    def __init__(self, provider: Any | None = None) -> None:
+        self.provider = provider or build_logger_provider()
+        self.logger = self.provider.get_logger("pte_instrument")
+
+    def export(self, r: RequestRecord) -> None:
+        from opentelemetry._logs import SeverityNumber
+
+        self.logger.emit(
+            timestamp=int(r.finished_at * 1e9),
+            severity_number=SeverityNumber.INFO,
+            severity_text="INFO",
+            event_name=LOG_EVENT,
+            body=f"{r.model} request {r.request_id} priced: {r.pte_served:.6g} PTE served",
+            attributes=log_attributes(r),
+        )
 
     def shutdown(self) -> None:
         self.provider.shutdown()

@@ -1,0 +1,120 @@
+"""The session store outlives the server: a restart between turns keeps every session's
+turn numbering and shows the eviction tax the restart really cost (the KV cache died with
+the engine); a SIGKILL under load leaves the store whole, losing at most the turns in flight."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sqlite3
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from pte_instrument.devtools.serving import VllmServer
+from pte_instrument.devtools.workload import AgentSession, WorkloadConfig
+from tests.e2e.test_sessions_e2e import reusable
+from tests.e2e.test_vllm_plugin import words
+from tests.helpers import wait
+
+SESSIONS = 8
+CFG = WorkloadConfig(turns=4, max_tokens=6, task_words=30, tool_result_words=60)
+SYSTEM = "You are an agent. " + words(random.Random(3), 150)
+
+
+def serve(tiny_model: Path, store: Path, log: Path) -> VllmServer:
+    env = {"VLLM_PLUGINS": "pte", "PTE_SESSION_STORE": str(store)}
+    return VllmServer(tiny_model, log_path=log, env=env, extra_args=["--enable-prefix-caching"])
+
+
+def step(url: str, session: AgentSession):
+    with httpx.Client(base_url=url, timeout=180) as client:
+        return session.step(client, "tiny")
+
+
+def stored_turns(url: str, sid: str) -> int:
+    r = httpx.get(f"{url}/pte/sessions/{sid}", timeout=10)
+    return r.json()["turns"] if r.status_code == 200 else 0
+
+
+def test_sessions_continue_across_a_restart(tiny_model, tmp_path):
+    store = tmp_path / "sessions.sqlite3"
+    sessions = [AgentSession(f"restart-{k}", CFG, SYSTEM, random.Random(k)) for k in range(SESSIONS)]
+    results: list[list] = [[] for _ in sessions]
+    with serve(tiny_model, store, tmp_path / "before.log") as before:
+        for _ in range(2):
+            for k, s in enumerate(sessions):
+                results[k].append(step(before.url, s))
+        assert wait(lambda: all(stored_turns(before.url, s.session_id) == 2 for s in sessions))
+    with serve(tiny_model, store, tmp_path / "after.log") as after:
+        for _ in range(2):
+            for k, s in enumerate(sessions):
+                results[k].append(step(after.url, s))
+        assert wait(lambda: all(stored_turns(after.url, s.session_id) == 4 for s in sessions))
+        views = [httpx.get(f"{after.url}/pte/sessions/{s.session_id}", timeout=10).json() for s in sessions]
+    for k, (view, turns) in enumerate(zip(views, results, strict=True)):
+        rows = view["turn_rows"]
+        assert [r["turn"] for r in rows] == [1, 2, 3, 4]
+        assert [r["request_id"].rpartition("-")[0] for r in rows] == [t.request_id for t in turns]
+        # turn 3 is the first after the restart: the context turn 2 paid for was prefilled again,
+        # all but what this session's neighbours had put back in the new cache (the system prompt)
+        prev, first_after = turns[1], turns[2]
+        assert rows[2]["pte_eviction_tax"] == max(0, reusable(prev) - first_after.cached_tokens)
+        assert rows[3]["pte_eviction_tax"] == max(0, reusable(turns[2]) - turns[3].cached_tokens)
+        assert rows[2]["pause_s"] > 0
+        if k == 0:  # the first turn after the restart found an empty cache
+            assert first_after.cached_tokens == 0 and rows[2]["pte_eviction_tax"] == reusable(prev) > 0
+
+
+def test_sigkill_under_load_leaves_the_store_whole(tiny_model, tmp_path):
+    store = tmp_path / "sessions.sqlite3"
+    server = serve(tiny_model, store, tmp_path / "killed.log").start()
+    answered: Counter[str] = Counter()
+    stop = threading.Event()
+
+    def agent(k: int) -> None:
+        session = AgentSession(f"load-{k}", WorkloadConfig(turns=100, max_tokens=4, task_words=20,
+                                                           tool_result_words=20), SYSTEM, random.Random(k))  # fmt: skip
+        while not stop.is_set():
+            try:
+                step(server.url, session)
+            except httpx.HTTPError:
+                return
+            answered[session.session_id] += 1
+
+    def committed() -> int:
+        with sqlite3.connect(f"file:{store}?mode=ro", uri=True) as db:
+            return db.execute("SELECT COALESCE(SUM(n_turns), 0) FROM sessions").fetchone()[0]
+
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            for k in range(16):
+                pool.submit(agent, k)
+            assert wait(lambda: store.exists() and committed() >= 60, timeout_s=300)
+            os.killpg(os.getpgid(server.proc.pid), signal.SIGKILL)  # mid-load, mid-write maybe
+            stop.set()
+    finally:
+        server.stop()
+
+    with sqlite3.connect(store) as db:
+        assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        rows = db.execute("SELECT id, n_turns, turns_dropped, pte_served FROM sessions").fetchall()
+        for sid, n_turns, dropped, served in rows:
+            seqs = [r[0] for r in db.execute("SELECT seq FROM turns WHERE session_id = ? ORDER BY seq", (sid,))]
+            assert seqs == list(range(dropped + 1, n_turns + 1))  # every committed turn whole
+            row_served = db.execute("SELECT row ->> '$.pte_served' FROM turns WHERE session_id = ?", (sid,))
+            if not dropped:
+                assert sum(r[0] for r in row_served) == served
+            assert n_turns <= answered[sid]  # nothing stored that was not served
+    lost = sum(answered.values()) - sum(r[1] for r in rows)
+    # at most the turns in flight: answered, not yet priced and committed (one per session at most)
+    assert 0 <= lost <= 16, lost
+    time.sleep(0.5)
+    with serve(tiny_model, store, tmp_path / "after-kill.log") as again:  # the store opens and serves
+        sid, n_turns = rows[0][0], rows[0][1]
+        assert stored_turns(again.url, sid) == n_turns
