@@ -1,9 +1,12 @@
-"""Engine → API-server transport for engine-side totals: ZeroMQ PUSH/PULL over IPC
-sockets. The first process (the API server, or ``vllm serve``'s launcher) puts a base
-address in the environment before vLLM spawns its other processes, which inherit it. API
-server ``i`` binds ``<base>-i``; an engine sends each finished request's totals to the API
-server that submitted it (vLLM's client index), so with several API servers every total
-reaches the process whose stat logger sees that request finish.
+"""Engine → API-server transport for engine-side totals: ZeroMQ PUSH/PULL. On one node, IPC
+sockets: the first process (the API server, or ``vllm serve``'s launcher) puts a base
+address in the environment before vLLM spawns its other processes, which inherit it, and
+API server ``i`` binds ``<base>-i``. With engines on other nodes (``--headless``, launched
+as a command of their own), TCP to an address both sides derive from vLLM's data-parallel
+settings (``vllm_adapter.compat.engine_transport``), API server ``i`` on the base port + ``i``.
+An engine sends each finished request's totals to the API server that submitted it (vLLM's
+client index), so with several API servers every total reaches the process whose stat
+logger sees that request finish.
 
 Why not vLLM's own stats channel: ``SchedulerStats`` is not a stable interface and its
 serialization drops unknown fields. A socket of our own works for every engine (data
@@ -41,6 +44,10 @@ def ensure_address() -> str:
 
 
 def address_for(base: str, api_server: int) -> str:
+    """API server ``i``'s address: ``<base>-i`` for IPC, the base port + ``i`` for TCP."""
+    if base.startswith("tcp://"):
+        host, _, port = base.removeprefix("tcp://").rpartition(":")
+        return f"tcp://{host}:{int(port) + api_server}"
     return f"{base}-{api_server}"
 
 

@@ -143,6 +143,8 @@ CONTRACT: tuple[Item, ...] = (
             "data_parallel_index",
             "_api_process_rank",
             "_api_process_count",
+            "data_parallel_master_ip",
+            "data_parallel_rpc_port",
         ),
     ),
     Item(("vllm.config:SchedulerConfig",), "class", "--scheduler-cls", fields=("scheduler_cls",)),

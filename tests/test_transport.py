@@ -72,3 +72,17 @@ def test_the_receiver_reports_each_malformed_batch(tmp_path):
     inbox.get(timeout=5)
     assert len(errors) == 1 and isinstance(errors[0], ValueError)
     push.close(0)
+
+
+def test_over_tcp_api_server_i_listens_on_the_base_port_plus_i():
+    from pte_instrument.devtools.serving import free_port
+
+    base = f"tcp://127.0.0.1:{free_port()}"
+    assert address_for("tcp://10.0.0.5:29650", 2) == "tcp://10.0.0.5:29652"
+    assert address_for("ipc:///tmp/pte-1", 2) == "ipc:///tmp/pte-1-2"
+    inbox: queue.Queue = queue.Queue()
+    Receiver(address_for(base, 1), inbox.put)
+    sender = Sender(base)
+    assert sender.send([totals("over-tcp")], api_server=1)
+    assert [m.external_id for m in inbox.get(timeout=5)] == ["over-tcp"]
+    sender.close()

@@ -232,7 +232,7 @@ class RequestJoin:
     def price_ready(self, now: float) -> None:
         """Price finished requests, joined with the engine hook's exact totals. Those
         usually arrive first (sent before the engine returns its outputs); a request
-        waits for them at most ENGINE_JOIN_TIMEOUT_S, and only when a hook is running.
+        waits for them at most ENGINE_JOIN_TIMEOUT_S, and only when its engine's hook said hello.
         Requests ready together are priced in arrival order (sessions number turns so)."""
         with self._lock:
             ready: list[FinishedRequest] = []
@@ -241,13 +241,19 @@ class RequestJoin:
                 try:
                     keys = self.keys(request.request_id)
                     totals = self.inbox.take(keys, request.output_tokens, request.finish_reason)
-                    if totals is None and self.inbox.hooks and now < deadline:
+                    hooked = request.engine in self.inbox.hooks
+                    if totals is None and hooked and now < deadline:
                         self.waiting.append((request, deadline))
                         continue
-                    if totals is None and self.inbox.hooks:
+                    if totals is None and hooked:
                         self.faults.record(
                             "engine_join", TimeoutError(f"no engine totals for {request.request_id}")
                         )
+                    elif totals is None and self.inbox.hooks:  # other engines' hooks reach us
+                        self.faults.record("engine_join", LookupError(
+                            f"engine {request.engine}'s step hook has not reached this API server: its requests "
+                            "are priced without engine totals (on another node, start it with "
+                            "PTE_ENGINE_TRANSPORT=tcp; docs/deployment.md)"))  # fmt: skip
                         _count(self._priced_without_engine, request.request_id)  # its late totals: no 2nd entry
                     if totals is not None:
                         request = with_engine_totals(request, totals)

@@ -23,7 +23,7 @@ from pte_instrument.server.live_efficiency import LiveEfficiency
 from pte_instrument.server.request_tags import PendingTags
 from pte_instrument.server.sessions import SessionLedger, StoreError
 from pte_instrument.settings import Settings
-from pte_instrument.transport import ADDRESS_ENV, Receiver, address_for
+from pte_instrument.transport import Receiver, address_for
 from pte_instrument.wire import EngineCalibration
 
 STAGES = (
@@ -72,6 +72,7 @@ class Runtime:
         self.prometheus: dict[tuple[str, int], PrometheusExporter] = {}  # by (model, engine)
         self.joins: list[RequestJoin] = []  # the stat logger's: finished requests waiting for totals
         self.receiver: Receiver | None = None
+        self.receiver_address: str | None = None
         self.api_server = 0  # this process's index among the API servers
         self.otel = self._otel("otel", "OtelExporter") if settings.otel else None
         self.otel_logs = self._otel("otel_logs", "OtelLogExporter") if settings.otel_logs else None
@@ -99,15 +100,16 @@ class Runtime:
                 error,
             )
 
-    def listen(self, api_server: int) -> None:
-        """Receive the engine hooks' totals for the requests this API server sends (once)."""
+    def listen(self, api_server: int, address: str | None) -> None:
+        """Receive the engine hooks' totals for the requests this API server sends (once), on
+        the transport base ``address`` (None: no engine hook can reach this process)."""
         self.api_server = api_server
-        address = os.environ.get(ADDRESS_ENV)
         if self.receiver is not None or not address:
             return
+        self.receiver_address = address_for(address, api_server)
         try:
             self.receiver = Receiver(
-                address_for(address, api_server),
+                self.receiver_address,
                 self.inbox.on_messages,
                 on_error=lambda e: self.faults.record("transport", e),
             )

@@ -62,6 +62,21 @@ def api_server_count(vllm_config: VllmConfig) -> int:
     return max(1, int(getattr(vllm_config.parallel_config, "_api_process_count", 1) or 1))
 
 
+TCP_PORT_OFFSET = 100  # the transport's TCP base port: vLLM's data-parallel RPC port + this
+
+
+def engine_transport(vllm_config: VllmConfig, configured: str | None) -> str | None:
+    """The engine → API-server transport base. ``PTE_ENGINE_TRANSPORT=tcp`` (set on every
+    node, for engines started ``--headless`` on other nodes): TCP on vLLM's data-parallel
+    master address at its RPC port + ``TCP_PORT_OFFSET`` — settings every node is given, and
+    that an engine keeps after vLLM resets its other data-parallel fields. Any other value
+    (an ``ipc://`` base the processes inherit, or a ``tcp://host:port`` base) as it is."""
+    if configured is None or configured.strip().lower() != "tcp":
+        return configured
+    pc = vllm_config.parallel_config
+    return f"tcp://{pc.data_parallel_master_ip}:{int(pc.data_parallel_rpc_port) + TCP_PORT_OFFSET}"
+
+
 def engine_index(vllm_config: VllmConfig) -> int:
     """The data-parallel engine index: vLLM resets ``data_parallel_rank`` to 0 in non-MoE
     DP engines; ``data_parallel_index`` keeps it."""

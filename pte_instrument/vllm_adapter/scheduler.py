@@ -40,14 +40,14 @@ class _PteHook:
         self._pte_faults = FaultTracker()
         try:
             settings = Settings.from_env()
-            address = os.environ.get(ADDRESS_ENV)
+            cfg = self.vllm_config  # type: ignore[attr-defined]
+            address = compat.engine_transport(cfg, os.environ.get(ADDRESS_ENV))
             if not settings.enabled or not address:
                 log.warning(
                     "pte-instrument engine hook inactive (%s)",
                     "disabled" if address else f"{ADDRESS_ENV} unset",
                 )
                 return
-            cfg = self.vllm_config  # type: ignore[attr-defined]
             engine = compat.engine_index(cfg)
             self._pte_reporter = EngineReporter(Sender(address), engine, self._pte_faults)
             cost_model = compat.cost_model_from_vllm(cfg, settings)
@@ -70,7 +70,10 @@ class _PteHook:
                 self._pte_step_log_off(settings.step_log, self._pte.step_log_error)
             self._pte_reporter.hello(compat.api_server_count(cfg), self._pte.calibration())
             log.info(
-                "pte-instrument engine hook active (engine %d, %s accumulator)", engine, self._pte.acc.backend
+                "pte-instrument engine hook active (engine %d, %s accumulator, totals to %s)",
+                engine,
+                self._pte.acc.backend,
+                address,
             )
         except Exception as e:
             self._pte_fault("setup", e)

@@ -8,6 +8,7 @@ indexes as the ``engine`` label). Nothing here may raise into vLLM: a fault is c
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import replace
 from typing import Any
@@ -21,6 +22,7 @@ from pte_instrument.server.accountant import Accountant
 from pte_instrument.server.engine_join import RequestJoin
 from pte_instrument.server.ledger import FinishedRequest
 from pte_instrument.server.runtime import get_runtime
+from pte_instrument.transport import ADDRESS_ENV
 from pte_instrument.vllm_adapter import compat
 
 
@@ -92,7 +94,9 @@ class PteStatLogger(AggregateStatLoggerBase):
             self.runtime.faults.record("setup", e)
             log.error("pte-instrument could not build its cost model and is inactive: %s", e)
             return
-        self.runtime.listen(compat.api_server_index(vllm_config))
+        self.runtime.listen(
+            compat.api_server_index(vllm_config), compat.engine_transport(vllm_config, os.environ.get(ADDRESS_ENV))
+        )
         self.runtime.joins.append(self.join)
         self.join.start_timer()
 
@@ -157,11 +161,12 @@ class PteStatLogger(AggregateStatLoggerBase):
             return
         c = next(iter(self.accountants.values())).cost_model
         log.info(
-            "pte-instrument active for %s (engines %s, API server %d): gamma=%.6g, device=%s (HOI %.1f), "
-            "N_active=%.4g, KV bytes/token=%g",
+            "pte-instrument active for %s (engines %s, API server %d, engine totals on %s): gamma=%.6g, "
+            "device=%s (HOI %.1f), N_active=%.4g, KV bytes/token=%g",
             self.model,
             ",".join(map(str, self.accountants)),
             self.runtime.api_server,
+            self.runtime.receiver_address or "nothing (no engine hook can reach this process)",
             c.gamma,
             c.device.name,
             c.device.hoi,

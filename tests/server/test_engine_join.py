@@ -4,6 +4,7 @@ once, on time, under a unique id, whatever order the two sides arrive in."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -126,3 +127,17 @@ def test_requests_ready_together_are_priced_in_arrival_order():
         join.finished(stats(rid, 1, arrived=arrived), now)
     join.price_ready(now)
     assert [r.request_id for r in priced] == ["a", "b", "c"]
+
+
+def test_an_engine_whose_hook_never_reached_this_api_server_is_a_fault_priced_at_once():
+    """Engine 0's hook said hello, engine 1's never did (a node whose transport cannot reach
+    this process): engine 1's requests are priced at once, without totals, each counted."""
+    _, join, priced, faults = make_join(hook=True)
+    request = replace(stats("cmpl-far-0", output=3), engine=1)
+    join.finished(request, now=0.0)
+    join.price_ready(now=0.0)  # no waiting for totals that cannot come
+    assert [r.request_id for r in priced] == ["cmpl-far-0"] and priced[0].engine_totals is None
+    assert faults.counts["engine_join"] == 1
+    join.finished(replace(stats("cmpl-near-0", output=3), engine=0), now=0.0)
+    join.price_ready(now=0.0)  # engine 0's hook is there: its request waits for its totals
+    assert len(priced) == 1 and faults.counts["engine_join"] == 1

@@ -1,0 +1,79 @@
+"""An engine on another node: data parallelism with engine 1 started ``--headless`` as a
+command of its own (its own environment, working and temporary directory, nothing inherited
+from the API server, as on a second node). With ``PTE_ENGINE_TRANSPORT=tcp`` on both nodes,
+its hook reaches the API server over TCP at the address both derive from vLLM's
+data-parallel settings: its requests carry exact engine totals, none left unjoined, no fault."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from pte_instrument.devtools.serving import VllmServer, free_port
+from tests.conftest import scrape
+from tests.e2e.test_scale_out import complete
+from tests.e2e.test_vllm_plugin import words
+from tests.exposition import metric_sum
+from tests.helpers import jsonl, wait
+
+HOOK = ["--scheduler-cls", "pte_instrument.vllm_adapter.scheduler.PteScheduler"]
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tiny_model, tmp_path_factory):
+    work = tmp_path_factory.mktemp("head")
+    other = tmp_path_factory.mktemp("other-node")
+    rpc = free_port()
+    dp = ["--data-parallel-size", "2", "--data-parallel-size-local", "1",
+          "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc)]  # fmt: skip
+    node_env = {k: v for k, v in os.environ.items() if not k.startswith(("PTE_", "VLLM_", "PROMETHEUS_"))}
+    node_env.update(TMPDIR=str(other), VLLM_CPU_KVCACHE_SPACE="1", PTE_ENGINE_TRANSPORT="tcp")
+    command = [sys.executable, "-m", "pte_instrument.vllm_adapter.serve", str(tiny_model), "--served-model-name",
+               "tiny", "--headless", "--data-parallel-start-rank", "1", *dp, *HOOK,
+               "--gpu-memory-utilization", "0.2", "--max-model-len", "4096"]  # fmt: skip
+    headless = subprocess.Popen(
+        command,
+        cwd=other, env=node_env, stdout=(other / "engine.log").open("wb"), stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    log = work / "requests.jsonl"
+    head = VllmServer(tiny_model, log_path=work / "vllm.log", env={"PTE_REQUEST_LOG": str(log), "PTE_ENGINE_TRANSPORT": "tcp", "VLLM_PLUGINS": "pte"},
+                      extra_args=["--enable-prefix-caching", "--api-server-count", "1", *dp, *HOOK])  # fmt: skip
+    try:
+        head.start()
+        yield head, log
+    finally:
+        head.stop()
+        os.killpg(os.getpgid(headless.pid), 9)
+        headless.wait()
+
+
+def test_a_headless_engine_on_another_node_reports_its_totals(two_nodes):
+    head, log = two_nodes
+    rng = random.Random(5)
+    prompts = [words(rng, rng.randint(20, 200)) for _ in range(24)]
+    with ThreadPoolExecutor(8) as pool:  # concurrent: the balancer uses both engines
+        responses = list(pool.map(lambda p: complete(head.url, p, 8), prompts))
+    assert wait(lambda: len(jsonl(log)) == len(responses), timeout_s=30)
+    records = jsonl(log)
+    assert {r["engine"] for r in records} == {0, 1}
+    assert all(r["engine_pte_served"] is not None for r in records), "a request lost its engine totals"
+    for r in records:
+        assert r["engine_pte_served"] == pytest.approx(r["pte_served"], rel=1e-9)
+    with httpx.Client(base_url=head.url, timeout=10) as client:
+        summary = client.get("/pte/summary").json()
+        m = scrape(client)
+    hook = summary["engine_hook"]
+    assert hook["engines"] == [0, 1] and hook["results_unjoined"] == 0 and hook["requests_waiting"] == 0
+    assert metric_sum(m, "pte_engine_served_pte_total", engine="1") == pytest.approx(
+        metric_sum(m, "pte_served_pte_total", engine="1"), rel=1e-9
+    )
+    assert metric_sum(m, "pte_engine_served_pte_total", engine="1") > 0
+    faults = {dict(k[1])["stage"]: v for k, v in m.items() if k[0] == "pte_plugin_faults_total"}
+    assert not any(faults.values()), faults
