@@ -60,7 +60,7 @@ class Runtime:
         self.pending = PendingTags()
         self.sessions = self._open_sessions(settings)
         self.ledger_metrics = LedgerMetrics(self.metrics, self.sessions, self.pending)
-        self.efficiency = LiveEfficiency(window=settings.feedback_window)
+        self.efficiency = LiveEfficiency(window=settings.feedback_window, store=self.sessions)
         self.cost_models: dict[tuple[str, int], CostModel] = {}
         self.api_keys: list[str] = []
         self.request_log = RequestLogWriter(settings.request_log) if settings.request_log else None

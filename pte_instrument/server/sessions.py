@@ -47,6 +47,10 @@ SUMMED = ("prompt_tokens", "cached_tokens", "output_tokens", "pte_reference", "p
           "pte_eviction_tax", "pte_recompute", "pause_s", "gpu_seconds", "latency_explained_s",
           "interference_s", "cost_usd")  # fmt: skip
 
+# Counts of one (model, benchmark) cell of the live efficiency (``live_efficiency.Outcome``).
+OUTCOME_COUNTS = ("requests", "truncated", "output_tokens", "labeled", "labeled_truncated",
+                  "labeled_output_tokens", "correct")  # fmt: skip
+
 SCHEMA_VERSION = 1
 _SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value) WITHOUT ROWID;
@@ -62,6 +66,16 @@ CREATE TABLE IF NOT EXISTS turns (
     session_id TEXT NOT NULL, seq INTEGER NOT NULL, row TEXT NOT NULL, PRIMARY KEY (session_id, seq)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS recent (
+    request_id TEXT PRIMARY KEY, seq INTEGER NOT NULL, model TEXT NOT NULL, benchmark TEXT NOT NULL,
+    output_tokens INTEGER NOT NULL, truncated INTEGER NOT NULL, session_id TEXT, labeled INTEGER NOT NULL
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS recent_seq ON recent (seq);
+CREATE INDEX IF NOT EXISTS recent_session ON recent (session_id, seq);
+CREATE TABLE IF NOT EXISTS outcomes (
+    model TEXT NOT NULL, benchmark TEXT NOT NULL, {", ".join(f"{k} INTEGER NOT NULL DEFAULT 0" for k in OUTCOME_COUNTS)},
+    PRIMARY KEY (model, benchmark)
+) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS model_totals (
     model TEXT PRIMARY KEY, {", ".join(f"{k} NOT NULL DEFAULT 0" for k in MODEL_TOTALS)}
 ) WITHOUT ROWID;
@@ -129,6 +143,7 @@ class SessionLedger:
         self.idle_ttl_s = idle_ttl_s
         self.max_turns = max_turns
         self.block_size = block_size  # the server's KV block: prefix caching is per block
+        self.feedback_window = 50_000  # finished requests a correctness label can still reach
         self.on_close = on_close
         self.on_error = on_error
         self.clock = clock
@@ -183,6 +198,53 @@ class SessionLedger:
             with self._overlay_lock:
                 self._overlay[record.session_id] = tail
         self._ensure_writer()
+
+    def observe(self, request_id: str, session_id: str | None, model: str, benchmark: str,
+                output_tokens: int, truncated: bool) -> None:  # fmt: skip
+        """Queue a finished request for the feedback window and its cell's counts."""
+        if not self._submit(("observe", (request_id, session_id, model, benchmark, output_tokens, int(truncated)))):
+            self.stats.records_lost += 1
+            self._error(StoreError(f"session store {self.path}: {self._max_queued} records waiting; one lost"))
+
+    def label(self, correct: bool, request_ids: list[str], session_id: str | None) -> dict[str, Any] | list | None:
+        """Label the first of ``request_ids`` in the window, or all of ``session_id``'s
+        requests in it, as one instance: its outcome; None if none is in the window; [] if
+        already labeled. One transaction, so two API servers cannot label one instance twice."""
+        self.flush()
+        with self._reader_lock, self._reader as db:
+            db.execute("BEGIN IMMEDIATE")
+            if request_ids:
+                rows = []
+                for rid in request_ids:
+                    rows = db.execute(_RECENT + " WHERE request_id = ?", (rid,)).fetchall()
+                    if rows:
+                        break
+            else:
+                rows = db.execute(_RECENT + " WHERE session_id = ? ORDER BY seq", (session_id,)).fetchall()
+            if not rows:
+                return None
+            if any(r[5] for r in rows):
+                return []
+            first, last = rows[0], rows[-1]
+            tokens = sum(r[3] for r in rows)
+            truncated = bool(last[4])
+            correct = bool(correct) and not truncated  # a truncated answer is never correct
+            db.execute(
+                "UPDATE outcomes SET labeled = labeled + 1, labeled_truncated = labeled_truncated + ?,"
+                " labeled_output_tokens = labeled_output_tokens + ?, correct = correct + ?"
+                " WHERE model = ? AND benchmark = ?",
+                (int(truncated), tokens, int(correct), first[1], first[2]),
+            )
+            db.executemany("UPDATE recent SET labeled = 1 WHERE request_id = ?", [(r[0],) for r in rows])
+        return {"model": first[1], "benchmark": first[2], "requests": len(rows), "output_tokens": tokens,
+                "truncated": truncated, "correct": correct}  # fmt: skip
+
+    def outcomes(self) -> dict[tuple[str, str], dict[str, int]]:
+        """The live efficiency's counts per (model, benchmark), host-wide."""
+        self.flush()
+        with self._reader_lock:
+            rows = self._reader.execute(f"SELECT model, benchmark, {', '.join(OUTCOME_COUNTS)} FROM outcomes").fetchall()
+        return {(r[0], r[1]): dict(zip(OUTCOME_COUNTS, r[2:], strict=True)) for r in rows}
 
     def expire(self) -> None:
         """Ask the writer to close sessions idle for longer than the TTL now (it also does so
@@ -309,7 +371,10 @@ class SessionLedger:
             expire = any(item[0] == "expire" for item in batch) or time.monotonic() >= next_expiry
             if expire:
                 next_expiry = time.monotonic() + _EXPIRE_EVERY_S
-            closed = self._commit(db, [item for item in batch if item[0] == "add"], now, expire)
+            closed = self._commit(
+                db, [item for item in batch if item[0] == "add"], now, expire,
+                [item[1] for item in batch if item[0] == "observe"],
+            )  # fmt: skip
             self._notify(closed)
             for item in batch:
                 if item[0] == "flush":
@@ -320,9 +385,10 @@ class SessionLedger:
                 return
 
     def _commit(
-        self, db: sqlite3.Connection | None, adds: list[tuple[Any, ...]], now: float, expire: bool
+        self, db: sqlite3.Connection | None, adds: list[tuple[Any, ...]], now: float, expire: bool,
+        observed: list[tuple[Any, ...]] = (),  # type: ignore[assignment]
     ) -> list[tuple[dict[str, Any], str]]:
-        if db is None or not (adds or expire):
+        if db is None or not (adds or expire or observed):
             self._settle(adds)
             return []
         try:
@@ -335,13 +401,16 @@ class SessionLedger:
                         continue
                     if batch.apply(record, now) and batch.live > self.max_sessions:
                         batch.close("ORDER BY touched LIMIT ?", (batch.live - self.max_sessions,), "evicted")
+                if observed:
+                    batch.observe(observed, self.feedback_window)
                 if expire:
                     batch.close("WHERE last_seen < ?", (now - self.idle_ttl_s,), "idle")
                 batch.count()
                 failpoint("session_store")
         except Exception as e:
-            self.stats.records_lost += len(adds)
-            self._error(StoreError(f"session store {self.path}: a batch of {len(adds)} turns was lost ({e})"))
+            self.stats.records_lost += len(adds) + len(observed)
+            self._error(StoreError(
+                f"session store {self.path}: a batch of {len(adds) + len(observed)} records was lost ({e})"))  # fmt: skip
             self._settle(adds)
             return []
         self._live = batch.live
@@ -406,6 +475,7 @@ _ADD_TOTALS = (
     " ON CONFLICT (model) DO UPDATE SET " + ", ".join(f"{k} = {k} + excluded.{k}" for k in MODEL_TOTALS)
 )
 _TURN_ROW = msgspec.json.Encoder()
+_RECENT = "SELECT request_id, model, benchmark, output_tokens, truncated, labeled FROM recent"
 _CLOSE = f"DELETE FROM sessions WHERE id = ? RETURNING {', '.join(_SUMMARY_COLUMNS)}"
 
 
@@ -420,6 +490,22 @@ class _Batch:
         self.live = db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0]
         # Least recently active first: one counter for the host, read once under the write lock.
         self.touched = db.execute("SELECT COALESCE(MAX(touched), 0) FROM sessions").fetchone()[0]
+
+    def observe(self, observed: list[tuple[Any, ...]], window: int) -> None:
+        """Finished requests into the feedback window (an id seen again: the newer counts),
+        the oldest past ``window`` out of it, and their cells' counts."""
+        seq = self.db.execute("SELECT COALESCE(MAX(seq), 0) FROM recent").fetchone()[0]
+        for rid, sid, model, benchmark, tokens, truncated in observed:
+            seq += 1
+            self.db.execute("INSERT OR REPLACE INTO recent VALUES (?, ?, ?, ?, ?, ?, ?, 0)",
+                            (rid, seq, model, benchmark, tokens, truncated, sid))  # fmt: skip
+            self.db.execute(
+                "INSERT INTO outcomes (model, benchmark, requests, truncated, output_tokens) VALUES (?, ?, 1, ?, ?)"
+                " ON CONFLICT (model, benchmark) DO UPDATE SET requests = requests + 1,"
+                " truncated = truncated + excluded.truncated, output_tokens = output_tokens + excluded.output_tokens",
+                (model, benchmark, truncated, tokens),
+            )
+        self.db.execute("DELETE FROM recent WHERE seq <= ?", (seq - window,))
 
     def total(self, r: RequestRecord) -> None:
         self.db.execute(_ADD_TOTALS, (r.model, *model_totals_row(r)))

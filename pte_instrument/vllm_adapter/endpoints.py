@@ -235,7 +235,7 @@ def build_router(runtime: Runtime) -> APIRouter:
             correct, rid, sid = _feedback_target(_json_object(await _read_body(request)))
             # the completions API's response id lacks the "-<prompt index>" vLLM appends
             ids = (rid, f"{rid}-0") if rid is not None else ()
-            outcome = runtime.efficiency.label(correct, request_ids=ids, session_id=sid)
+            outcome = await asyncio.to_thread(runtime.efficiency.label, correct, ids, sid)  # the shared store
             runtime.metrics.feedback(outcome)
             return JSONResponse(outcome)
 

@@ -124,11 +124,11 @@ def test_two_api_servers_two_engines_match_the_responses(scaled, tiny_model):
     assert all(v == pytest.approx(gamma, rel=1e-9) for v in gammas.values())
     assert metric_sum(m, "pte_sessions_live") == SESSIONS
 
-    # each API server priced its own share; together, every request once
+    # every request priced once, in the one store both API servers read
     per_server = summaries(vllm.url)
     assert sorted(per_server) == [0, 1]
     counts = [sum(t["requests"] for t in s["models"].values()) for s in per_server.values()]
-    assert all(counts) and sum(counts) == len(responses), counts
+    assert counts == [len(responses)] * 2, counts
     for s in per_server.values():
         hook = s["engine_hook"]
         assert hook["engines"] == [0, 1]  # both engines said hello to both API servers
@@ -165,11 +165,11 @@ def test_sessions_on_fresh_connections_are_one_session_from_either_api_server(sc
                 results.append(session.step(fresh, "tiny"))
         return results
 
+    before = priced_requests(vllm.url)
     with ThreadPoolExecutor(FRESH_SESSIONS) as pool:
         sessions = list(pool.map(run, range(FRESH_SESSIONS)))
 
-    priced = sum(len(turns) for turns in sessions)
-    assert wait_for_requests(vllm.url, at_least=priced)
+    assert wait_for_requests(vllm.url, at_least=before + sum(len(turns) for turns in sessions))
     for k, turns in enumerate(sessions):
         views = from_each_api_server(vllm.url, f"/pte/sessions/fresh-{k}")
         assert sorted(views) == [0, 1], views
@@ -186,12 +186,29 @@ def test_sessions_on_fresh_connections_are_one_session_from_either_api_server(sc
         if k % 4 == 0:
             assert pauses[2] > KEEP_ALIVE_S
 
+    # a label reaches a session whichever API server takes it, and only once, host-wide
+    answered_by = set()
+    for k in range(8):
+        for expected in (200, 409):
+            r = httpx.post(f"{vllm.url}/pte/feedback", json={"session_id": f"fresh-{k}", "correct": True}, timeout=10)
+            assert r.status_code == expected, r.text
+            answered_by.add(r.headers["X-PTE-API-Server"])
+    assert answered_by == {"0", "1"}
+    efficiency = {i: s["efficiency"] for i, s in summaries(vllm.url).items()}
+    assert efficiency[0] == efficiency[1] and sum(c["labeled"] for c in efficiency[0]) == 8
+    models = {i: s["models"] for i, s in summaries(vllm.url).items()}
+    assert models[0] == models[1]  # the per-model totals too: one store
+
+
+def priced_requests(url: str) -> int:
+    """Requests priced so far, as the API server that answers reads the host's store."""
+    return sum(t["requests"] for t in httpx.get(f"{url}/pte/summary", timeout=10).json()["models"].values())
+
 
 def wait_for_requests(url: str, at_least: int, timeout_s: float = 30) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        counts = [sum(t["requests"] for t in s["models"].values()) for s in summaries(url).values()]
-        if sum(counts) >= at_least:
+        if priced_requests(url) >= at_least:
             return True
         time.sleep(0.3)
     return False

@@ -45,15 +45,42 @@ def test_one_long_session_stays_bounded_by_the_window():
     tracemalloc.start()
     for i in range(window):
         e.observe(f"warm-{i:07d}", "agent", "m", "none", 2, "stop")
+    assert e.store.flush()
     base, _ = tracemalloc.get_traced_memory()
-    for i in range(200_000):  # one session, far more turns than the window holds
+    for i in range(40_000):  # one session, far more turns than the window holds
         e.observe(f"request-{i:07d}", "agent", "m", "none", 2, "stop")
+        if i % 5000 == 4999:  # the writer keeps pace, as with requests that take time to run
+            assert e.store.flush(timeout=120)
     now, _ = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert (now - base) / 2**20 < 0.5, f"grew {(now - base) / 2**20:.2f} MiB"
     # the label covers the session's turns still in the window, as before
     out = e.label(True, session_id="agent")
     assert out["requests"] == window and out["output_tokens"] == 2 * window
+    with e.store._reader_lock:  # the window is the store's bound too
+        assert e.store._reader.execute("SELECT COUNT(*) FROM recent").fetchone()[0] == window
+
+
+def test_a_label_reaches_a_request_another_api_server_observed(tmp_path):
+    from pte_instrument.server.sessions import SessionLedger
+
+    a, b = SessionLedger(tmp_path / "s.sqlite3"), SessionLedger(tmp_path / "s.sqlite3")
+    served_by_a, labels_on_b = LiveEfficiency(store=a), LiveEfficiency(store=b)
+    try:
+        served_by_a.observe("r1", "s", "m", "gsm8k", 40, "stop")
+        served_by_a.observe("r2", "s", "m", "gsm8k", 60, "stop")
+        assert a.flush()
+        out = labels_on_b.label(True, session_id="s")
+        assert out == {"model": "m", "benchmark": "gsm8k", "requests": 2, "output_tokens": 100,
+                       "truncated": False, "correct": True}  # fmt: skip
+        with pytest.raises(FeedbackError) as err:  # once, host-wide
+            served_by_a.label(True, request_ids=["r1"])
+        assert err.value.status == 409
+        assert served_by_a.snapshot() == labels_on_b.snapshot()
+        assert served_by_a.snapshot()[0]["labeled"] == 1 and served_by_a.snapshot()[0]["correct"] == 1
+    finally:
+        a.close()
+        b.close()
 
 
 def test_sessions_lose_only_the_requests_that_leave_the_window():
