@@ -185,26 +185,19 @@ class SessionLedger:
     def add(self, record: RequestRecord) -> None:
         """Queue a priced request (its model's totals; a turn, if it has a session) for the
         writer; never blocks."""
-        tail = None
-        if record.session_id is not None:
-            tail = _Tail(record.turn or 1, record.prompt_tokens, record.output_tokens, record.finished_at)
-        try:
-            self._queue.put_nowait(("add", record, tail))
-        except queue.Full:
-            self.stats.records_lost += 1
-            self._error(StoreError(f"session store {self.path}: {self._max_queued} records waiting; one lost"))
+        if record.session_id is None:
+            self._queue_record(("add", record, None))
             return
-        if tail is not None:
-            with self._overlay_lock:
-                self._overlay[record.session_id] = tail
-        self._ensure_writer()
+        tail = _Tail(record.turn or 1, record.prompt_tokens, record.output_tokens, record.finished_at)
+        with self._overlay_lock:  # before the writer can see it, so that its commit settles it
+            self._overlay[record.session_id] = tail
+        if not self._queue_record(("add", record, tail)):
+            self._settle([("add", record, tail)])
 
     def observe(self, request_id: str, session_id: str | None, model: str, benchmark: str,
                 output_tokens: int, truncated: bool) -> None:  # fmt: skip
         """Queue a finished request for the feedback window and its cell's counts."""
-        if not self._submit(("observe", (request_id, session_id, model, benchmark, output_tokens, int(truncated)))):
-            self.stats.records_lost += 1
-            self._error(StoreError(f"session store {self.path}: {self._max_queued} records waiting; one lost"))
+        self._queue_record(("observe", (request_id, session_id, model, benchmark, output_tokens, int(truncated))))
 
     def label(self, correct: bool, request_ids: list[str], session_id: str | None) -> dict[str, Any] | list | None:
         """Label the first of ``request_ids`` in the window, or all of ``session_id``'s
@@ -213,12 +206,9 @@ class SessionLedger:
         self.flush()
         with self._reader_lock, self._reader as db:
             db.execute("BEGIN IMMEDIATE")
-            if request_ids:
-                rows = []
-                for rid in request_ids:
-                    rows = db.execute(_RECENT + " WHERE request_id = ?", (rid,)).fetchall()
-                    if rows:
-                        break
+            if request_ids:  # spellings of one id: the first the window holds
+                found = (db.execute(_RECENT + " WHERE request_id = ?", (rid,)).fetchall() for rid in request_ids)
+                rows = next((r for r in found if r), [])
             else:
                 rows = db.execute(_RECENT + " WHERE session_id = ? ORDER BY seq", (session_id,)).fetchall()
             if not rows:
@@ -332,6 +322,14 @@ class SessionLedger:
     def _count_live(self) -> int:
         with self._reader_lock:
             return int(self._reader.execute("SELECT COUNT(*) FROM sessions").fetchone()[0])
+
+    def _queue_record(self, item: tuple[Any, ...]) -> bool:
+        """Queue a record for the writer; a full queue loses it, counted."""
+        if self._submit(item):
+            return True
+        self.stats.records_lost += 1
+        self._error(StoreError(f"session store {self.path}: {self._max_queued} records waiting; one lost"))
+        return False
 
     def _submit(self, item: tuple[Any, ...]) -> bool:
         try:
