@@ -341,24 +341,23 @@ class EngineAccounting:
         if m == 1:
             step_tokens = np.array([tokens.sum()], dtype=np.float64)
             memory = self.weights_pte + np.array([kv_pte.sum()])
-            if step_tokens[0] >= memory[0]:  # compute-bound
-                share = tokens.astype(np.float64)
-            else:  # memory-bound
-                share = self.weights_pte / R + kv_pte
+            memory_bound = step_tokens < memory
+            # memory-bound: the weights split evenly, each its own KV reads; else its tokens
+            share = self.weights_pte / R + kv_pte if memory_bound[0] else tokens.astype(np.float64)
             self.roofline[packed[ref.SLOT]] += share  # a request appears once per vLLM step
         else:
-            offsets = [0, *accumulate(sizes[:-1])]
+            offsets = np.array([0, *accumulate(sizes[:-1])])  # an array once, not a list per reduceat
             step_tokens = np.add.reduceat(tokens, offsets).astype(np.float64)
             memory = np.add.reduceat(kv_pte, offsets)
             memory += self.weights_pte
-            compute_bound = np.repeat(step_tokens >= memory, sizes)
+            memory_bound = step_tokens < memory
             weights = np.repeat(self.weights_pte / np.array(sizes, dtype=np.float64), sizes)
-            share = np.where(compute_bound, tokens, weights + kv_pte)
+            share = np.where(np.repeat(memory_bound, sizes), weights + kv_pte, tokens)
             np.add.at(self.roofline, packed[ref.SLOT], share)  # a slot repeats across steps
         durations = [row[4] for row in meta]
         self.timing.steps(
             packed[ref.SLOT], sizes, offsets, contrib[ref.PREFILL], kv_pte / self._gamma_total,
-            tokens < self.weights_pte + kv_pte, step_tokens < memory, durations,
+            tokens < self.weights_pte + kv_pte, memory_bound, durations,
         )  # fmt: skip
         if self._log is None:
             return None
@@ -367,7 +366,7 @@ class EngineAccounting:
     def _log_steps(
         self,
         contrib: np.ndarray,
-        offsets: list[int] | None,
+        offsets: np.ndarray | None,
         sizes: list[int],
         meta: list[list[Any]],
         step_tokens: np.ndarray,
