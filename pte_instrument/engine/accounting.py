@@ -66,6 +66,15 @@ class _Journal:
 
 
 @dataclass
+class _Running:
+    """The latest step, processed before its outputs were back: its wall time, its share of
+    the measured time and its step-log line wait until the step ends."""
+
+    t0: float  # its wall time starts: the end of its hook call
+    line: StepLogLine | None  # with the step log on: written once dt_s is known
+
+
+@dataclass
 class EngineAccounting:
     cost_model: CostModel
     send: Callable[[list[RequestTotals]], None]
@@ -111,9 +120,7 @@ class EngineAccounting:
         self._drafts: set[int] = set()  # slots whose drafts accepted() has not settled yet
         self._rejected = False  # whether some slot has rejected drafts not yet charged
         self._log = None
-        self._pending_step: StepLogLine | None = None  # processed, waiting for its dt_s
-        self._pending_t0 = 0.0  # when the latest processed step's wall time started
-        self._awaiting_dt = False  # whether the latest processed step is still running
+        self._running: _Running | None = None  # the latest step, processed while it runs
         prior = self.step_model or theory(self.cost_model, self.weight_bytes)
         self.timing = TimeAttribution(
             prior, OnlineStepFit(prior) if self.calibrate_online else None, self.acc.capacity
@@ -179,8 +186,9 @@ class EngineAccounting:
         if not rids:
             return
         if len(self._journal.sizes) >= self.journal_steps:
-            self._process()  # its time counts in this step's hook_s: the step that triggers it
-            self._emit_pending()
+            # its time counts in this step's hook_s: the step that triggers it; the latest
+            # journaled step ended above, so its line is complete
+            self._write(self._process())
         c, n, prompt, spec = columns
         slot_of = self.slot_of
         try:
@@ -197,17 +205,18 @@ class EngineAccounting:
         j.meta.append([self.steps - 1, time.time() if log is not None else 0.0, 0.0, 0.0, None])
         if any(spec):
             j.spec = list(spec)
-        if j.spec is not None or self._drafts:  # accepted() settles drafts against this step's state
-            self._process()
+        # at once for drafts, or unsettled ones: accepted() settles them against this step's state
+        processed = j.spec is not None or bool(self._drafts)
+        line = self._process() if processed else None
         t_end = self.clock()
         self.hook_s += t_end - t_start
         # the step's own time; its wall time starts now
-        if self._journal.meta:
-            self._journal.meta[-1][2:4] = t_end - t_start, t_end
-        else:  # processed at once
-            self._pending_t0 = t_end
-            if self._pending_step is not None:
-                self._pending_step.hook_s = t_end - t_start
+        if not processed:
+            j.meta[-1][2:4] = t_end - t_start, t_end
+        else:
+            if line is not None:
+                line.hook_s = t_end - t_start
+            self._running = _Running(t_end, line)
 
     def on_step_done(self) -> None:
         """The model ran: the step's wall time is schedule end → outputs back."""
@@ -216,14 +225,14 @@ class EngineAccounting:
     def _close_step(self, now: float) -> None:
         """The latest step's wall time ends (its outputs are back, or the next step is being
         scheduled); a second call for the same step changes nothing."""
-        if self._awaiting_dt:  # processed already: its time is attributed now
-            self._awaiting_dt = False
-            dt = now - self._pending_t0
+        running = self._running
+        if running is not None:  # processed already: its time is attributed now
+            self._running = None
+            dt = now - running.t0
             self.timing.step_done(dt)
-            step = self._pending_step
-            if step is not None and step.dt_s is None:
-                step.dt_s = dt
-                self._emit_pending()
+            if running.line is not None:
+                running.line.dt_s = dt
+                self._write(running.line)
         meta = self._journal.meta
         if meta and meta[-1][4] is None:
             meta[-1][4] = now - meta[-1][3]
@@ -256,12 +265,13 @@ class EngineAccounting:
 
     # --- the journal pass ---------------------------------------------------------------
 
-    def _process(self) -> None:
+    def _process(self) -> StepLogLine | None:
         """Every journaled step into the accumulator (one update), the roofline and the
-        step log. Written for few numpy calls, whose fixed cost dominates at these sizes."""
+        step log. Written for few numpy calls, whose fixed cost dominates at these sizes.
+        Returns the latest step's step-log line, not written yet (see ``_log_steps``)."""
         j = self._journal
         if not j.sizes:
-            return
+            return None
         self._journal = _Journal()  # a fault below loses these steps, never repeats them
         sizes, R, st = j.sizes, len(j.slots), self.state
         packed = np.zeros((ref.N_FIELDS, R), dtype=np.int64)
@@ -311,12 +321,12 @@ class EngineAccounting:
             st[SPEC, slot[last]] = packed[ref.SPEC, last]
             self._drafts = set(np.flatnonzero(st[SPEC]).tolist())
         self.acc.update(packed)  # repeated slots add up (np.add.at / index_add_ / atomics)
-        self._attribute(packed, sizes, j.meta)
+        return self._attribute(packed, sizes, j.meta)
 
-    def _attribute(self, packed: np.ndarray, sizes: list[int], meta: list[list[Any]]) -> None:
+    def _attribute(self, packed: np.ndarray, sizes: list[int], meta: list[list[Any]]) -> StepLogLine | None:
         """Roofline attribution (docs/cost-model.md §5), step by step: a compute-bound step charges each
         request its tokens; a memory-bound one splits the weights evenly over its requests
-        and charges each its own KV reads. Then the step-log lines."""
+        and charges each its own KV reads. Then the step-log lines (the latest returned)."""
         R, m = packed.shape[1], len(sizes)
         contrib = self.acc.last_contributions(R)  # numpy: already computed
         if contrib is None:  # a GPU backend computed them on the device: redo them here
@@ -331,44 +341,42 @@ class EngineAccounting:
         if m == 1:
             step_tokens = np.array([tokens.sum()], dtype=np.float64)
             memory = self.weights_pte + np.array([kv_pte.sum()])
-            if step_tokens[0] >= memory[0]:  # compute-bound
-                share = tokens.astype(np.float64)
-            else:  # memory-bound
-                share = self.weights_pte / R + kv_pte
+            memory_bound = step_tokens < memory
+            # memory-bound: the weights split evenly, each its own KV reads; else its tokens
+            share = self.weights_pte / R + kv_pte if memory_bound[0] else tokens.astype(np.float64)
             self.roofline[packed[ref.SLOT]] += share  # a request appears once per vLLM step
         else:
-            offsets = [0, *accumulate(sizes[:-1])]
+            offsets = np.array([0, *accumulate(sizes[:-1])])  # an array once, not a list per reduceat
             step_tokens = np.add.reduceat(tokens, offsets).astype(np.float64)
             memory = np.add.reduceat(kv_pte, offsets)
             memory += self.weights_pte
-            compute_bound = np.repeat(step_tokens >= memory, sizes)
+            memory_bound = step_tokens < memory
             weights = np.repeat(self.weights_pte / np.array(sizes, dtype=np.float64), sizes)
-            share = np.where(compute_bound, tokens, weights + kv_pte)
+            share = np.where(np.repeat(memory_bound, sizes), weights + kv_pte, tokens)
             np.add.at(self.roofline, packed[ref.SLOT], share)  # a slot repeats across steps
         durations = [row[4] for row in meta]
-        if durations[-1] is None:
-            self._awaiting_dt, self._pending_t0 = True, meta[-1][3]
         self.timing.steps(
             packed[ref.SLOT], sizes, offsets, contrib[ref.PREFILL], kv_pte / self._gamma_total,
-            tokens < self.weights_pte + kv_pte, step_tokens < memory, durations,
+            tokens < self.weights_pte + kv_pte, memory_bound, durations,
         )  # fmt: skip
-        if self._log is not None:
-            self._log_steps(contrib, offsets, sizes, meta, step_tokens, memory)
+        if self._log is None:
+            return None
+        return self._log_steps(contrib, offsets, sizes, meta, step_tokens, memory)
 
     def _log_steps(
         self,
         contrib: np.ndarray,
-        offsets: list[int] | None,
+        offsets: np.ndarray | None,
         sizes: list[int],
         meta: list[list[Any]],
         step_tokens: np.ndarray,
         memory: np.ndarray,
-    ) -> None:
+    ) -> StepLogLine:
         """One JSON line per step, the same as when every step was priced on its own.
         ``hook_s`` is the time of the step's own hook call, which includes any journal pass
         that call ran (amortized work is charged to the step that triggers it; a pass that a
-        read of totals runs is charged to the latest step). The latest step's line is left in
-        ``_pending_step``: its hook_s may still grow, or its outputs may not be back yet."""
+        read of totals runs is charged to the latest step). The latest step's line is
+        returned unwritten: its hook_s may still grow, or its outputs may not be back yet."""
         # per step column sums: (n_columns, steps)
         sums = contrib.sum(axis=1)[:, None] if offsets is None else np.add.reduceat(contrib, offsets, axis=1)
         pte = (sums[ref.PREFILL] + (sums[ref.CTX0 :] * self.gammas[:, None]).sum(axis=0)).tolist()
@@ -378,7 +386,7 @@ class EngineAccounting:
         spec_tokens, tokens = cols[ref.SPEC_TOKENS], step_tokens.tolist()
         roofline = np.maximum(step_tokens, memory).tolist()
         write = self._log.write  # type: ignore[union-attr]
-        for i, (step, t, hook, t_end, dt) in enumerate(meta):
+        for i, (step, t, hook, _, dt) in enumerate(meta):
             line = StepLogLine(
                 engine=self.engine, step=step, t=t, n_reqs=sizes[i], tokens=int(tokens[i]), prefill=int(prefill[i]),
                 recompute=int(recompute[i]), decode_tokens=int(decode[i]), spec_tokens=int(spec_tokens[i]),
@@ -386,28 +394,30 @@ class EngineAccounting:
             )  # fmt: skip
             if i + 1 < len(meta):  # closed: only the latest step can still be running
                 write(encode_step_log(line))
-            else:
-                self._pending_step, self._pending_t0 = line, t_end
+        return line
 
-    def _emit_pending(self) -> None:
-        """Write the pending step line once its wall time is known."""
-        step = self._pending_step
-        if step is not None and step.dt_s is not None and self._log is not None:
-            self._pending_step = None
-            self._log.write(encode_step_log(step))
+    def _write(self, line: StepLogLine | None) -> None:
+        """A step-log line whose wall time is known."""
+        if line is not None and self._log is not None:
+            self._log.write(encode_step_log(line))
 
     def _process_now(self) -> None:
         """A journal pass outside on_schedule, before totals are read: its time counts in
         hook_s (and in the step log, in the latest step's hook_s)."""
-        if not self._journal.sizes:
+        meta = self._journal.meta
+        if not meta:
             return
+        latest = meta[-1]  # [step, unix time, hook s, end of hook, dt s]
         t_start = self.clock()
-        self._process()
+        line = self._process()
         spent = self.clock() - t_start
         self.hook_s += spent
-        if self._pending_step is not None:
-            self._pending_step.hook_s += spent
-            self._emit_pending()
+        if line is not None:
+            line.hook_s += spent
+        if latest[4] is None:  # its outputs are not back: its time and its line wait for them
+            self._running = _Running(latest[3], line)
+        else:
+            self._write(line)
 
     # --- finish -------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from pte_instrument.cost.step_time import OnlineStepFit, StepTimeModel
 PREFILL_S, KV_S, WEIGHTS_S, OVERHEAD_S, LATENCY_S, PREDICTED_S = range(6)
 N_COLUMNS = 6
 REFIT_STEPS = 256  # steps between two online refits (amortized over the journal passes)
+_Floats = np.ndarray | float  # per step, or one step's
 
 
 @dataclass
@@ -30,8 +31,9 @@ class _Pending:
 
     slots: np.ndarray
     parts: np.ndarray  # (4, rows): modelled prefill, KV, weights, overhead seconds per row
+    modelled: np.ndarray  # Σ parts per row
     alone: np.ndarray  # modelled seconds of each row's work, had it run alone
-    features: tuple[float, float, float]  # the step's prefill tokens, context, memory-bound
+    features: tuple[float, float, float] | None  # for the online fit: prefill tokens, context, memory-bound
 
 
 class TimeAttribution:
@@ -53,51 +55,69 @@ class TimeAttribution:
         self,
         slots: np.ndarray,
         sizes: list[int],
-        offsets: list[int] | None,
+        offsets: np.ndarray | list[int] | None,
         prefill: np.ndarray,
         ctx: np.ndarray,
         alone_memory_bound: np.ndarray,
         memory_bound: np.ndarray,
         durations: list[float | None],
     ) -> None:
-        """The rows of one or more steps (``sizes`` rows each, in step order): per row its
-        prefill tokens, γ-weighted context read and whether it alone would be memory-bound;
-        per step whether it is memory-bound and its measured duration (None: only the latest
-        step can still be running)."""
+        """The rows of one or more steps (``sizes`` rows each, in step order, the first row
+        of each at ``offsets``, None for one step): per row its prefill tokens, γ-weighted
+        context read and whether it alone would be memory-bound; per step whether it is
+        memory-bound and its measured duration (None: only the latest step can still be
+        running)."""
         m = self.model
-        n = np.repeat(np.asarray(sizes, dtype=np.float64), sizes)
-        mb_row = np.repeat(memory_bound.astype(np.float64), sizes)
+        rows = np.asarray(sizes)  # once: np.repeat converts a list on every call
         parts = np.empty((4, len(slots)))
         np.multiply(prefill, m.a, out=parts[0])
         np.multiply(ctx, m.b, out=parts[1])
-        np.divide(mb_row * m.w, n, out=parts[2])
-        np.divide(m.o, n, out=parts[3])
-        alone = parts[0] + parts[1] + alone_memory_bound * m.w + m.o
-        if offsets is None:
-            step_prefill, step_ctx = np.array([prefill.sum()]), np.array([ctx.sum()])
+        # a step's weight read (if memory-bound) and overhead, split evenly over its rows
+        if len(sizes) == 1:  # scalars: no per-row copies (every step with drafts comes alone)
+            parts[2] = memory_bound[0] * m.w / sizes[0]
+            parts[3] = m.o / sizes[0]
         else:
-            step_prefill, step_ctx = np.add.reduceat(prefill, offsets), np.add.reduceat(ctx, offsets)
+            parts[2] = np.repeat(memory_bound * m.w / rows, rows)
+            parts[3] = np.repeat(m.o / rows, rows)
+        own = parts[0] + parts[1]  # shared by both sums below
+        modelled = own + parts[2]
+        modelled += parts[3]  # parts.sum(axis=0), the same additions in the same order
+        alone = own + alone_memory_bound * m.w
+        alone += m.o
+        features = None  # per step, for the online fit only: (prefill tokens, context)
+        if self.online is not None:
+            if offsets is None:
+                features = np.array([prefill.sum()]), np.array([ctx.sum()])
+            else:
+                features = np.add.reduceat(prefill, offsets), np.add.reduceat(ctx, offsets)
         last = len(sizes) - 1
         if durations[last] is None:  # its time is attributed when it ends
             start = len(slots) - sizes[last]
             self._pending = _Pending(
-                slots[start:].copy(), parts[:, start:].copy(), alone[start:].copy(),
-                (float(step_prefill[last]), float(step_ctx[last]), float(memory_bound[last])),
+                slots[start:].copy(), parts[:, start:].copy(), modelled[start:].copy(), alone[start:].copy(),
+                None if features is None else (float(features[0][last]), float(features[1][last]),
+                                               float(memory_bound[last])),
             )  # fmt: skip
-            slots, parts, alone, sizes = slots[:start], parts[:, :start], alone[:start], sizes[:last]
-            step_prefill, step_ctx, memory_bound = step_prefill[:last], step_ctx[:last], memory_bound[:last]
-        if sizes:
-            dts = np.asarray(durations[: len(sizes)], dtype=np.float64)
-            self._charge(slots, sizes, parts, alone, dts)
-            self._observe(step_prefill, step_ctx, memory_bound.astype(np.float64), dts)
+            if not last:
+                return
+            slots, modelled, alone = slots[:start], modelled[:start], alone[:start]
+            parts, rows, memory_bound = parts[:, :start], rows[:last], memory_bound[:last]
+            if features is not None:
+                features = features[0][:last], features[1][:last]
+        dts = np.asarray(durations[: len(rows)], dtype=np.float64)
+        self._charge(slots, rows, parts, modelled, alone, dts)
+        if features is not None:
+            self._observe(*features, memory_bound, dts)
 
     def step_done(self, duration: float) -> None:
         """The pending step ended after ``duration`` seconds."""
         p, self._pending = self._pending, None
         if p is None:
             return
-        self._charge(p.slots, [len(p.slots)], p.parts, p.alone, np.array([duration]))
-        self._observe(*(np.array([v]) for v in p.features), np.array([duration]))
+        n = len(p.slots)
+        self._charge(p.slots, np.array([n]), p.parts, p.modelled, p.alone, np.array([duration]))
+        if p.features is not None:
+            self._observe(*p.features, np.array([duration]))
 
     def release(self, slots: np.ndarray) -> None:
         """Slots freed (their totals read): a pending step's share of them can no longer be
@@ -115,27 +135,37 @@ class TimeAttribution:
         return out
 
     def _charge(
-        self, slots: np.ndarray, sizes: list[int], parts: np.ndarray, alone: np.ndarray, dts: np.ndarray
+        self,
+        slots: np.ndarray,
+        rows: np.ndarray,
+        parts: np.ndarray,
+        modelled: np.ndarray,
+        alone: np.ndarray,
+        dts: np.ndarray,
     ) -> None:
-        step = np.repeat(np.arange(len(sizes)), sizes)
-        modelled = parts.sum(axis=0)
-        total = np.bincount(step, weights=modelled, minlength=len(sizes))
+        """Steps of ``rows`` rows each that took ``dts``; ``parts``, ``modelled`` and
+        ``alone`` per row as in ``_Pending``."""
+        # bincount adds each step's rows in order (a pairwise sum would round differently)
+        total = np.bincount(np.repeat(np.arange(len(rows)), rows), weights=modelled, minlength=len(rows))
         even = total <= 0  # a model that predicts nothing: share the step evenly
-        scale = np.where(even, 0.0, dts / np.where(even, 1.0, total))[step]
-        charged = parts * scale
+        scale = np.where(even, 0.0, dts / np.where(even, 1.0, total))
+        one = len(rows) == 1  # one step: its values broadcast as scalars
+        charged = parts * (scale[0] if one else np.repeat(scale, rows))
         if even.any():  # all of an unpredicted step's time goes to its overhead column
-            charged[3] = np.where(even[step], dts[step] / np.repeat(np.asarray(sizes, float), sizes), charged[3])
+            charged[3] = np.where(np.repeat(even, rows), np.repeat(dts / rows, rows), charged[3])
         self.busy_s += float(dts.sum())
+        latency = np.full(len(slots), dts[0]) if one else np.repeat(dts, rows)
         known = slots >= 0
         if not known.all():
             self.unattributed_s += float(charged[:, ~known].sum())
-            slots, charged, alone, step = slots[known], charged[:, known], alone[known], step[known]
+            slots, charged, alone, latency = slots[known], charged[:, known], alone[known], latency[known]
         for col in range(4):
             np.add.at(self.per_slot[col], slots, charged[col])
-        np.add.at(self.per_slot[LATENCY_S], slots, dts[step])
+        np.add.at(self.per_slot[LATENCY_S], slots, latency)
         np.add.at(self.per_slot[PREDICTED_S], slots, alone)
 
-    def _observe(self, prefill: np.ndarray, ctx: np.ndarray, memory_bound: np.ndarray, dts: np.ndarray) -> None:
+    def _observe(self, prefill: _Floats, ctx: _Floats, memory_bound: _Floats, dts: np.ndarray) -> None:
+        """Steps into the online fit (per step; ``add`` takes floats for one step too)."""
         if self.online is None:
             return
         self.online.add(prefill, ctx, memory_bound, dts)

@@ -108,6 +108,7 @@ class PendingTags:
         """The tag of the first key present (callers try several spellings of an id); it
         stays for the other engine requests of the same HTTP request."""
         with self._lock:
+            self._sweep()  # past its grace or age a tag is gone, whether or not anything swept since
             for key in keys:
                 entry = self._map.get(key)
                 if entry is not None:

@@ -3,6 +3,8 @@ accounting, and the fault reaches the API server with the hook's hello."""
 
 from __future__ import annotations
 
+import json
+
 from pte_instrument.engine.accounting import EngineAccounting
 from pte_instrument.engine.report import EngineReporter
 from pte_instrument.faults import FaultTracker
@@ -25,9 +27,15 @@ def test_an_unwritable_step_log_leaves_the_accounting_on(tmp_path):
 
 
 def test_a_writable_step_log_reports_no_error(tmp_path):
-    ea = EngineAccounting(COST, collect([]), step_log=str(tmp_path / "steps.jsonl"))
+    log = tmp_path / "steps.jsonl"
+    ea = EngineAccounting(COST, collect([]), step_log=str(log))
     assert ea.step_log_error is None
+    ea.on_schedule(["a"], [[0], [10], [10], [0]])
+    ea.on_step_done()
     ea.close()
+    header, line = (json.loads(x) for x in log.read_text().splitlines())
+    assert (header["header"], header["engine"], header["gammas"]) == (True, 0, [0.01])
+    assert (line["step"], line["prefill"], line["n_reqs"]) == (0, 10, 1)
 
 
 class FakeSender:

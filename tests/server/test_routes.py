@@ -233,13 +233,14 @@ def test_a_reused_request_id_keeps_its_tag_while_any_exchange_is_open():
     assert len(pending) == 0 and pending.dropped == 0
 
 
-def test_a_rejected_tag_popped_within_the_grace_is_not_dropped(runtime):
+def test_a_rejected_tag_claimed_within_the_grace_is_not_dropped(runtime):
     clock = Clock()
     runtime.pending = PendingTags(clock=clock)
     tagged_client(runtime, 500).post(
         "/v1/completions", json={}, headers={"X-Session-Id": "s", "X-Request-Id": "r"}
     )
-    assert runtime.pending.pop("cmpl-r-0", "r-0", "r") is not None  # the engine's report raced the error
+    # the engine's report raced the error
+    assert runtime.pending.claim("cmpl-r-0", "r-0", "r") == RequestTag("s", "none")
     clock.t += 60
     assert len(runtime.pending) == 0 and runtime.pending.dropped == 0
 
