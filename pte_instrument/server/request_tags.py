@@ -116,16 +116,6 @@ class PendingTags:
                     return entry.tag
         return None
 
-    def pop(self, *keys: str) -> RequestTag | None:
-        """Like ``claim``, and the tag goes at once."""
-        with self._lock:
-            for key in keys:
-                entry = self._map.pop(key)
-                if entry is not None:
-                    self._settled.pop(key)
-                    return entry.tag
-        return None
-
     def settle(self, key: str) -> None:
         """An HTTP exchange under ``key`` ended: once none is open, the tag goes ``grace_s`` later."""
         with self._lock:

@@ -237,13 +237,6 @@ def test_validate_session_id(raw, expected):
     assert validate_session_id(raw) == expected
 
 
-def test_pending_tags_pop_tries_each_spelling():
-    p = PendingTags(capacity=2)
-    p.put("abc", RequestTag("s1", "gsm8k"))
-    assert p.pop("chatcmpl-abc", "abc") == RequestTag("s1", "gsm8k")
-    assert p.pop("abc") is None
-
-
 def test_ledger_metrics_publish_state_and_count_drops_once(ledgers):
     from prometheus_client import CollectorRegistry
 
