@@ -139,7 +139,7 @@ class Runtime:
         try:
             return SessionLedger(settings.session_store, **kwargs)
         except StoreError as e:
-            self.faults.record("sessions", e)
+            self.faults.record("sessions", e, logged=True)  # the one line below says it all
             log.error(
                 "pte-instrument: %s; sessions are kept in a private store of this process instead "
                 "(not shared with other API servers, lost at restart)",
