@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from pte_instrument.offline.records import Problem, RecordError, json_lines, parse_rows, refuse_bad_load
 from pte_instrument.offline.report import fmt, md_table, problems_markdown
+from pte_instrument.server.ledger import TIMED
 
 SCHEMA = "pte-request-log-report/1"
 Kind = Literal["requests", "trajectories"]
@@ -30,10 +31,8 @@ SORT_KEYS: tuple[SortKey, ...] = ("cost_usd", "gpu_seconds", "pte_served")
 DEFAULT_LIMIT = 10
 DETECT_LINES = 100  # non-blank lines read to find the first JSON object
 
-# The step hook's seconds of one request (docs/cost-model.md §5b), in the log's names: all
-# present (numbers) or all absent (null) on a line.
-TERMS = ("gpu_seconds_prefill", "gpu_seconds_kv_read", "gpu_seconds_weights", "gpu_seconds_overhead")
-TIMED = ("gpu_seconds", *TERMS, "predicted_seconds", "latency_explained_s", "interference_s")
+# The step hook's seconds of one request (docs/cost-model.md §5b; ``TIMED``, the request
+# record's own declaration): all present (numbers) or all absent (null) on a line.
 SIGNED = frozenset({"interference_s"})  # latency explained minus own work: may dip below 0 by rounding
 _GZIP_MAGIC = b"\x1f\x8b"
 

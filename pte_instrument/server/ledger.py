@@ -206,8 +206,8 @@ def _engine_fields(totals: RequestTotals | None) -> dict[str, float | None]:
 SUMMED_TOKENS_AND_PTE = ("prompt_tokens", "cached_tokens", "computed_prefill_tokens", "recomputed_tokens",
                          "output_tokens", "pte_reference", "pte_served", "pte_ideal", "pte_prefill",
                          "pte_decode", "pte_recompute", "pte_eviction_tax")  # fmt: skip
-TIMED = ("gpu_seconds", "gpu_seconds_prefill", "gpu_seconds_kv_read", "gpu_seconds_weights",
-         "gpu_seconds_overhead", "predicted_seconds", "latency_explained_s", "interference_s")  # fmt: skip
+GPU_SECONDS_TERMS = ("gpu_seconds_prefill", "gpu_seconds_kv_read", "gpu_seconds_weights", "gpu_seconds_overhead")
+TIMED = ("gpu_seconds", *GPU_SECONDS_TERMS, "predicted_seconds", "latency_explained_s", "interference_s")
 PRICED = ("cost_usd",)
 TIMED_COUNT, PRICED_COUNT = "requests_timed", "requests_priced"
 MODEL_TOTALS = ("requests", *SUMMED_TOKENS_AND_PTE, TIMED_COUNT, *TIMED, PRICED_COUNT, *PRICED)

@@ -55,10 +55,11 @@ class LiveEfficiency:
     request this process observed before them."""
 
     def __init__(self, window: int = 50_000, store: SessionLedger | None = None) -> None:
-        self.window = window
+        """``store``: the host's (its ``feedback_window`` is the window); None: a private one
+        of ``window`` requests."""
         self._own = store is None
-        self.store = store if store is not None else SessionLedger()
-        self.store.feedback_window = window
+        self.store = store if store is not None else SessionLedger(feedback_window=window)
+        self.window = self.store.feedback_window
 
     def observe(self, request_id: str, session_id: str | None, model: str, benchmark: str,
                 output_tokens: int, finish_reason: str) -> None:  # fmt: skip

@@ -60,7 +60,7 @@ class Runtime:
         self.pending = PendingTags()
         self.sessions = self._open_sessions(settings)
         self.ledger_metrics = LedgerMetrics(self.metrics, self.sessions, self.pending)
-        self.efficiency = LiveEfficiency(window=settings.feedback_window, store=self.sessions)
+        self.efficiency = LiveEfficiency(store=self.sessions)
         self.cost_models: dict[tuple[str, int], CostModel] = {}
         self.api_keys: list[str] = []
         self.request_log = RequestLogWriter(settings.request_log) if settings.request_log else None
@@ -133,6 +133,7 @@ class Runtime:
             max_sessions=settings.max_sessions,
             idle_ttl_s=settings.session_idle_ttl_s,
             max_turns=settings.max_turns,
+            feedback_window=settings.feedback_window,
             on_close=self._session_closed,
             on_error=lambda e: self.faults.record("sessions", e),
         )

@@ -134,6 +134,7 @@ class SessionLedger:
         on_error: Callable[[Exception], None] | None = None,
         clock: Callable[[], float] = time.time,
         max_queued: int = MAX_QUEUED,
+        feedback_window: int = 50_000,
     ) -> None:
         """``path``: the store (None: a private file, deleted at ``close``). ``on_close(summary,
         reason)`` runs for each session this process closes; ``on_error`` for each failed write."""
@@ -143,7 +144,7 @@ class SessionLedger:
         self.idle_ttl_s = idle_ttl_s
         self.max_turns = max_turns
         self.block_size = block_size  # the server's KV block: prefix caching is per block
-        self.feedback_window = 50_000  # finished requests a correctness label can still reach
+        self.feedback_window = feedback_window  # finished requests a correctness label can still reach
         self.on_close = on_close
         self.on_error = on_error
         self.clock = clock
@@ -384,12 +385,13 @@ class SessionLedger:
 
     def _commit(
         self, db: sqlite3.Connection | None, adds: list[tuple[Any, ...]], now: float, expire: bool,
-        observed: list[tuple[Any, ...]] = (),  # type: ignore[assignment]
+        observed: list[tuple[Any, ...]],
     ) -> list[tuple[dict[str, Any], str]]:
-        if db is None or not (adds or expire or observed):
-            self._settle(adds)
+        if not (adds or expire or observed):
             return []
         try:
+            if db is None:  # the writer could not open the store (said once, when it tried)
+                raise StoreError("not open")
             with db:  # one transaction: all of the batch or none of it
                 db.execute("BEGIN IMMEDIATE")
                 batch = _Batch(db, self.max_turns)

@@ -3,6 +3,7 @@
 import threading
 import tracemalloc
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -265,3 +266,19 @@ def test_ledger_metrics_publish_state_and_count_drops_once(ledgers):
     assert ledger.flush()
     published.sync()
     assert (value("pte_sessions_live"), value("pte_sessions_opened_total")) == (2, 4)
+
+
+def test_a_writer_that_cannot_open_the_store_counts_every_record_lost(tmp_path):
+    path = tmp_path / "sessions.sqlite3"
+    errors: list[Exception] = []
+    ledger = SessionLedger(path, on_error=errors.append)
+    try:
+        for suffix in ("", "-wal", "-shm"):  # the file goes before the writer first opens it
+            Path(f"{path}{suffix}").unlink(missing_ok=True)
+        path.mkdir()
+        turn(ledger, "s", 50, 2, 0, 1000.0)
+        assert ledger.flush()
+        assert ledger.stats.records_lost == 1
+        assert any("cannot open" in str(e) for e in errors) and any("lost" in str(e) for e in errors)
+    finally:
+        ledger.close()
