@@ -3,7 +3,8 @@
 No Grafana import here, so the tests can check every query (metric names, a real
 Prometheus evaluating it) without the SDK; ``generate.py`` turns this into the dashboard.
 
-Queries use Grafana's template variables ``$model`` and ``$engine`` (regexes: "All" is
+Queries use Grafana's template variables ``$job``, ``$instance``, ``$model_name`` and ``$engine``
+(vLLM's label names, so PTE joins with ``vllm:*`` series; regexes: "All" is
 ``.*``) and the range ``$__rate_interval``. A query marked *optional* may return nothing:
 either it reads a metric the plugin does not export yet (its panel stays empty until the
 metric lands), or it reads exported metrics that have no data on the end-to-end test server
@@ -17,10 +18,16 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 RATE = "$__rate_interval"
+# vLLM's own series the dashboard joins with (by model_name and engine), as vLLM names them;
+# tests check each against the installed vLLM.
+VLLM_SERIES = ("vllm:generation_tokens", "vllm:kv_cache_usage_perc", "vllm:time_to_first_token_seconds")
+
+# Every series carries the scrape's target labels.
+SEL_HOST = 'job=~"$job", instance=~"$instance"'
 # Series with model and engine labels (request-level metrics and the cost model).
-SEL = 'model=~"$model", engine=~"$engine"'
+SEL = SEL_HOST + ', model_name=~"$model_name", engine=~"$engine"'
 # Session-level series carry the model only (a session may span engines).
-SEL_MODEL = 'model=~"$model"'
+SEL_MODEL = SEL_HOST + ', model_name=~"$model_name"'
 
 
 # Why a query over exported metrics may be empty on the end-to-end test server.
@@ -98,7 +105,7 @@ def _quantiles(
 
 def _rates_by_model(**metrics: str) -> tuple[Query, ...]:
     """Counters side by side, one rate per model each, the legend led by its keyword."""
-    return tuple(Query(_rate(metric, "model"), f"{name} {{{{model}}}}") for name, metric in metrics.items())
+    return tuple(Query(_rate(metric, "model_name"), f"{name} {{{{model_name}}}}") for name, metric in metrics.items())
 
 
 def _session_quantiles(
@@ -112,17 +119,32 @@ def _session_quantiles(
     return Panel(
         title,
         description,
-        _quantiles(metric, "model", (0.5, 0.95), SEL_MODEL, empty_on_test_server),
+        _quantiles(metric, "model_name", (0.5, 0.95), SEL_MODEL, empty_on_test_server),
         unit=unit,
     )
 
 
+# Chained like vLLM's own dashboards: each variable lists the values under the ones before it.
 VARIABLES: tuple[Variable, ...] = (
-    Variable("model", "Model", "label_values(pte_requests_total, model)", "pte_requests_total", "model"),
+    Variable("job", "Job", "label_values(pte_requests_total, job)", "pte_requests_total", "job"),
+    Variable(
+        "instance",
+        "Instance",
+        'label_values(pte_requests_total{job=~"$job"}, instance)',
+        "pte_requests_total",
+        "instance",
+    ),
+    Variable(
+        "model_name",
+        "Model",
+        'label_values(pte_requests_total{job=~"$job", instance=~"$instance"}, model_name)',
+        "pte_requests_total",
+        "model_name",
+    ),
     Variable(
         "engine",
         "Engine",
-        'label_values(pte_requests_total{model=~"$model"}, engine)',
+        'label_values(pte_requests_total{job=~"$job", instance=~"$instance", model_name=~"$model_name"}, engine)',
         "pte_requests_total",
         "engine",
     ),
@@ -135,21 +157,21 @@ ROWS: tuple[Row, ...] = (
             Panel(
                 "PTE rate by model and phase",
                 "Served PTE per second (prefix-cache hits free, recompute included), prefill vs decode.",
-                (Query(_rate("pte_served_pte_total", "model, phase"), "{{model}} {{phase}}"),),
+                (Query(_rate("pte_served_pte_total", "model_name, phase"), "{{model_name}} {{phase}}"),),
             ),
             Panel(
                 "Per-request served PTE (p50 / p95 / p99)",
                 "Quantiles of served PTE per finished request.",
-                _quantiles("pte_request_served_pte", "model", (0.5, 0.95, 0.99)),
+                _quantiles("pte_request_served_pte", "model_name", (0.5, 0.95, 0.99)),
             ),
             Panel(
                 "Prefill vs decode share of served PTE",
                 "Each phase's fraction of the served PTE rate.",
                 (
                     Query(
-                        f"{_rate('pte_served_pte_total', 'model, phase')}"
-                        f" / ignoring (phase) group_left () {_rate('pte_served_pte_total', 'model')}",
-                        "{{model}} {{phase}}",
+                        f"{_rate('pte_served_pte_total', 'model_name, phase')}"
+                        f" / ignoring (phase) group_left () {_rate('pte_served_pte_total', 'model_name')}",
+                        "{{model_name}} {{phase}}",
                     ),
                 ),
                 unit="percentunit",
@@ -177,8 +199,8 @@ ROWS: tuple[Row, ...] = (
                 "Prompt tokens served from the prefix cache over all prompt tokens.",
                 (
                     Query(
-                        f"{_rate('pte_cached_tokens_total', 'model')} / {_rate('pte_prompt_tokens_total', 'model')}",
-                        "{{model}}",
+                        f"{_rate('pte_cached_tokens_total', 'model_name')} / {_rate('pte_prompt_tokens_total', 'model_name')}",
+                        "{{model_name}}",
                     ),
                 ),
                 unit="percentunit",
@@ -194,15 +216,15 @@ ROWS: tuple[Row, ...] = (
                 "architecture and the device profile; measured by the engine's step-time model "
                 "(b / a, with the step hook).",
                 (
-                    Query(f"pte_gamma{{{SEL}}}", "theory {{model}} e{{engine}} {{device}}"),
-                    Query(f"pte_gamma_measured{{{SEL}}}", "measured {{model}} e{{engine}}"),
+                    Query(f"pte_gamma{{{SEL}}}", "theory {{model_name}} e{{engine}} {{device}}"),
+                    Query(f"pte_gamma_measured{{{SEL}}}", "measured {{model_name}} e{{engine}}"),
                 ),
                 min_zero=False,
             ),
             Panel(
                 "Hardware operational intensity (HOI)",
                 "Peak FLOP/s over memory bandwidth of the device profile (FLOP per byte).",
-                (Query(f"pte_hardware_operational_intensity{{{SEL}}}", "{{model}} e{{engine}} {{device}}"),),
+                (Query(f"pte_hardware_operational_intensity{{{SEL}}}", "{{model_name}} e{{engine}} {{device}}"),),
             ),
         ),
     ),
@@ -214,7 +236,7 @@ ROWS: tuple[Row, ...] = (
                 "Engine busy time charged to finished requests, by term of the step-time model "
                 "(docs/cost-model.md §5b), in GPU-seconds per second: 1 is one engine busy all the "
                 "time. With the step hook.",
-                (Query(_rate("pte_gpu_seconds_total", "model, phase"), "{{model}} {{phase}}"),),
+                (Query(_rate("pte_gpu_seconds_total", "model_name, phase"), "{{model_name}} {{phase}}"),),
                 stacked=True,
             ),
             Panel(
@@ -223,8 +245,8 @@ ROWS: tuple[Row, ...] = (
                 "PTE_GPU_HOURLY_PRICE. Without a price there is no money to show (0 or no data).",
                 (
                     Query(
-                        f"3600 * {_rate('pte_cost_usd_total', 'model')}",
-                        "{{model}}",
+                        f"3600 * {_rate('pte_cost_usd_total', 'model_name')}",
+                        "{{model_name}}",
                         optional=True,
                         empty_on_test_server=UNPRICED,
                     ),
@@ -250,10 +272,10 @@ ROWS: tuple[Row, ...] = (
                 "interference / (own GPU seconds + interference).",
                 (
                     Query(
-                        f"{_rate('pte_interference_seconds_total', 'model')}"
-                        f" / ({_rate('pte_gpu_seconds_total', 'model')}"
-                        f" + {_rate('pte_interference_seconds_total', 'model')})",
-                        "{{model}}",
+                        f"{_rate('pte_interference_seconds_total', 'model_name')}"
+                        f" / ({_rate('pte_gpu_seconds_total', 'model_name')}"
+                        f" + {_rate('pte_interference_seconds_total', 'model_name')})",
+                        "{{model_name}}",
                     ),
                 ),
                 unit="percentunit",
@@ -266,22 +288,76 @@ ROWS: tuple[Row, ...] = (
                 (
                     Query(
                         f"pte_gamma_measured{{{SEL}}} / ignoring (device) pte_gamma{{{SEL}}}",
-                        "γ measured / theory {{model}} e{{engine}}",
+                        "γ measured / theory {{model_name}} e{{engine}}",
                     ),
                     Query(
                         f"pte_step_model_r2{{{SEL}}}",
-                        "R² {{model}} e{{engine}}",
+                        "R² {{model_name}} e{{engine}}",
                         optional=True,
                         empty_on_test_server=UNFITTED,
                     ),
                     Query(
                         f"pte_step_model_mape_ratio{{{SEL}}}",
-                        "MAPE {{model}} e{{engine}}",
+                        "MAPE {{model_name}} e{{engine}}",
                         optional=True,
                         empty_on_test_server=UNFITTED,
                     ),
                 ),
                 min_zero=False,
+            ),
+        ),
+    ),
+    Row(
+        "PTE beside vLLM's own metrics",
+        (
+            Panel(
+                "GPU seconds per generated token",
+                "Engine time charged to finished requests (pte_gpu_seconds_total) over vLLM's count of "
+                "generated tokens (vllm:generation_tokens_total), joined on (model_name, engine): what one "
+                "output token costs the GPU, prefill and KV reads included.",
+                (
+                    Query(
+                        f"{_rate('pte_gpu_seconds_total', 'model_name, engine')}"
+                        f" / on (model_name, engine) {_rate('vllm:generation_tokens_total', 'model_name, engine')}",
+                        "{{model_name}} e{{engine}}",
+                    ),
+                ),
+                unit="s",
+            ),
+            Panel(
+                "KV-cache usage and eviction tax",
+                "vLLM's KV-cache usage (vllm:kv_cache_usage_perc) beside the share of served PTE spent "
+                "re-prefilling context a session had already paid for: a full cache evicts what the next "
+                "turn needs.",
+                (
+                    Query(f"max by (model_name, engine) (vllm:kv_cache_usage_perc{{{SEL}}})",
+                          "KV usage {{model_name}} e{{engine}}"),
+                    Query(
+                        f"{_rate('pte_eviction_tax_pte_total', 'model_name, engine')}"
+                        f" / on (model_name, engine) {_rate('pte_served_pte_total', 'model_name, engine')}",
+                        "eviction tax share {{model_name}} e{{engine}}",
+                    ),
+                ),
+                unit="percentunit",
+            ),
+            Panel(
+                "Time to first token per 1,000 prefill PTE",
+                "vLLM's mean time to first token (vllm:time_to_first_token_seconds) over the prefill PTE of "
+                "the same requests, joined on (model_name, engine): rising while PTE stays flat means "
+                "queueing or interference, not bigger prompts.",
+                (
+                    Query(
+                        f"1000 * {_rate('vllm:time_to_first_token_seconds_sum', 'model_name, engine')}"
+                        " / on (model_name, engine) "
+                        + _rate("pte_served_pte_total", "model_name, engine", SEL + ', phase="prefill"'),
+                        "{{model_name}} e{{engine}}",
+                    ),
+                    Query(
+                        _quantile(0.95, "vllm:time_to_first_token_seconds", "model_name, engine"),
+                        "TTFT p95 (vLLM) {{model_name}} e{{engine}}",
+                    ),
+                ),
+                unit="s",
             ),
         ),
     ),
@@ -321,8 +397,8 @@ ROWS: tuple[Row, ...] = (
                 (
                     Query("pte_sessions_live", "live"),
                     Query(
-                        f"sum by (model, reason) (increase(pte_sessions_closed_total{{{SEL_MODEL}}}[{RATE}]))",
-                        "closed {{reason}} {{model}}",
+                        f"sum by (model_name, reason) (increase(pte_sessions_closed_total{{{SEL_MODEL}}}[{RATE}]))",
+                        "closed {{reason}} {{model_name}}",
                     ),
                 ),
             ),
@@ -350,10 +426,10 @@ ROWS: tuple[Row, ...] = (
                 (
                     Query(
                         # `or … * 0` keeps a 0 line when no request was truncated.
-                        f'(sum by (model) (rate(pte_requests_total{{{SEL}, finish_reason="length"}}[{RATE}]))'
-                        f" or 0 * {_rate('pte_requests_total', 'model')})"
-                        f" / {_rate('pte_requests_total', 'model')}",
-                        "{{model}}",
+                        f'(sum by (model_name) (rate(pte_requests_total{{{SEL}, finish_reason="length"}}[{RATE}]))'
+                        f" or 0 * {_rate('pte_requests_total', 'model_name')})"
+                        f" / {_rate('pte_requests_total', 'model_name')}",
+                        "{{model_name}}",
                     ),
                 ),
                 unit="percentunit",
@@ -363,9 +439,9 @@ ROWS: tuple[Row, ...] = (
                 "Pooled ratio of sums over requests labeled through POST /pte/feedback (docs/efficiency-model.md §1).",
                 (
                     Query(
-                        '1000 * sum by (model, benchmark) (rate(pte_correct_answers_total{model=~"$model"}[$__rate_interval]))'
-                        ' / sum by (model, benchmark) (rate(pte_eval_labeled_output_tokens_total{model=~"$model"}[$__rate_interval]))',
-                        "{{model}} {{benchmark}}",
+                        f"1000 * sum by (model_name, benchmark) (rate(pte_correct_answers_total{{{SEL_MODEL}}}[{RATE}]))"
+                        f" / sum by (model_name, benchmark) (rate(pte_eval_labeled_output_tokens_total{{{SEL_MODEL}}}[{RATE}]))",
+                        "{{model_name}} {{benchmark}}",
                     ),
                 ),
             ),
@@ -374,7 +450,7 @@ ROWS: tuple[Row, ...] = (
                 "Faults inside pte-instrument per interval; serving continued.",
                 (
                     Query(
-                        f"sum by (stage) (increase(pte_plugin_faults_total[{RATE}]))",
+                        f"sum by (stage) (increase(pte_plugin_faults_total{{{SEL_HOST}}}[{RATE}]))",
                         "{{stage}}",
                     ),
                 ),

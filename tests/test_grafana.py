@@ -4,12 +4,14 @@ a real Prometheus evaluate the same queries."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
+from pathlib import Path
 
 import pytest
 
-from grafana.panels import PANELS, QUERIES, ROWS, VARIABLES, Query
+from grafana.panels import PANELS, QUERIES, ROWS, VARIABLES, VLLM_SERIES, Query
 from pte_instrument.server.exporters.catalog import Family, families
 from tests.conftest import ROOT
 
@@ -17,6 +19,9 @@ DASHBOARD = ROOT / "grafana" / "dashboards" / "pte-instrument.json"
 METRIC = re.compile(r"\bpte_[a-z0-9_]+\b")
 SELECTOR = re.compile(r"\b(pte_[a-z0-9_]+)\{([^}]*)\}")
 MATCHER_LABEL = re.compile(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=~|!~|!=|=)")
+VLLM_METRIC = re.compile(r"\bvllm:[a-z0-9_:]+")
+# Labels Prometheus attaches to every scraped series (the scrape target's).
+TARGET_LABELS = {"job", "instance"}
 
 
 def by_sample() -> dict[str, Family]:
@@ -56,7 +61,7 @@ def check_catalogued(title: str, expr: str, known: dict[str, Family]) -> None:
     assert not missing, f"{title}: unknown metrics {sorted(missing)} in {expr!r}"
     for metric, labels in selector_labels(expr):
         fam = known[metric]
-        allowed = set(fam.labels) | ({"le"} if metric.endswith("_bucket") else set())
+        allowed = set(fam.labels) | TARGET_LABELS | ({"le"} if metric.endswith("_bucket") else set())
         assert labels <= allowed, f"{title}: {metric} has no label(s) {sorted(labels - allowed)}"
 
 
@@ -67,7 +72,7 @@ def test_every_required_query_reads_exported_metrics_and_labels():
         for q in p.queries:
             title, expr = p.title, q.expr
             names = metric_names(expr)
-            assert names, f"{title}: no pte_* metric in {expr!r}"
+            assert names or VLLM_METRIC.search(expr), f"{title}: no pte_* or vllm:* metric in {expr!r}"
             if q.empty_on_test_server is not None:
                 # optional because the test server has no data for it: still catalogued metrics
                 # and labels, and it does read a metric that is empty there for that reason.
@@ -105,7 +110,7 @@ def test_template_variables_read_exported_series():
     known = by_sample()
     for v in VARIABLES:
         assert v.metric in known, v
-        assert v.label_name in known[v.metric].labels, v
+        assert v.label_name in {*known[v.metric].labels, *TARGET_LABELS}, v
         assert v.query.startswith(f"label_values({v.metric}") and v.query.endswith(f", {v.label_name})")
 
 
@@ -113,8 +118,8 @@ def test_dashboard_json_has_every_panel_query_and_variable():
     d = json.loads(DASHBOARD.read_text(encoding="utf-8"))
     assert d["uid"] == "pte-instrument"
     variables = {v["name"]: v for v in d["templating"]["list"]}
-    assert {"datasource", "model", "engine"} <= variables.keys()
-    assert variables["model"]["allValue"] == ".*" and variables["model"]["multi"] is True
+    assert list(variables) == ["datasource", "job", "instance", "model_name", "engine"]
+    assert variables["model_name"]["allValue"] == ".*" and variables["model_name"]["multi"] is True
     panels = [p for p in d["panels"] if p["type"] != "row"]
     ids = [p["id"] for p in d["panels"]]
     assert len(ids) == len(set(ids)), "panel ids must be unique"
@@ -165,3 +170,20 @@ def test_the_seconds_and_money_row_is_there():
     gpu = next(p for p in row.panels if "pte_gpu_seconds_total" in p.queries[0].expr)
     assert gpu.stacked and "phase" in gpu.queries[0].expr
     assert any("3600 *" in q.expr and "pte_cost_usd_total" in q.expr for q in queries)  # per hour
+
+
+def test_vllm_series_the_dashboard_reads_are_vllms_own():
+    """Every vllm:* series a query reads is one of VLLM_SERIES (with a sample suffix), and
+    the installed vLLM defines each, with the model_name and engine labels the joins use."""
+    suffixes = ("", "_total", "_sum", "_count", "_bucket")
+    allowed = {f"{s}{x}" for s in VLLM_SERIES for x in suffixes}
+    read = {m for _, expr, _ in QUERIES for m in VLLM_METRIC.findall(expr)}
+    assert read and read <= allowed, sorted(read - allowed)
+    assert {s for s in VLLM_SERIES if any(m.startswith(s) for m in read)} == set(VLLM_SERIES)
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        pytest.skip("vLLM is not installed")
+    loggers = (Path(spec.origin).parent / "v1" / "metrics" / "loggers.py").read_text(encoding="utf-8")
+    assert 'labelnames = ["model_name", "engine"]' in loggers
+    for series in VLLM_SERIES:
+        assert f'name="{series}"' in loggers, f"vLLM no longer exports {series}"

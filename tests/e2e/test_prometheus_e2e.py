@@ -219,6 +219,13 @@ def substitute(expr: str, variables: dict[str, str], window_s: int) -> str:
     return expr.replace(RATE, f"{window_s}s")
 
 
+def dashboard_variables(stack: Stack) -> dict[str, str]:
+    """The variables as Grafana fills them for this server (every value of each)."""
+    instances = stack.prom.label_values("instance", "pte_requests_total")
+    return {"job": "vllm", "instance": grafana_regex(instances), "model_name": grafana_regex([stack.model]),
+            "engine": "0"}  # fmt: skip
+
+
 def grafana_regex(values: list[str]) -> str:
     """Grafana's rendering of a multi-value variable inside =~."""
     escaped = [re.escape(v) for v in values]
@@ -232,7 +239,8 @@ def test_template_variables_list_the_server(scraped: Stack):
         found = scraped.prom.label_values(v.label_name, match)
         assert found, f"variable {v.name}: no values for {match}"
         values[v.name] = grafana_regex(found)
-    assert scraped.prom.label_values("model", "pte_requests_total") == [scraped.model]
+    assert values["job"] == "vllm"
+    assert scraped.prom.label_values("model_name", "pte_requests_total") == [scraped.model]
     assert scraped.prom.label_values("engine", "pte_requests_total") == ["0"]
 
 
@@ -241,14 +249,29 @@ def test_template_variables_list_the_server(scraped: Stack):
 )
 def test_dashboard_query_returns_data(scraped: Stack, title: str, expr: str, optional: bool):
     window_s = int(time.time() - scraped.prom.started) + 10
-    variables = {"model": grafana_regex([scraped.model]), "engine": "0"}
-    data = scraped.prom.query(substitute(expr, variables, window_s))  # parses and evaluates
+    data = scraped.prom.query(substitute(expr, dashboard_variables(scraped), window_s))  # parses and evaluates
     result = data["result"]
     if optional:
         return  # valid PromQL over a metric that does not exist yet: empty is expected
     assert result, f"{title}: no data for {expr!r}"
     values = [float(r["value"][1]) for r in result]
     assert any(math.isfinite(v) for v in values), f"{title}: only NaN/Inf for {expr!r}: {result}"
+
+
+def test_pte_series_join_vllm_series_on_model_name_and_engine(scraped: Stack):
+    """vLLM's label names and values: a pte_* series divides by a vllm:* series with
+    ``on (model_name, engine)`` and the result is the ratio of the two read apart."""
+    pte = "sum by (model_name, engine) (pte_output_tokens_total)"
+    vllm = "sum by (model_name, engine) (vllm:generation_tokens_total)"
+    joined = scraped.prom.query(f"{pte} / on (model_name, engine) {vllm}")["result"]
+    assert [r["metric"] for r in joined] == [{"model_name": scraped.model, "engine": "0"}]
+    # Both count the same generated tokens of the same finished requests.
+    assert float(joined[0]["value"][1]) == pytest.approx(scraped.prom.value(pte) / scraped.prom.value(vllm))
+    assert scraped.prom.value(pte) > 0
+    kv = scraped.prom.query(
+        "pte_requests_total * on (model_name, engine) group_left () vllm:kv_cache_usage_perc"
+    )["result"]
+    assert kv and all(r["metric"]["model_name"] == scraped.model for r in kv)
 
 
 def test_promtool_finds_nothing_in_the_plugin_exposition(scraped: Stack):

@@ -90,7 +90,7 @@ def test_prometheus_and_request_log_match_responses(server, tiny_model):
     def delta(name, **labels):
         return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
 
-    assert delta("pte_requests_total", model=server.model) == len(responses)
+    assert delta("pte_requests_total", model_name=server.model) == len(responses)
     assert delta("pte_prompt_tokens_total") == exp_totals["prompt"]
     assert delta("pte_cached_tokens_total") == exp_totals["cached"]
     assert delta("pte_output_tokens_total") == exp_totals["output"]
@@ -103,7 +103,7 @@ def test_prometheus_and_request_log_match_responses(server, tiny_model):
     assert delta("pte_request_served_pte_sum") == pytest.approx(
         exp_totals["served_prefill"] + exp_totals["served_decode"], rel=1e-9
     )
-    assert metric_sum(after, "pte_gamma", model=server.model) == pytest.approx(gamma, rel=1e-9)
+    assert metric_sum(after, "pte_gamma", model_name=server.model) == pytest.approx(gamma, rel=1e-9)
 
 
 def test_streaming_request_is_priced(server):

@@ -16,7 +16,7 @@ from pte_instrument.server.exporters.prometheus import PrometheusExporter, PteMe
 from pte_instrument.server.ledger import RequestRecord
 from tests import exposition
 
-M, E = ("model", "engine"), ("model", "benchmark")
+M, E = ("model_name", "engine"), ("model_name", "benchmark")
 # (type, label names) -> the exposed names (a counter's with _total) of that type and those
 # labels, written out by hand.
 # fmt: off
@@ -44,11 +44,11 @@ BY_TYPE_AND_LABELS: dict[tuple[str, tuple[str, ...]], tuple[str, ...]] = {
         "pte_eval_labeled_total", "pte_eval_labeled_truncated_total", "pte_eval_labeled_output_tokens_total",
         "pte_correct_answers_total",
     ),
-    ("histogram", ("model",)): (
+    ("histogram", ("model_name",)): (
         "pte_session_turns", "pte_session_served_pte", "pte_session_eviction_tax_pte",
         "pte_session_gpu_seconds", "pte_session_cost_usd", "pte_tool_pause_seconds",
     ),
-    ("counter", ("model", "reason")): ("pte_sessions_closed_total",),
+    ("counter", ("model_name", "reason")): ("pte_sessions_closed_total",),
     ("counter", ("reason",)): ("pte_session_ids_rejected_total",),
     ("counter", ("stage",)): ("pte_plugin_faults_total",),
     ("gauge", ()): ("pte_sessions_live",),
@@ -152,7 +152,7 @@ def record(**kw) -> RequestRecord:
 def test_the_exporter_binds_once_and_exposes_series_only_with_data():
     registry = CollectorRegistry()
     exporter = PrometheusExporter("m", 0, PteMetrics(registry))
-    lab = {"model": "m", "engine": "0"}
+    lab = {"model_name": "m", "engine": "0"}
 
     def value(name: str, **labels: str) -> float | None:
         return registry.get_sample_value(name, {**lab, **labels})
@@ -169,14 +169,14 @@ def test_the_exporter_binds_once_and_exposes_series_only_with_data():
     assert value("pte_request_served_pte_count") == 3
     # No scheduler hook and no session: those series stay absent, not at 0.
     assert value("pte_engine_served_pte_total") is None
-    assert registry.get_sample_value("pte_tool_pause_seconds_count", {"model": "m"}) is None
+    assert registry.get_sample_value("pte_tool_pause_seconds_count", {"model_name": "m"}) is None
 
     exporter.export(record(pause_s=2.0, engine_pte_served=95.0, engine_pte_roofline=80.0,
                            engine_recompute_tokens=4, engine_spec_tokens=6, engine_rejected_tokens=2))  # fmt: skip
     assert value("pte_engine_served_pte_total") == 95
     assert value("pte_engine_estimate_gap_pte") == 2
     assert value("pte_spec_rejected_tokens_total") == 2
-    assert registry.get_sample_value("pte_tool_pause_seconds_count", {"model": "m"}) == 1
+    assert registry.get_sample_value("pte_tool_pause_seconds_count", {"model_name": "m"}) == 1
 
 
 def test_closed_sessions_feed_the_seconds_and_money_histograms_only_when_they_have_them():
@@ -185,7 +185,7 @@ def test_closed_sessions_feed_the_seconds_and_money_histograms_only_when_they_ha
     base = {"model": "m", "turns": 3, "pte_served": 500.0, "pte_eviction_tax": 20.0}
 
     def value(name: str) -> float | None:
-        return registry.get_sample_value(name, {"model": "m"})
+        return registry.get_sample_value(name, {"model_name": "m"})
 
     # the step hook and a price: 2.5 GPU seconds, $0.004 (3 turns summed by the ledger)
     metrics.session_closed({**base, "gpu_seconds": 2.5, "cost_usd": 0.004}, "idle")
@@ -196,9 +196,9 @@ def test_closed_sessions_feed_the_seconds_and_money_histograms_only_when_they_ha
     assert value("pte_session_served_pte_count") == 3
     assert value("pte_session_gpu_seconds_count") == 2
     assert value("pte_session_gpu_seconds_sum") == pytest.approx(3.0)
-    assert registry.get_sample_value("pte_session_gpu_seconds_bucket", {"model": "m", "le": "1.0"}) == 1
-    assert registry.get_sample_value("pte_session_gpu_seconds_bucket", {"model": "m", "le": "3.0"}) == 2
+    assert registry.get_sample_value("pte_session_gpu_seconds_bucket", {"model_name": "m", "le": "1.0"}) == 1
+    assert registry.get_sample_value("pte_session_gpu_seconds_bucket", {"model_name": "m", "le": "3.0"}) == 2
     assert value("pte_session_cost_usd_count") == 1
     assert value("pte_session_cost_usd_sum") == pytest.approx(0.004)
-    assert registry.get_sample_value("pte_session_cost_usd_bucket", {"model": "m", "le": "0.003"}) == 0
-    assert registry.get_sample_value("pte_session_cost_usd_bucket", {"model": "m", "le": "0.01"}) == 1
+    assert registry.get_sample_value("pte_session_cost_usd_bucket", {"model_name": "m", "le": "0.003"}) == 0
+    assert registry.get_sample_value("pte_session_cost_usd_bucket", {"model_name": "m", "le": "0.01"}) == 1

@@ -3,8 +3,9 @@ Prometheus families from this table, and the metric catalog (metrics reference, 
 checks, Prometheus test) reads it, so none of them can drift from the others.
 
 Names follow the Prometheus conventions (``pte_`` prefix, base units; prometheus_client
-adds a counter's ``_total``); labels are bounded: model, engine, phase, finish_reason,
-stage, device, benchmark, reason. Never a request or session id.
+adds a counter's ``_total``). Labels are bounded: model_name, engine, phase, finish_reason,
+stage, device, benchmark, reason; never a request or session id. ``model_name`` and ``engine``
+are vLLM's own label names and values, so ``on(model_name, engine)`` joins with ``vllm:*``.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ SESSION_SECONDS_BUCKETS = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0, 30
 # $0.00001 … $100: a short turn on a cheap GPU to a long session on an expensive node.
 USD_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
 
-REQ = ("model", "engine")
-EVAL = ("model", "benchmark")
+REQ = ("model_name", "engine")
+EVAL = ("model_name", "benchmark")
 
 
 @dataclass(frozen=True)
@@ -179,24 +180,24 @@ FAMILIES: tuple[FamilySpec, ...] = (
                "Labeled instances answered correctly (never a truncated one).", EVAL),
     # --- sessions (observed when a session closes: idle TTL or the live-session cap) ---
     FamilySpec("session_turns", "pte_session_turns", "histogram", "Turns per closed agent session.",
-               ("model",), buckets=(1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233)),
+               ("model_name",), buckets=(1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233)),
     FamilySpec("session_pte", "pte_session_served_pte", "histogram", "Served PTE per closed agent session.",
-               ("model",), buckets=PTE_BUCKETS),
+               ("model_name",), buckets=PTE_BUCKETS),
     FamilySpec("session_eviction", "pte_session_eviction_tax_pte", "histogram",
-               "Eviction tax (PTE) per closed agent session.", ("model",), buckets=(0.0, *PTE_BUCKETS)),
+               "Eviction tax (PTE) per closed agent session.", ("model_name",), buckets=(0.0, *PTE_BUCKETS)),
     # Observed only for sessions that have them (> 0): without the step hook a session has no
     # GPU seconds, without PTE_GPU_HOURLY_PRICE no cost; a 0 there would be a guess.
     FamilySpec("session_gpu_seconds", "pte_session_gpu_seconds", "histogram",
-               "GPU seconds per closed agent session (sessions with step-hook seconds only).", ("model",),
+               "GPU seconds per closed agent session (sessions with step-hook seconds only).", ("model_name",),
                buckets=SESSION_SECONDS_BUCKETS),
     FamilySpec("session_cost_usd", "pte_session_cost_usd", "histogram",
                "Cost in USD per closed agent session (sessions with a price only: PTE_GPU_HOURLY_PRICE).",
-               ("model",), buckets=USD_BUCKETS),
+               ("model_name",), buckets=USD_BUCKETS),
     FamilySpec("tool_pause", "pte_tool_pause_seconds", "histogram",
                "Pause between a session's turn ending and its next turn arriving.",
-               ("model",), buckets=(0.01, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 300, 900, 3600)),
+               ("model_name",), buckets=(0.01, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 300, 900, 3600)),
     FamilySpec("sessions_closed", "pte_sessions_closed", "counter",
-               "Agent sessions closed, by reason (idle: TTL; evicted: live-session cap).", ("model", "reason")),
+               "Agent sessions closed, by reason (idle: TTL; evicted: live-session cap).", ("model_name", "reason")),
     FamilySpec("session_ids_rejected", "pte_session_ids_rejected", "counter",
                "Requests whose session id was unusable (served, not tracked), by reason.", ("reason",)),
     FamilySpec("faults", "pte_plugin_faults", "counter",
