@@ -227,8 +227,9 @@ def dashboard_variables(stack: Stack) -> dict[str, str]:
 
 
 def grafana_regex(values: list[str]) -> str:
-    """Grafana's rendering of a multi-value variable inside =~."""
-    escaped = [re.escape(v) for v in values]
+    """Grafana's rendering of a multi-value variable inside =~: each value regex-escaped,
+    the backslashes doubled for PromQL's double-quoted string."""
+    escaped = [re.escape(v).replace("\\", "\\\\") for v in values]
     return escaped[0] if len(escaped) == 1 else "(" + "|".join(escaped) + ")"
 
 
