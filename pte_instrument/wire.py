@@ -144,7 +144,17 @@ class StepLogLine(msgspec.Struct):
 
 STEP_LOG_FIELDS: tuple[str, ...] = StepLogLine.__struct_fields__
 
-_json_encoder = msgspec.json.Encoder()
+def _plain_number(value: object) -> object:
+    """A numpy scalar (a clock, a reduction) as the Python number it is; msgspec refuses it."""
+    item = getattr(value, "item", None)
+    if callable(item):
+        plain = item()
+        if isinstance(plain, (int, float)):
+            return plain
+    raise NotImplementedError(f"cannot encode {type(value).__name__}")
+
+
+_json_encoder = msgspec.json.Encoder(enc_hook=_plain_number)
 _line_decoder = msgspec.json.Decoder(StepLogLine)
 _header_decoder = msgspec.json.Decoder(StepLogHeader)
 

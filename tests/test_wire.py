@@ -6,6 +6,7 @@ import queue
 import uuid
 
 import msgspec
+import numpy as np
 import pytest
 import zmq
 
@@ -73,3 +74,18 @@ def test_step_log_lines_keep_their_field_order_and_round_trip():
     assert decode_step_log(encode_step_log(header)) == header
     with pytest.raises(ValueError):
         decode_step_log('{"engine": 0, "step": "four"}')
+
+
+def test_a_step_log_line_with_numpy_numbers_encodes_as_plain_json():
+    """The hook's values may come out of numpy (a clock, a reduction): they are written as the
+    numbers they are, not refused (the encoder would otherwise raise inside the step)."""
+    line = StepLogLine(
+        engine=0, step=np.int64(3), t=np.float64(1.5), n_reqs=2, tokens=np.int32(9), prefill=8,
+        recompute=0, decode_tokens=1, spec_tokens=0, ctx=[np.float64(7.0), 2.0], pte=np.float32(0.5),
+        roofline_pte=1.0, weights_pte=0.0, hook_s=1e-5, dt_s=np.float64(0.25),
+    )  # fmt: skip
+    fields = json.loads(encode_step_log(line))
+    assert (fields["step"], fields["t"], fields["tokens"], fields["ctx"], fields["pte"], fields["dt_s"]) == (
+        3, 1.5, 9, [7.0, 2.0], 0.5, 0.25,
+    )  # fmt: skip
+    assert decode_step_log(encode_step_log(line)).dt_s == 0.25
