@@ -224,7 +224,7 @@ ROWS: tuple[Row, ...] = (
             Panel(
                 "Hardware operational intensity (HOI)",
                 "Peak FLOP/s over memory bandwidth of the device profile (FLOP per byte).",
-                (Query(f"pte_hardware_operational_intensity{{{SEL}}}", "{{model_name}} e{{engine}} {{device}}"),),
+                (Query(f"pte_hardware_operational_intensity_flops_per_byte{{{SEL}}}", "{{model_name}} e{{engine}} {{device}}"),),
             ),
         ),
     ),

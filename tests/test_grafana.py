@@ -141,7 +141,7 @@ def test_the_promised_panels_are_there():
         "pte_eviction_tax_pte_total",
         "pte_recompute_tax_pte_total",
         "pte_gamma",
-        "pte_hardware_operational_intensity",
+        "pte_hardware_operational_intensity_flops_per_byte",
         "pte_session_served_pte_bucket",
         "pte_session_turns_bucket",
         "pte_tool_pause_seconds_bucket",

@@ -76,7 +76,7 @@ def test_exporter_and_config_faults_do_not_stop_serving(constrained):
     assert "PTE_HOI='banana' must be a positive number" in log
     assert "fault in stage 'request_log'" in log
     # the malformed HOI fell back to the chosen device's datasheet value
-    assert sample(client, "pte_hardware_operational_intensity") == pytest.approx(989.4 / 4.8)
+    assert sample(client, "pte_hardware_operational_intensity_flops_per_byte") == pytest.approx(989.4 / 4.8)
 
 
 @pytest.mark.parametrize(

@@ -32,7 +32,7 @@ BY_TYPE_AND_LABELS: dict[tuple[str, tuple[str, ...]], tuple[str, ...]] = {
         "pte_interference_seconds_total", "pte_cost_usd_total",
     ),
     ("histogram", M): ("pte_request_served_pte", "pte_request_gpu_seconds"),
-    ("gauge", (*M, "device")): ("pte_gamma", "pte_hardware_operational_intensity"),
+    ("gauge", (*M, "device")): ("pte_gamma", "pte_hardware_operational_intensity_flops_per_byte"),
     ("gauge", (*M, "term", "source")): ("pte_step_model_coefficient",),
     ("gauge", M): (
         "pte_active_parameters", "pte_kv_cache_bytes_per_token", "pte_engine_busy_seconds",
@@ -59,7 +59,7 @@ BY_TYPE_AND_LABELS: dict[tuple[str, tuple[str, ...]], tuple[str, ...]] = {
 # How each gauge merges across API-server processes.
 GAUGE_MODES = {
     **dict.fromkeys(
-        ("pte_gamma", "pte_hardware_operational_intensity", "pte_active_parameters",
+        ("pte_gamma", "pte_hardware_operational_intensity_flops_per_byte", "pte_active_parameters",
          "pte_kv_cache_bytes_per_token", "pte_engine_busy_seconds", "pte_gpu_seconds_unattributed",
          "pte_step_model_coefficient", "pte_gamma_measured", "pte_step_model_r2",
          "pte_step_model_mape_ratio"),

@@ -111,7 +111,7 @@ FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("gamma", "pte_gamma", "gauge",
                "Decode-vs-prefill price of one context token (gamma), from theory.",
                (*REQ, "device"), multiprocess_mode="mostrecent"),
-    FamilySpec("hoi", "pte_hardware_operational_intensity", "gauge",
+    FamilySpec("hoi", "pte_hardware_operational_intensity_flops_per_byte", "gauge",
                "Peak FLOP/s divided by memory bandwidth (FLOP per byte) of the device profile.",
                (*REQ, "device"), multiprocess_mode="mostrecent"),
     FamilySpec("n_active", "pte_active_parameters", "gauge",
