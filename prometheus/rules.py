@@ -21,16 +21,16 @@ from typing import Any, Literal
 
 from pte_instrument.server.accountant import MAX_CONSECUTIVE_FAULTS
 
-WINDOW = "5m"  # 20 scrapes at the usual 15 s; several per series at 1 min
+WINDOW = "5m"  # 20 scrapes at the usual 15 s, 5 at 1 min
 
-# Why a recorded series may have no data on a healthy server (the end-to-end test server
-# has the step hook and no price), as in the dashboard's queries.
+# Why a recorded series may have no data, or only 0, on a healthy server (the end-to-end test
+# server has the step hook and no price), as in the dashboard's queries.
 UNPRICED = "unpriced"  # money: needs PTE_GPU_HOURLY_PRICE
 EmptyReason = Literal["unpriced"]
 
 Severity = Literal["critical", "warning", "info"]
 
-# --- thresholds (docs/deployment.md, "Alerts", says what each means and what to do) ---
+# --- thresholds (docs/deployment.md, "Recording rules and alerts", says what each means and what to do) ---
 # Faults counted over this window; any fault there, for FAULTS_FOR, alerts.
 FAULTS_WINDOW = "10m"
 FAULTS_FOR = "5m"
@@ -53,7 +53,7 @@ STEP_MODEL_MAPE = 0.5
 class Recording:
     record: str
     expr: str
-    empty_on_test_server: EmptyReason | None = None  # why a healthy server may give it no data
+    empty_on_test_server: EmptyReason | None = None  # why a healthy server may give it no data (or 0)
 
     def as_dict(self) -> dict[str, Any]:
         return {"record": self.record, "expr": self.expr}
