@@ -1,10 +1,12 @@
 """Prices finished requests, files them under their session, and fans the records out to
 the exporters, each isolated: a failing stage is counted as a fault and the others still
 receive the record. An exporter that fails ``MAX_CONSECUTIVE_FAULTS`` times in a row is
-switched off, with one log line, instead of failing (and logging) forever."""
+switched off, with one log line, instead of failing (and logging) forever, and
+``on_switch_off`` is told (the ``pte_exporter_enabled`` gauge an alert reads)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -31,6 +33,7 @@ class Accountant:
         sessions: SessionLedger | None = None,
         clock: Callable[[], float] = time.time,
         usd_per_gpu_second: float | None = None,  # the engine's price per second, all its GPUs
+        on_switch_off: Callable[[str], None] | None = None,  # given the stage of a switched-off exporter
     ) -> None:
         self.cost_model = cost_model
         self.usd_per_gpu_second = usd_per_gpu_second
@@ -38,6 +41,7 @@ class Accountant:
         self.faults = faults
         self.sessions = sessions
         self.clock = clock
+        self.on_switch_off = on_switch_off
         self.disabled: list[str] = []
         self._streak: dict[str, int] = {}
 
@@ -82,3 +86,6 @@ class Accountant:
             stage,
             MAX_CONSECUTIVE_FAULTS,
         )
+        if self.on_switch_off is not None:
+            with contextlib.suppress(Exception):  # reporting the switch-off must not raise either
+                self.on_switch_off(stage)

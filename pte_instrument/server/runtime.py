@@ -171,7 +171,16 @@ class Runtime:
             exporters.append(("otel", self.otel))
         if self.otel_logs is not None:
             exporters.append(("otel_logs", self.otel_logs))
+        for stage, _ in exporters:  # at 1 from the start, so an alert sees the switch to 0
+            self.metrics.exporter_enabled.labels(model, str(engine), stage).set(1)
         return exporters
+
+    def exporter_switched_off(self, model: str, engine: int, stage: str) -> None:
+        """An accountant of (model, engine) switched its exporter ``stage`` off until restart."""
+        try:
+            self.metrics.exporter_enabled.labels(model, str(engine), stage).set(0)
+        except Exception as e:
+            self.faults.record("prometheus", e)
 
     def summary(self) -> dict[str, Any]:
         s = self.sessions

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from vllm.config import VllmConfig
@@ -88,6 +89,7 @@ class PteStatLogger(AggregateStatLoggerBase):
                 self.accountants[engine] = Accountant(
                     cost_model, exporters, self.runtime.faults, self.runtime.sessions,
                     usd_per_gpu_second=usd_per_engine_second,
+                    on_switch_off=partial(self.runtime.exporter_switched_off, self.model, engine),
                 )  # fmt: skip
         except Exception as e:  # unknown architecture, bad device name…: keep serving unpriced
             self.accountants.clear()

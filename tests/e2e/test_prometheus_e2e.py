@@ -1,6 +1,7 @@
 """A real Prometheus scrapes a real vLLM server with the plugin: every required dashboard
-query returns data, and ``promtool check metrics`` finds nothing to say about the
-plugin's exposition.
+query returns data, ``promtool check metrics`` finds nothing to say about the
+plugin's exposition, and with the shipped rule file loaded every recording rule produces
+data and no alert is pending or firing.
 
 Needs Debian's ``prometheus`` package (``scripts/install_test_deps.sh``)."""
 
@@ -18,12 +19,15 @@ from pathlib import Path
 import httpx
 import pytest
 
+from deploy.generate import RULE_FILE
 from grafana.panels import QUERIES, RATE, VARIABLES
+from prometheus.rules import ALERTS, GROUPS, RECORDING, Recording
 from pte_instrument.devtools.serving import free_port
 from pte_instrument.devtools.workload import WorkloadConfig, run_workload
 from tests import exposition
 from tests.conftest import scrape, start_server
 from tests.exposition import metric_sum
+from tests.test_prometheus_rules import level_labels
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
@@ -61,6 +65,7 @@ class Prometheus:
             f"  scrape_interval: {SCRAPE_S}s\n"
             f"  scrape_timeout: {SCRAPE_S}s\n"
             f"  evaluation_interval: {SCRAPE_S}s\n"
+            f"rule_files:\n  - '{RULE_FILE}'\n"
             "scrape_configs:\n"
             "  - job_name: vllm\n"
             "    metrics_path: /metrics\n"
@@ -106,6 +111,12 @@ class Prometheus:
     def value(self, expr: str) -> float:
         result = self.query(expr)["result"]
         return float(result[0]["value"][1]) if result else float("nan")
+
+    def query_range(self, expr: str, start: float, end: float, step_s: float) -> list[dict]:
+        r = self.client.get("/api/v1/query_range", params={"query": expr, "start": start, "end": end, "step": step_s})
+        body = r.json()
+        assert r.status_code == 200 and body["status"] == "success", f"{expr!r}: {body}"
+        return body["data"]["result"]
 
     def label_values(self, label: str, match: str) -> list[str]:
         r = self.client.get(f"/api/v1/label/{label}/values", params={"match[]": match})
@@ -288,3 +299,65 @@ def test_promtool_finds_nothing_in_the_plugin_exposition(scraped: Stack):
         assert proc.returncode == 0
     elif KNOWN_PROMTOOL_FINDINGS:
         pytest.xfail("known promtool findings: " + "; ".join(KNOWN_PROMTOOL_FINDINGS[f] for f in findings))
+
+
+# --- the shipped rule file (prometheus/pte-rules.yml), loaded by this Prometheus ---
+
+# Alerts that may be pending or firing on this healthy server, each with its reason (none today):
+# {"<alertname>": "<why>"}.
+KNOWN_ALERTS: dict[str, str] = {}
+# Recorded series that must be above 0 here: traffic went through the step hook. (The taxes,
+# wasted work and the engine gap may rightly be 0 on this server.)
+POSITIVE_HERE = {
+    "model_name:pte_requests:rate5m", "model_name:pte_served_pte:rate5m", "model_name_phase:pte_served_pte:rate5m",
+    "model_name_engine:pte_served_pte:rate5m", "model_name:pte_reference_pte:rate5m",
+    "model_name:pte_ideal_pte:rate5m", "model_name:pte_engine_served_pte:rate5m",
+    "model_name:pte_gpu_seconds:rate5m", "model_name_phase:pte_gpu_seconds:rate5m",
+}  # fmt: skip
+
+
+def test_the_rule_file_loads_and_every_rule_evaluates(scraped: Stack):
+    groups = scraped.prom.client.get("/api/v1/rules").json()["data"]["groups"]  # sorted by name
+    loaded = {g["name"]: [r["name"] for r in g["rules"]] for g in groups}
+    assert loaded == {g.name: [r.record if isinstance(r, Recording) else r.alert for r in g.rules] for g in GROUPS}
+    rules = [r for g in groups for r in g["rules"]]
+    assert len(rules) == len(RECORDING) + len(ALERTS)
+    for r in rules:
+        assert r["health"] == "ok", f"{r['name']}: {r.get('lastError')}"
+        assert not r["lastEvaluation"].startswith("0001-"), f"{r['name']} was never evaluated"
+
+
+@pytest.mark.parametrize("rule", RECORDING, ids=lambda r: r.record)
+def test_every_recording_rule_produces_data(scraped: Stack, rule: Recording):
+    series = scraped.prom.query_range(rule.record, scraped.prom.started, time.time(), SCRAPE_S)
+    if rule.empty_on_test_server is not None:  # no money without a price: no data, or 0
+        money = [float(v) for s in series for _, v in s["values"]]
+        assert all(v == 0 for v in money if math.isfinite(v)), f"{rule.record} is no longer {rule.empty_on_test_server}"
+        return
+    assert series, f"{rule.record}: no data"
+    model = scraped.model
+    for s in series:
+        labels = {k: v for k, v in s["metric"].items() if k != "__name__"}
+        assert labels.keys() == level_labels(rule.record), f"{rule.record}: labels {sorted(labels)}"
+        assert labels["model_name"] == model
+    values = [float(v) for s in series for _, v in s["values"]]
+    finite = [v for v in values if math.isfinite(v)]
+    assert finite, f"{rule.record}: only NaN/Inf"
+    if rule.record in POSITIVE_HERE:
+        assert max(finite) > 0, f"{rule.record}: never above 0"
+
+
+def test_no_alert_is_pending_or_firing_on_a_healthy_server(scraped: Stack):
+    window_s = int(time.time() - scraped.prom.started) + 10
+    seen = scraped.prom.query(f"max_over_time(ALERTS[{window_s}s])")["result"]
+    unexpected = [s["metric"] for s in seen if s["metric"]["alertname"] not in KNOWN_ALERTS]
+    assert not unexpected, f"alerts on a healthy server: {unexpected}"
+
+
+def test_every_exporter_is_on_and_says_so(scraped: Stack):
+    """The series PteInstrumentExporterSwitchedOff reads: 1 for each exporter this server has."""
+    result = scraped.prom.query("pte_exporter_enabled")["result"]
+    assert {r["metric"]["stage"]: float(r["value"][1]) for r in result} == {
+        "prometheus": 1.0, "efficiency": 1.0, "request_log": 1.0,
+    }  # fmt: skip
+    assert {r["metric"]["model_name"] for r in result} == {scraped.model}

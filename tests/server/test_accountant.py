@@ -120,3 +120,62 @@ def test_a_recovering_exporter_stays_on(tmp_path):
     for i in range(3 * MAX_CONSECUTIVE_FAULTS):
         acc.on_finished(req(i))
     assert acc.disabled == []
+
+
+def test_the_switch_off_is_reported_once_with_its_stage(tmp_path):
+    switched: list[str] = []
+
+    class Down:
+        def export(self, record):
+            raise RuntimeError("down")
+
+    acc, *_ = make(tmp_path, extra=[("down", Down())])
+    acc.on_switch_off = switched.append
+    for i in range(MAX_CONSECUTIVE_FAULTS - 1):
+        acc.on_finished(req(i))
+    assert switched == []  # one fault short of the switch-off
+    for i in range(MAX_CONSECUTIVE_FAULTS, MAX_CONSECUTIVE_FAULTS + 20):
+        acc.on_finished(req(i))
+    assert switched == ["down"]
+
+
+def test_a_failing_switch_off_callback_does_not_stop_the_other_exporters(tmp_path):
+    def broken(stage: str) -> None:
+        raise RuntimeError("callback down")
+
+    acc, _, log = make(tmp_path, extra=[("boom", Boom())])
+    acc.on_switch_off = broken
+    for i in range(MAX_CONSECUTIVE_FAULTS + 5):
+        assert acc.on_finished(req(i)) is not None
+    assert acc.disabled == ["boom"]
+    assert len(log.read_text().splitlines()) == MAX_CONSECUTIVE_FAULTS + 5
+
+
+def test_the_exporter_enabled_gauge_goes_to_0_when_the_runtime_hears_of_a_switch_off(tmp_path):
+    from pte_instrument.server.runtime import Runtime
+    from pte_instrument.settings import Settings
+
+    registry = CollectorRegistry()
+    runtime = Runtime(Settings(session_store=str(tmp_path / "s.sqlite3"), request_log=str(tmp_path / "r.jsonl")),
+                      registry)  # fmt: skip
+    try:
+        cost = CostModel(parse_shape(load_config(FIX / "dense_mha.json")), PROFILES["h200"])
+        stages = [stage for stage, _ in runtime.exporters_for("m", 1, cost)]
+
+        def enabled(stage: str) -> float | None:
+            return registry.get_sample_value("pte_exporter_enabled", {"model_name": "m", "engine": "1", "stage": stage})
+
+        assert stages == ["prometheus", "efficiency", "request_log"]
+        assert [enabled(s) for s in stages] == [1, 1, 1]
+        runtime.exporter_switched_off("m", 1, "request_log")
+        assert [enabled(s) for s in stages] == [1, 1, 0]
+        assert enabled("otel") is None  # not configured: no series
+    finally:
+        runtime.sessions.close()
+
+
+def test_the_gauge_help_states_the_switch_off_threshold():
+    from pte_instrument.server.exporters.families import FAMILIES
+
+    spec = next(s for s in FAMILIES if s.name == "pte_exporter_enabled")
+    assert f"failed {MAX_CONSECUTIVE_FAULTS} times in a row" in spec.help

@@ -202,6 +202,12 @@ FAMILIES: tuple[FamilySpec, ...] = (
                "Requests whose session id was unusable (served, not tracked), by reason.", ("reason",)),
     FamilySpec("faults", "pte_plugin_faults", "counter",
                "Faults inside pte-instrument, by stage; serving continued.", ("stage",)),
+    # An alert needs a series: the switch-off is otherwise one log line. "min": 0 when any
+    # API server has switched the exporter off.
+    FamilySpec("exporter_enabled", "pte_exporter_enabled", "gauge",
+               "1 while the exporter (stage) receives every priced record; 0 once it failed 100 times in "
+               "a row and was switched off until restart (the other exporters continue).",
+               (*REQ, "stage"), multiprocess_mode="min"),
     # --- session-ledger state (no labels), published by LedgerMetrics ---
     # "mostrecent": every API server reads the one store of the host.
     FamilySpec("sessions_live", "pte_sessions_live", "gauge", "Agent sessions currently tracked (host-wide).",

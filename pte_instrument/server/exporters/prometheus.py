@@ -94,6 +94,7 @@ class PteMetrics:
     sessions_closed: Counter
     session_ids_rejected: Counter
     faults: Counter
+    exporter_enabled: Gauge
     sessions_live: Gauge
     sessions_opened: Counter
     turn_rows_dropped: Counter
