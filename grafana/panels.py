@@ -195,6 +195,17 @@ ROWS: tuple[Row, ...] = (
                 ),
             ),
             Panel(
+                "PTE rate by tenant and LoRA adapter",
+                "Served PTE per second by tenant (allow-listed, else other; PTE_TENANTS) and LoRA "
+                "adapter (one series with neither label: tenants off, the base model).",
+                (
+                    Query(
+                        _rate("pte_served_pte_total", "model_name, tenant, lora_name"),
+                        "{{model_name}} {{tenant}} {{lora_name}}",
+                    ),
+                ),
+            ),
+            Panel(
                 "Prefix-cache hit ratio",
                 "Prompt tokens served from the prefix cache over all prompt tokens.",
                 (
@@ -247,6 +258,20 @@ ROWS: tuple[Row, ...] = (
                     Query(
                         f"3600 * {_rate('pte_cost_usd_total', 'model_name')}",
                         "{{model_name}}",
+                        optional=True,
+                        empty_on_test_server=UNPRICED,
+                    ),
+                ),
+                unit="currencyUSD",
+            ),
+            Panel(
+                "Cost per hour by tenant",
+                "USD per hour of finished requests by tenant (allow-listed, else other; one series "
+                "without a tenant label when tenants are off) and LoRA adapter. Needs a price.",
+                (
+                    Query(
+                        f"3600 * {_rate('pte_cost_usd_total', 'tenant, lora_name')}",
+                        "{{tenant}} {{lora_name}}",
                         optional=True,
                         empty_on_test_server=UNPRICED,
                     ),

@@ -54,7 +54,13 @@ BOUNDS: dict[str, Bounds] = {
     "PTE_FEEDBACK_WINDOW": Bounds(1, 10_000_000, whole=True),
     "PTE_SESSION_IDLE_TTL_S": Bounds(0.0, 31_536_000, low_open=True, unit=" s"),  # one year
     "PTE_GPU_HOURLY_PRICE": Bounds(0.0, 10_000, low_open=True, unit=" USD per GPU-hour"),
+    "PTE_MAX_LORA_NAMES": Bounds(1, 10_000, whole=True),
 }
+
+# Tenants: allow-listed values of a metric label, so both their length and their number are capped.
+OTHER_TENANT = "other"  # every value not on the allow-list (or none), when tenants are on
+MAX_TENANT_LEN = 64
+MAX_TENANTS = 1000
 
 
 def default_session_store() -> str:
@@ -86,6 +92,10 @@ class Settings:
     benchmark_labels: frozenset[str] = frozenset()
     gpu_hourly_price: float | None = None  # USD per GPU-hour: money off when unset
     calibration: str = "online"  # off | online | the path of a saved step-time fit
+    tenant_header: str | None = None  # request header naming the tenant (None: not read)
+    tenant_from_api_key: bool = False  # the tenant is a short hash of the request's API key
+    tenants: frozenset[str] = frozenset()  # the allow-list; any other tenant is OTHER_TENANT
+    max_lora_names: int = 64  # LoRA adapters accounted under their own name, per API server
     errors: tuple[str, ...] = field(default_factory=tuple)
 
     @classmethod
@@ -132,9 +142,20 @@ class Settings:
             device = "auto"
 
         header = (env.get("PTE_SESSION_HEADER") or "X-Session-Id").strip()
-        if not header.isascii() or not header.replace("-", "").replace("_", "").isalnum():
+        if not _header_name(header):
             errors.append(f"PTE_SESSION_HEADER={header!r} is not a valid header name; using X-Session-Id")
             header = "X-Session-Id"
+        tenant_header: str | None = (env.get("PTE_TENANT_HEADER") or "").strip() or None
+        if tenant_header is not None and not _header_name(tenant_header):
+            errors.append(f"PTE_TENANT_HEADER={tenant_header!r} is not a valid header name; ignoring it")
+            tenant_header = None
+        tenant_from_api_key = flag("PTE_TENANT_FROM_API_KEY", False)
+        tenants = _tenant_list(env.get("PTE_TENANTS") or "", errors)
+        if tenants and tenant_header is None and not tenant_from_api_key:
+            errors.append("PTE_TENANTS is set but neither PTE_TENANT_HEADER nor PTE_TENANT_FROM_API_KEY: "
+                          "tenants are off")  # fmt: skip
+        elif not tenants and (tenant_header is not None or tenant_from_api_key):
+            errors.append(f"PTE_TENANTS lists no tenant: every request is accounted to tenant {OTHER_TENANT!r}")
         # OpenTelemetry follows its own standard variables: on when an OTLP endpoint is set.
         otel_default = bool(
             env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
@@ -176,5 +197,43 @@ class Settings:
             ),
             gpu_hourly_price=number("PTE_GPU_HOURLY_PRICE", None),
             calibration=calibration,
+            tenant_header=tenant_header,
+            tenant_from_api_key=tenant_from_api_key,
+            tenants=tenants,
+            max_lora_names=count("PTE_MAX_LORA_NAMES", 64),
             errors=tuple(errors),
         )
+
+
+def _header_name(name: str) -> bool:
+    return bool(name) and name.isascii() and name.replace("-", "").replace("_", "").isalnum()
+
+
+def tenant_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot be an allow-listed tenant (None: it can). Tenants are metric label
+    values: visible ASCII, at most ``MAX_TENANT_LEN`` characters, never the catch-all itself."""
+    if name == OTHER_TENANT:
+        return f"{OTHER_TENANT!r} is the catch-all for every other tenant"
+    if len(name) > MAX_TENANT_LEN:
+        return f"longer than {MAX_TENANT_LEN} characters"
+    if not name.isascii() or any(not 0x21 <= ord(c) <= 0x7E for c in name):
+        return "not visible ASCII"
+    return None
+
+
+def _tenant_list(raw: str, errors: list[str]) -> frozenset[str]:
+    """``PTE_TENANTS``: comma-separated names; an unusable one is named in one line and left
+    out, the others kept (one typo should not put every team under ``other``)."""
+    names: list[str] = []
+    for name in (part.strip() for part in raw.split(",")):
+        if not name or name in names:
+            continue
+        problem = tenant_name_problem(name)
+        if problem is not None:
+            errors.append(f"PTE_TENANTS: {name[:MAX_TENANT_LEN]!r} is not a usable tenant ({problem}); left out")
+        elif len(names) == MAX_TENANTS:
+            errors.append(f"PTE_TENANTS lists more than {MAX_TENANTS} tenants; the first {MAX_TENANTS} are kept")
+            break
+        else:
+            names.append(name)
+    return frozenset(names)

@@ -123,7 +123,7 @@ CONTRACT: tuple[Item, ...] = (
         ("vllm.config:VllmConfig",),
         "class",
         "compat.py",
-        fields=("model_config", "cache_config", "parallel_config", "scheduler_config"),
+        fields=("model_config", "cache_config", "parallel_config", "scheduler_config", "lora_config"),
     ),
     Item(
         ("vllm.config:ModelConfig",),
@@ -188,6 +188,13 @@ CONTRACT: tuple[Item, ...] = (
             "client_index",
             "arrival_time",
         ),
+    ),
+    # LoRA adapters: the ones the API server serves, by name (app.state.openai_serving_models).
+    Item(
+        ("vllm.entrypoints.openai.models.serving:OpenAIServingModels",),
+        "class",
+        "compat.py served_lora_adapters",
+        fields=("lora_requests",),
     ),
     # The serve launcher and the CPU build's API-server module.
     Item(

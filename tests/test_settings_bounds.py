@@ -46,6 +46,9 @@ def test_known_devices_are_accepted(name):
         ("PTE_SESSION_IDLE_TTL_S", "1e308", "session_idle_ttl_s"),
         ("PTE_SESSION_IDLE_TTL_S", "31536001", "session_idle_ttl_s"),
         ("PTE_SESSION_IDLE_TTL_S", "nan", "session_idle_ttl_s"),
+        ("PTE_MAX_LORA_NAMES", "0", "max_lora_names"),
+        ("PTE_MAX_LORA_NAMES", "10001", "max_lora_names"),
+        ("PTE_MAX_LORA_NAMES", "2.5", "max_lora_names"),
     ],
 )
 def test_out_of_range_numbers_fall_back_with_one_line(var, raw, field):
@@ -65,6 +68,8 @@ def test_out_of_range_numbers_fall_back_with_one_line(var, raw, field):
         ("PTE_MAX_TURNS", "100000", "max_turns", 100_000),
         ("PTE_FEEDBACK_WINDOW", "10000000", "feedback_window", 10_000_000),
         ("PTE_SESSION_IDLE_TTL_S", "31536000", "session_idle_ttl_s", 31_536_000.0),
+        ("PTE_MAX_LORA_NAMES", "1", "max_lora_names", 1),
+        ("PTE_MAX_LORA_NAMES", "10000", "max_lora_names", 10_000),
     ],
 )
 def test_the_bounds_themselves_are_accepted(var, raw, field, value):

@@ -2,7 +2,7 @@
 (sorted keys) with ``--json``. Bad input: one clear line on stderr, exit code 2
 (:mod:`pte_instrument.cli.errors`).
 
-``gamma``, ``devices`` and ``demo`` live here; ``efficiency`` and ``report`` in
+``gamma``, ``devices``, ``tenant-hash`` and ``demo`` live here; ``efficiency`` and ``report`` in
 :mod:`pte_instrument.cli.efficiency`, ``bench`` in :mod:`pte_instrument.cli.bench`,
 ``calibrate`` in :mod:`pte_instrument.cli.calibrate`. Those modules import only
 :mod:`pte_instrument.cli.errors` of this package, never this module."""
@@ -23,6 +23,7 @@ from pte_instrument.cli.errors import UsageError, print_json, report_error, repo
 from pte_instrument.cost.architecture import ArchitectureError, load_config, parse_shape
 from pte_instrument.cost.devices import PROFILES, UnknownDeviceError, measure_profile, resolve_device
 from pte_instrument.cost.model import CostModel
+from pte_instrument.server.tenants import TENANT_HASH_HEX, tenant_hash
 
 
 def _table(title: str, columns: list[str], rows: list[list[Any]]) -> Table:
@@ -104,6 +105,20 @@ def cmd_devices(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tenant_hash(args: argparse.Namespace) -> int:
+    """The ``PTE_TENANTS`` entry of an API key (with ``PTE_TENANT_FROM_API_KEY=1``). ``-``
+    reads the key from stdin, so that it stays out of the shell's history and ``ps``."""
+    key = sys.stdin.readline().rstrip("\r\n") if args.key == "-" else args.key
+    if not key:
+        raise UsageError("no API key given (pass it, or - to read one line from stdin)")
+    tenant = tenant_hash(key)
+    if args.json:
+        print_json({"tenant": tenant})
+        return 0
+    Console().print(_table("tenant of the API key", ["PTE_TENANTS entry"], [[tenant]]))
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from pte_instrument.devtools.demo import run_demo
 
@@ -130,6 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument("--json", action="store_true")
     d.set_defaults(func=cmd_devices)
+
+    t = sub.add_parser(
+        "tenant-hash",
+        help=f"an API key's tenant for PTE_TENANTS: the first {TENANT_HASH_HEX} hex digits of its SHA-256",
+    )
+    t.add_argument("key", help="the API key, or - to read it from stdin")
+    t.add_argument("--json", action="store_true")
+    t.set_defaults(func=cmd_tenant_hash)
 
     m = sub.add_parser(
         "demo", help="serve the tiny model with the plugin, run an agent workload, print the PTE report"

@@ -116,6 +116,43 @@ def build_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Pat
     return out
 
 
+LORA_TARGETS = ("q_proj", "v_proj")
+
+
+def build_lora_adapter(out_dir: str | Path, base_dir: str | Path, rank: int = 8, seed: int = 0) -> Path:
+    """Write a LoRA adapter (PEFT's file layout: ``adapter_config.json`` and
+    ``adapter_model.safetensors``) for a model built by :func:`build_model`: random low-rank
+    updates of the attention's query and value projections. Deterministic from ``seed``."""
+    import torch
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    config = json.loads((Path(base_dir) / "config.json").read_text())
+    hidden, head_dim = config["hidden_size"], config["head_dim"]
+    outputs = {"q_proj": config["num_attention_heads"] * head_dim, "v_proj": config["num_key_value_heads"] * head_dim}
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for target in LORA_TARGETS:
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{target}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, hidden, generator=generator) * 0.02
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(outputs[target], rank, generator=generator) * 0.02
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out / "adapter_model.safetensors")
+    adapter_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(base_dir),
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": list(LORA_TARGETS),
+    }
+    (out / "adapter_config.json").write_text(json.dumps(adapter_config, indent=1))
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("out_dir")

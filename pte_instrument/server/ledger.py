@@ -33,6 +33,8 @@ class FinishedRequest:
     pause_s: float | None = None  # tool pause between the previous turn's end and this arrival
     engine_totals: RequestTotals | None = None  # exact step-level totals from the engine hook
     benchmark: str = "none"  # allow-listed evaluation label (X-PTE-Benchmark)
+    tenant: str | None = None  # allow-listed tenant or "other" (None: tenants off)
+    lora_name: str | None = None  # the LoRA adapter that served it (None: the base model)
     arrived_at: float = 0.0  # unix times, vLLM's own (0: unknown)
     finished_at: float = 0.0
     child_index: int | None = None  # parallel sampling (n > 1): which sample of its parent
@@ -77,6 +79,8 @@ class RequestRecord:
     pause_s: float | None
     finished_at: float
     benchmark: str = "none"
+    tenant: str | None = None  # allow-listed tenant or "other" (None: tenants off)
+    lora_name: str | None = None  # the LoRA adapter that served it, priced as its base ``model`` (None: the base)
     arrived_at: float | None = None  # unix time vLLM received it
     child_index: int | None = None  # parallel sampling (n > 1): which sample; request_id is <index>_<parent>
     # Work done and thrown away, beside served PTE (which it does not change): speculative
@@ -157,6 +161,8 @@ def price_request(
         pause_s=req.pause_s,
         finished_at=finished_at,
         benchmark=req.benchmark,
+        tenant=req.tenant,
+        lora_name=req.lora_name,
         arrived_at=req.arrived_at or None,
         child_index=req.child_index,
         pte_wasted_rejected_drafts=totals.pte_rejected if totals is not None else 0.0,

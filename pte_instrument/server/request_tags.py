@@ -1,5 +1,6 @@
-"""Request tags: validating client-supplied session ids, and remembering which session and
-benchmark label a request carries until the server reports it finished. Both bounded."""
+"""Request tags: validating client-supplied session ids, and remembering which session,
+benchmark label, tenant and requested model a request carries until the server reports it
+finished. Both bounded."""
 
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ def validate_session_id(raw: bytes | str) -> tuple[str | None, str | None]:
 class RequestTag:
     session_id: str | None
     benchmark: str  # an allow-listed label, "other", or "none"
+    tenant: str | None = None  # an allow-listed tenant or "other"; None: tenants are off
+    model: str | None = None  # the OpenAI "model" field (read when the server serves LoRA adapters)
 
 
 @dataclass

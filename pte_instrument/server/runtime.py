@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import os
 import threading
+from dataclasses import replace
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry
@@ -19,9 +20,12 @@ from pte_instrument.server.engine_join import EngineInbox, RequestJoin
 from pte_instrument.server.exporters.prometheus import LedgerMetrics, PrometheusExporter, metrics_for
 from pte_instrument.server.exporters.request_log import RequestLogWriter
 from pte_instrument.server.exporters.summary import EfficiencyExporter
+from pte_instrument.server.ledger import FinishedRequest
 from pte_instrument.server.live_efficiency import LiveEfficiency
-from pte_instrument.server.request_tags import PendingTags
+from pte_instrument.server.lora import LoraNames
+from pte_instrument.server.request_tags import PendingTags, RequestTag
 from pte_instrument.server.sessions import SessionLedger, StoreError
+from pte_instrument.server.tenants import TenantPolicy
 from pte_instrument.settings import Settings
 from pte_instrument.transport import Receiver, address_for
 from pte_instrument.wire import EngineCalibration
@@ -58,6 +62,8 @@ class Runtime:
         for stage in STAGES:  # expose every stage's fault counter at 0
             self.metrics.faults.labels(stage)
         self.pending = PendingTags()
+        self.tenants = TenantPolicy.from_settings(settings)
+        self.lora_names = LoraNames(settings.max_lora_names)
         self.sessions = self._open_sessions(settings)
         self.ledger_metrics = LedgerMetrics(self.metrics, self.sessions, self.pending)
         self.efficiency = LiveEfficiency(store=self.sessions)
@@ -154,6 +160,21 @@ class Runtime:
         except Exception as e:
             self.faults.record("prometheus", e)
 
+    def tagged(self, request: FinishedRequest, tag: RequestTag | None) -> FinishedRequest:
+        """A finished request with what its tag says: session, benchmark label, tenant, and the
+        LoRA adapter it was served by (bounded). Untagged (the middleware never saw it): no
+        session, and the catch-all tenant when tenants are on."""
+        if tag is None:
+            tenant = self.tenants.untagged
+            return request if tenant is None else replace(request, tenant=tenant)
+        return replace(
+            request,
+            session_id=tag.session_id,
+            benchmark=tag.benchmark,
+            tenant=tag.tenant,
+            lora_name=self.lora_names.account(tag.model),
+        )
+
     def exporters_for(self, model: str, engine: int, cost_model: CostModel) -> list[tuple[str, Any]]:
         """The exporters a stat logger of (model, engine) fans records out to."""
         prometheus = self.prometheus[(model, engine)] = PrometheusExporter(model, engine, self.metrics)
@@ -187,6 +208,8 @@ class Runtime:
         return {
             "api_server": {"index": self.api_server, "pid": os.getpid()},
             "models": self._host("models", self.sessions.model_totals, {}),
+            "tenants": self._host("tenants", self.sessions.tenant_totals, {}),
+            "lora_adapters": self._host("lora_adapters", self.sessions.lora_totals, {}),
             "cost_models": [
                 {"model": model, "engine": engine, **cm.describe()}
                 for (model, engine), cm in self.cost_models.items()

@@ -79,7 +79,13 @@ CREATE TABLE IF NOT EXISTS outcomes (
 CREATE TABLE IF NOT EXISTS model_totals (
     model TEXT PRIMARY KEY, {", ".join(f"{k} NOT NULL DEFAULT 0" for k in MODEL_TOTALS)}
 ) WITHOUT ROWID;
-"""
+CREATE TABLE IF NOT EXISTS tenant_totals (
+    tenant TEXT PRIMARY KEY, {", ".join(f"{k} NOT NULL DEFAULT 0" for k in MODEL_TOTALS)}
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS lora_totals (
+    lora_name TEXT PRIMARY KEY, model TEXT NOT NULL, {", ".join(f"{k} NOT NULL DEFAULT 0" for k in MODEL_TOTALS)}
+) WITHOUT ROWID;
+"""  # tables added later are created in an existing store as they are in a new one
 _COUNTED = ("sessions_opened", "sessions_expired", "sessions_evicted", "turns_dropped")
 _SUMMARY_COLUMNS = ("id", "model", "n_turns", "turns_dropped", "first_seen", "last_seen", *SUMMED)
 MAX_QUEUED = 10_000  # records waiting for the writer; past it a record is lost and counted
@@ -302,6 +308,23 @@ class SessionLedger:
             rows = self._reader.execute(f"SELECT model, {', '.join(MODEL_TOTALS)} FROM model_totals").fetchall()
         return {row[0]: dict(zip(MODEL_TOTALS, row[1:], strict=True)) for row in rows}
 
+    def tenant_totals(self) -> dict[str, dict[str, float]]:
+        """Per-tenant sums (``MODEL_TOTALS``) over every request the host priced with tenants on."""
+        self.flush()
+        with self._reader_lock:
+            rows = self._reader.execute(f"SELECT tenant, {', '.join(MODEL_TOTALS)} FROM tenant_totals").fetchall()
+        return {row[0]: dict(zip(MODEL_TOTALS, row[1:], strict=True)) for row in rows}
+
+    def lora_totals(self) -> dict[str, dict[str, Any]]:
+        """Per-adapter sums (``MODEL_TOTALS``, and the base ``model``) over every request the
+        host priced for a LoRA adapter; they are part of their base model's totals too."""
+        self.flush()
+        with self._reader_lock:
+            rows = self._reader.execute(
+                f"SELECT lora_name, model, {', '.join(MODEL_TOTALS)} FROM lora_totals"
+            ).fetchall()
+        return {row[0]: {"model": row[1], **dict(zip(MODEL_TOTALS, row[2:], strict=True))} for row in rows}
+
     def host_stats(self) -> dict[str, int]:
         """Counts over every process of the host since the store was created."""
         self.flush()
@@ -474,6 +497,15 @@ _ADD_TOTALS = (
     f"INSERT INTO model_totals (model, {', '.join(MODEL_TOTALS)}) VALUES (?, {', '.join('?' * len(MODEL_TOTALS))})"
     " ON CONFLICT (model) DO UPDATE SET " + ", ".join(f"{k} = {k} + excluded.{k}" for k in MODEL_TOTALS)
 )
+_ADD_TENANT_TOTALS = (
+    f"INSERT INTO tenant_totals (tenant, {', '.join(MODEL_TOTALS)}) VALUES (?, {', '.join('?' * len(MODEL_TOTALS))})"
+    " ON CONFLICT (tenant) DO UPDATE SET " + ", ".join(f"{k} = {k} + excluded.{k}" for k in MODEL_TOTALS)
+)
+_ADD_LORA_TOTALS = (
+    f"INSERT INTO lora_totals (lora_name, model, {', '.join(MODEL_TOTALS)})"
+    f" VALUES (?, ?, {', '.join('?' * len(MODEL_TOTALS))}) ON CONFLICT (lora_name) DO UPDATE SET model = excluded.model, "
+    + ", ".join(f"{k} = {k} + excluded.{k}" for k in MODEL_TOTALS)
+)
 _TURN_ROW = msgspec.json.Encoder()
 _RECENT = "SELECT request_id, model, benchmark, output_tokens, truncated, labeled FROM recent"
 _CLOSE = f"DELETE FROM sessions WHERE id = ? RETURNING {', '.join(_SUMMARY_COLUMNS)}"
@@ -508,7 +540,12 @@ class _Batch:
         self.db.execute("DELETE FROM recent WHERE seq <= ?", (seq - window,))
 
     def total(self, r: RequestRecord) -> None:
-        self.db.execute(_ADD_TOTALS, (r.model, *model_totals_row(r)))
+        row = model_totals_row(r)
+        self.db.execute(_ADD_TOTALS, (r.model, *row))
+        if r.tenant is not None:  # allow-listed or "other": a bounded set of rows
+            self.db.execute(_ADD_TENANT_TOTALS, (r.tenant, *row))
+        if r.lora_name is not None:  # bounded by the adapters the server accounts by name
+            self.db.execute(_ADD_LORA_TOTALS, (r.lora_name, r.model, *row))
 
     def apply(self, r: RequestRecord, now: float) -> bool:
         """One turn into the store; True if it opened its session."""

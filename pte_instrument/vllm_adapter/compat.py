@@ -10,6 +10,7 @@ each location, newest first, and the contract lists them all."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from vllm.config import VllmConfig
@@ -26,6 +27,21 @@ def served_model_name(vllm_config: VllmConfig) -> str:
     if isinstance(name, (list, tuple)):
         name = name[0] if name else None
     return str(name or mc.model)
+
+
+def lora_enabled(vllm_config: VllmConfig) -> bool:
+    """The server serves LoRA adapters (``--enable-lora``)."""
+    return getattr(vllm_config, "lora_config", None) is not None
+
+
+def served_lora_adapters(app: Any) -> Mapping[str, Any] | None:
+    """The LoRA adapters the API server serves, by name, as vLLM keeps them (its
+    ``OpenAIServingModels.lora_requests`` on the app's state: the ``--lora-modules`` and any
+    loaded at run time, live). vLLM serves a request's ``model`` as the adapter of that name
+    before anything else. None when the app has no such state."""
+    models = getattr(getattr(app, "state", None), "openai_serving_models", None)
+    adapters = getattr(models, "lora_requests", None)
+    return adapters if isinstance(adapters, Mapping) else None
 
 
 def cost_model_from_vllm(vllm_config: VllmConfig, settings: Settings) -> CostModel:

@@ -2,11 +2,12 @@
 middleware and the ``/pte/*`` HTTP routes.
 
 The middleware reads the session header (default ``X-Session-Id``; or the OpenAI ``user``
-field with ``PTE_SESSION_FROM_USER=1``), makes sure the request carries an
-``X-Request-Id`` (vLLM names its request after it), and remembers request → session
-until the stat logger sees the request finish, in the same process: the tag goes a grace
-period after the HTTP exchange ends (``PendingTags.settle``), so every engine request of
-one HTTP request (``n > 1``, a list of prompts) carries it.
+field with ``PTE_SESSION_FROM_USER=1``), the tenant (``PTE_TENANT_HEADER``, the API key's
+hash), and, when the server serves LoRA adapters, the OpenAI ``model`` field; makes sure
+the request carries an ``X-Request-Id`` (vLLM names its request after it), and remembers
+request → tag until the stat logger sees the request finish, in the same process: the tag
+goes a grace period after the HTTP exchange ends (``PendingTags.settle``), so every engine
+request of one HTTP request (``n > 1``, a list of prompts) carries it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from argparse import Namespace
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import msgspec
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
@@ -30,11 +32,13 @@ from pte_instrument.failpoints import failpoint
 from pte_instrument.server.live_efficiency import FeedbackError
 from pte_instrument.server.request_tags import RequestTag, quoted, validate_session_id
 from pte_instrument.server.runtime import Runtime, get_runtime
+from pte_instrument.vllm_adapter import compat
 
 # Paths whose requests reach the engine and so finish in the stat logger.
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 MAX_PAGE = 1000
 MAX_BODY_BYTES = 64 * 1024  # a feedback body is a few ids: anything larger is refused unread
+MAX_MODEL_NAME_LEN = 256  # a longer "model" is kept for no adapter (its request is accounted to the base model)
 SORT_KEYS = ("pte_served", "pte_eviction_tax", "pte_reference", "prompt_tokens", "output_tokens", "gpu_seconds", "cost_usd")
 
 
@@ -68,8 +72,18 @@ class SessionMiddleware:
         channel to pass on."""
         headers: list[tuple[bytes, bytes]] = scope["headers"]
         raw = next((v for k, v in headers if k == self.header), None)
-        if raw is None and self.runtime.settings.session_from_user:
-            raw, receive = await _user_field(receive)
+        want_user = raw is None and self.runtime.settings.session_from_user
+        lora = self.runtime.lora_names
+        model = None
+        if want_user or lora.enabled:  # the body is read only when a field of it is wanted
+            fields, receive = await _body_fields(receive)
+            if want_user and fields.user is not None:
+                raw = str(fields.user).encode("utf-8", "replace")
+            if lora.enabled and isinstance(fields.model, str) and len(fields.model) <= MAX_MODEL_NAME_LEN:
+                model = fields.model
+                if lora.served is None:  # the server's adapters, read when the request finishes
+                    lora.served = compat.served_lora_adapters(scope.get("app"))
+        tenant = self.runtime.tenants.resolve(headers)
         session_id = None
         if raw is not None:
             session_id, reason = validate_session_id(raw)
@@ -80,26 +94,36 @@ class SessionMiddleware:
         if label is not None:  # only allow-listed labels: they become metric labels
             text = label.decode("latin-1")
             benchmark = text if text in self.runtime.settings.benchmark_labels else "other"
-        if session_id is None and benchmark == "none":
+        if session_id is None and benchmark == "none" and tenant is None and model is None:
             return None, receive
         request_id = next((v.decode("latin-1") for k, v in headers if k == b"x-request-id"), None)
         if request_id is None:
             request_id = uuid.uuid4().hex
             scope["headers"] = [*headers, (b"x-request-id", request_id.encode("ascii"))]
-        self.runtime.pending.put(request_id, RequestTag(session_id, benchmark))
+        self.runtime.pending.put(request_id, RequestTag(session_id, benchmark, tenant, model))
         return request_id, receive
 
 
-async def _user_field(receive: Receive) -> tuple[bytes | None, Receive]:
-    """Read the whole body to find the OpenAI ``user`` field, then replay it downstream."""
+class _BodyFields(msgspec.Struct):
+    """The OpenAI request fields the tags need; the decoder skips every other field unbuilt."""
+
+    model: Any = None
+    user: Any = None
+
+
+_BODY_FIELDS = msgspec.json.Decoder(_BodyFields)
+
+
+async def _body_fields(receive: Receive) -> tuple[_BodyFields, Receive]:
+    """Read the whole body for the OpenAI ``user`` and ``model`` fields, then replay it downstream."""
     messages: list[Message] = []
-    body = b""
+    chunks: list[bytes] = []
     while True:
         message = await receive()
         messages.append(message)
         if message["type"] != "http.request":
             break
-        body += message.get("body", b"")
+        chunks.append(message.get("body", b""))
         if not message.get("more_body", False):
             break
 
@@ -107,10 +131,10 @@ async def _user_field(receive: Receive) -> tuple[bytes | None, Receive]:
         return messages.pop(0) if messages else await receive()
 
     try:
-        user = json.loads(body).get("user")
-    except (ValueError, AttributeError, RecursionError):  # vLLM answers the bad body itself
-        user = None
-    return (str(user).encode("utf-8", "replace") if user is not None else None), replay
+        fields = _BODY_FIELDS.decode(b"".join(chunks))
+    except (msgspec.DecodeError, RecursionError):  # not a JSON object: vLLM answers the bad body itself
+        fields = _BodyFields()
+    return fields, replay
 
 
 class RouteError(Exception):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -84,6 +83,8 @@ class PteStatLogger(AggregateStatLoggerBase):
                     "pte-instrument cost model for %r: %s", self.model, "; ".join(cost_model.shape.assumed)
                 )
             self.runtime.sessions.block_size = compat.kv_block_size(vllm_config)
+            # adapters are priced as their base model: the same weights and KV cache
+            self.runtime.lora_names.enabled = compat.lora_enabled(vllm_config)
             for engine in self.engine_indexes:
                 exporters = self.runtime.exporters_for(self.model, engine, cost_model)
                 self.accountants[engine] = Accountant(
@@ -130,10 +131,7 @@ class PteStatLogger(AggregateStatLoggerBase):
                 self.runtime.faults.record("sessions", e)
 
     def _tagged(self, request: FinishedRequest) -> FinishedRequest:
-        tag = self.runtime.pending.claim(*compat.request_keys(request.request_id))
-        return (
-            request if tag is None else replace(request, session_id=tag.session_id, benchmark=tag.benchmark)
-        )
+        return self.runtime.tagged(request, self.runtime.pending.claim(*compat.request_keys(request.request_id)))
 
     def _price(self, request: FinishedRequest) -> None:
         accountant = self.accountants.get(request.engine)

@@ -60,3 +60,19 @@ def test_devices_json():
     names = {d["name"]: d for d in json.loads(r.stdout)}
     assert names["h100-pcie-sparse"]["hoi"] == pytest.approx(756.5)
     assert all(d["source"] for d in names.values())
+
+
+def test_tenant_hash_of_an_api_key():
+    # SHA-256("abc") = ba7816bf8f01cfea… (FIPS 180-2): the first 12 hex digits
+    r = pte("tenant-hash", "abc", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == {"tenant": "ba7816bf8f01"}
+    assert "ba7816bf8f01" in pte("tenant-hash", "abc").stdout  # the table
+    piped = subprocess.run([sys.executable, "-m", "pte_instrument.cli.main", "tenant-hash", "-", "--json"],
+                           input="abc\n", capture_output=True, text=True)  # fmt: skip
+    assert json.loads(piped.stdout) == {"tenant": "ba7816bf8f01"}  # the key from stdin, newline not hashed
+
+
+def test_tenant_hash_without_a_key_is_one_line():
+    r = pte("tenant-hash", "")
+    assert r.returncode == 2 and "no API key" in r.stderr and len(r.stderr.strip().splitlines()) == 1

@@ -52,7 +52,8 @@ def test_failing_exporter_is_isolated(tmp_path):
     assert registry.get_sample_value("pte_plugin_faults_total", {"stage": "boom"}) == 3
     assert (
         registry.get_sample_value(
-            "pte_requests_total", {"model_name": "m", "engine": "0", "finish_reason": "length"}
+            "pte_requests_total",
+            {"model_name": "m", "engine": "0", "tenant": "", "lora_name": "", "finish_reason": "length"},
         )
         == 3
     )

@@ -17,19 +17,21 @@ from pte_instrument.server.ledger import RequestRecord
 from tests import exposition
 
 M, E = ("model_name", "engine"), ("model_name", "benchmark")
+A = (*M, "tenant", "lora_name")  # who used what: a tenant, a LoRA adapter
 # (type, label names) -> the exposed names (a counter's with _total) of that type and those
 # labels, written out by hand.
 # fmt: off
 BY_TYPE_AND_LABELS: dict[tuple[str, tuple[str, ...]], tuple[str, ...]] = {
-    ("counter", (*M, "finish_reason")): ("pte_requests_total",),
-    ("counter", (*M, "phase")): ("pte_served_pte_total", "pte_reference_pte_total", "pte_gpu_seconds_total"),
+    ("counter", (*A, "finish_reason")): ("pte_requests_total",),
+    ("counter", (*A, "phase")): ("pte_served_pte_total", "pte_reference_pte_total", "pte_gpu_seconds_total"),
+    ("counter", A): (
+        "pte_prompt_tokens_total", "pte_cached_tokens_total", "pte_output_tokens_total", "pte_cost_usd_total",
+    ),
     ("counter", (*M, "reason")): ("pte_wasted_pte_total",),
     ("counter", M): (
         "pte_ideal_pte_total", "pte_recompute_tax_pte_total", "pte_eviction_tax_pte_total",
-        "pte_prompt_tokens_total", "pte_cached_tokens_total", "pte_output_tokens_total",
         "pte_engine_served_pte_total", "pte_engine_recompute_tax_pte_total", "pte_engine_roofline_pte_total",
-        "pte_spec_draft_tokens_total", "pte_spec_rejected_tokens_total",
-        "pte_interference_seconds_total", "pte_cost_usd_total",
+        "pte_spec_draft_tokens_total", "pte_spec_rejected_tokens_total", "pte_interference_seconds_total",
     ),
     ("histogram", M): ("pte_request_served_pte", "pte_request_gpu_seconds"),
     ("gauge", (*M, "device")): ("pte_gamma", "pte_hardware_operational_intensity_flops_per_byte"),
@@ -155,9 +157,11 @@ def test_the_exporter_binds_once_and_exposes_series_only_with_data():
     registry = CollectorRegistry()
     exporter = PrometheusExporter("m", 0, PteMetrics(registry))
     lab = {"model_name": "m", "engine": "0"}
+    attributed = {"pte_requests_total", "pte_served_pte_total", "pte_reference_pte_total"}
 
     def value(name: str, **labels: str) -> float | None:
-        return registry.get_sample_value(name, {**lab, **labels})
+        by = {"tenant": "", "lora_name": ""} if name in attributed else {}  # tenants off, the base model
+        return registry.get_sample_value(name, {**lab, **by, **labels})
 
     assert value("pte_served_pte_total", phase="prefill") is None  # nothing before the first request
     exporter.export(record())
@@ -204,3 +208,34 @@ def test_closed_sessions_feed_the_seconds_and_money_histograms_only_when_they_ha
     assert value("pte_session_cost_usd_sum") == pytest.approx(0.004)
     assert registry.get_sample_value("pte_session_cost_usd_bucket", {"model_name": "m", "le": "0.003"}) == 0
     assert registry.get_sample_value("pte_session_cost_usd_bucket", {"model_name": "m", "le": "0.01"}) == 1
+
+
+def test_usage_is_attributed_to_tenant_and_adapter_and_the_cache_stays_bounded():
+    registry = CollectorRegistry()
+    exporter = PrometheusExporter("m", 0, PteMetrics(registry))
+    timed = dict(gpu_seconds=2.0, gpu_seconds_prefill=0.5, gpu_seconds_kv_read=0.5, gpu_seconds_weights=0.5,
+                 gpu_seconds_overhead=0.5, interference_s=0.0, cost_usd=0.25)  # fmt: skip
+    exporter.export(record(tenant="team-a", lora_name="ad", **timed))
+    exporter.export(record(tenant="team-a", **timed))
+    exporter.export(record(tenant="other", lora_name="ad"))
+
+    def value(name: str, tenant: str, lora: str, **labels: str) -> float | None:
+        return registry.get_sample_value(
+            name, {"model_name": "m", "engine": "0", "tenant": tenant, "lora_name": lora, **labels}
+        )
+
+    assert value("pte_requests_total", "team-a", "ad", finish_reason="stop") == 1
+    assert value("pte_requests_total", "team-a", "", finish_reason="stop") == 1
+    assert value("pte_served_pte_total", "other", "ad", phase="prefill") == 90
+    assert value("pte_cost_usd_total", "team-a", "ad") == 0.25
+    assert value("pte_gpu_seconds_total", "team-a", "", phase="kv_read") == 0.5
+    assert value("pte_cost_usd_total", "other", "ad") is None  # no step hook: no seconds, no money
+    # families that do not attribute keep one series per (model, engine)
+    assert registry.get_sample_value("pte_ideal_pte_total", {"model_name": "m", "engine": "0"}) == 3.0
+
+    bound = exporter._usage
+    bound.capacity = 2
+    for i in range(10):  # past its capacity the cache starts over; the series are the same
+        exporter.export(record(tenant=f"t{i % 3}"))
+        assert len(bound) <= 2
+    assert value("pte_served_pte_total", "t0", "", phase="prefill") == 4 * 90

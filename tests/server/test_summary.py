@@ -5,6 +5,7 @@ beside how many did."""
 from __future__ import annotations
 
 import dataclasses
+import sqlite3
 
 import pytest
 
@@ -107,3 +108,44 @@ def test_an_unusable_store_is_one_fault_and_a_private_store(tmp_path):
         assert summary["sessions"]["store"] != str(tmp_path) and summary["sessions"]["live"] == 0
     finally:
         runtime.sessions.close()
+
+
+def test_tenant_and_adapter_totals_are_host_wide(tmp_path):
+    """Two API servers' ledgers on one file: per-tenant and per-adapter sums over both, a
+    request without a tenant or an adapter in neither; an adapter's requests count for its
+    base model too."""
+    path = tmp_path / "sessions.sqlite3"
+    a, b = SessionLedger(path), SessionLedger(path)
+    try:
+        a.add(timed((1.0, 0.0, 0.0, 0.0), explained=1.0, cost=0.5, tenant="team-a", pte_served=10.0))
+        b.add(timed((2.0, 0.0, 0.0, 0.0), explained=2.0, cost=1.0, tenant="team-a", lora_name="ad",
+                    pte_served=20.0))  # fmt: skip
+        b.add(record(tenant="other", lora_name="ad", pte_served=40.0))
+        a.add(record(pte_served=80.0))  # tenants off: no tenant
+        assert a.flush() and b.flush()
+        tenants, adapters = a.tenant_totals(), b.lora_totals()
+        assert set(tenants) == {"team-a", "other"} and set(adapters) == {"ad"}
+        t = tenants["team-a"]
+        assert (t["requests"], t["pte_served"], t["gpu_seconds"], t["cost_usd"]) == (2, 30.0, 3.0, 1.5)
+        assert tenants["other"]["requests"] == 1 and tenants["other"]["requests_priced"] == 0
+        ad = adapters["ad"]
+        assert (ad["model"], ad["requests"], ad["pte_served"], ad["requests_timed"]) == ("m", 2, 60.0, 1)
+        assert a.model_totals()["m"]["requests"] == 4 and a.model_totals()["m"]["pte_served"] == 150.0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_store_written_before_tenants_gains_their_tables(tmp_path):
+    """A store from a version without tenant and adapter totals opens as it is, and keeps them from then on."""
+    path = tmp_path / "sessions.sqlite3"
+    SessionLedger(path).close()
+    with sqlite3.connect(path) as db:
+        db.execute("DROP TABLE tenant_totals")
+        db.execute("DROP TABLE lora_totals")
+    ledger = SessionLedger(path)
+    try:
+        ledger.add(record(tenant="team-a", lora_name="ad"))
+        assert ledger.tenant_totals()["team-a"]["requests"] == 1 and ledger.lora_totals()["ad"]["requests"] == 1
+    finally:
+        ledger.close()

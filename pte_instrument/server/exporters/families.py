@@ -3,9 +3,16 @@ Prometheus families from this table, and the metric catalog (metrics reference, 
 checks, Prometheus test) reads it, so none of them can drift from the others.
 
 Names follow the Prometheus conventions (``pte_`` prefix, base units; prometheus_client
-adds a counter's ``_total``). Labels are bounded: model_name, engine, phase, finish_reason,
-stage, device, benchmark, reason; never a request or session id. ``model_name`` and ``engine``
-are vLLM's own label names and values, so ``on(model_name, engine)`` joins with ``vllm:*``.
+adds a counter's ``_total``). Labels are bounded: model_name, engine, tenant, lora_name,
+phase, finish_reason, stage, device, benchmark, reason; never a request or session id.
+``model_name`` and ``engine`` are vLLM's own label names and values, so ``on(model_name,
+engine)`` joins with ``vllm:*``: a LoRA adapter's requests keep their base model's
+``model_name`` (as in vLLM's own series) and carry the adapter in ``lora_name``.
+
+``tenant`` and ``lora_name`` are on the families that say who used what (requests, tokens,
+PTE, GPU seconds, cost). Empty when they do not apply (tenants off; the base model), which
+Prometheus stores as no label at all: a server without tenants or adapters keeps the series
+it had.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ SESSION_SECONDS_BUCKETS = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0, 30
 USD_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
 
 REQ = ("model_name", "engine")
+ATTRIBUTED = (*REQ, "tenant", "lora_name")  # the families that attribute usage to a tenant and an adapter
 EVAL = ("model_name", "benchmark")
 
 
@@ -88,22 +96,25 @@ def _problems(f: FamilySpec) -> list[str]:
 # fmt: off
 FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("requests", "pte_requests", "counter",
-               "Finished requests priced by pte-instrument.", (*REQ, "finish_reason")),
+               "Finished requests priced by pte-instrument.", (*ATTRIBUTED, "finish_reason")),
     FamilySpec("served", "pte_served_pte", "counter",
                "Served PTE: the work the server really did (prefix-cache hits free, recompute included), by phase.",
-               (*REQ, "phase")),
+               (*ATTRIBUTED, "phase")),
     FamilySpec("reference", "pte_reference_pte", "counter",
                "Reference PTE: the published definition, full prompt re-prefilled every turn, by phase.",
-               (*REQ, "phase")),
+               (*ATTRIBUTED, "phase")),
     FamilySpec("ideal", "pte_ideal_pte", "counter",
                "Ideal PTE: cost had the KV cache survived every tool pause.", REQ),
     FamilySpec("recompute", "pte_recompute_tax_pte", "counter",
                "PTE spent re-prefilling tokens already computed once (preemption, KV loss).", REQ),
     FamilySpec("eviction", "pte_eviction_tax_pte", "counter",
                "PTE spent re-prefilling context a session's previous turn had already paid for.", REQ),
-    FamilySpec("prompt_tokens", "pte_prompt_tokens", "counter", "Prompt tokens of finished requests.", REQ),
-    FamilySpec("cached_tokens", "pte_cached_tokens", "counter", "Prompt tokens served from the prefix cache.", REQ),
-    FamilySpec("output_tokens", "pte_output_tokens", "counter", "Generated tokens of finished requests.", REQ),
+    FamilySpec("prompt_tokens", "pte_prompt_tokens", "counter", "Prompt tokens of finished requests.",
+               ATTRIBUTED),
+    FamilySpec("cached_tokens", "pte_cached_tokens", "counter", "Prompt tokens served from the prefix cache.",
+               ATTRIBUTED),
+    FamilySpec("output_tokens", "pte_output_tokens", "counter", "Generated tokens of finished requests.",
+               ATTRIBUTED),
     FamilySpec("request_pte", "pte_request_served_pte", "histogram",
                "Served PTE per finished request.", REQ, buckets=PTE_BUCKETS),
     # --- the cost model, once per engine; equal in every process: "mostrecent" keeps one
@@ -135,13 +146,15 @@ FAMILIES: tuple[FamilySpec, ...] = (
     # --- seconds and money (docs/cost-model.md §5b; with the scheduler hook) ---
     FamilySpec("gpu_seconds", "pte_gpu_seconds", "counter",
                "Engine busy time charged to finished requests, by term of the step-time model (prefill, "
-               "kv_read, weights, overhead): each step's measured time split over its requests.", (*REQ, "phase")),
+               "kv_read, weights, overhead): each step's measured time split over its requests.",
+               (*ATTRIBUTED, "phase")),
     FamilySpec("request_gpu_seconds", "pte_request_gpu_seconds", "histogram",
                "GPU seconds per finished request.", REQ, buckets=SECONDS_BUCKETS),
     FamilySpec("interference", "pte_interference_seconds", "counter",
                "Latency of finished requests spent on other requests' work (queue included).", REQ),
     FamilySpec("cost_usd", "pte_cost_usd", "counter",
-               "Cost of finished requests in USD: GPU seconds × GPUs per engine × PTE_GPU_HOURLY_PRICE.", REQ),
+               "Cost of finished requests in USD: GPU seconds × GPUs per engine × PTE_GPU_HOURLY_PRICE.",
+               ATTRIBUTED),
     FamilySpec("engine_busy", "pte_engine_busy_seconds", "gauge",
                "Σ measured step durations of the engine so far.", REQ, multiprocess_mode="mostrecent"),
     FamilySpec("busy_gap", "pte_gpu_seconds_unattributed", "gauge",

@@ -72,6 +72,10 @@ def span_attributes(r: RequestRecord) -> dict[str, Any]:
         attrs["pte.turn"] = r.turn
     if r.pause_s is not None:
         attrs["pte.tool_pause_s"] = r.pause_s
+    if r.tenant is not None:
+        attrs["pte.tenant"] = r.tenant
+    if r.lora_name is not None:  # gen_ai.request.model stays the base model the adapter is priced as
+        attrs["pte.lora_name"] = r.lora_name
     for key, value in (("pte.gpu_seconds", r.gpu_seconds), ("pte.predicted_seconds", r.predicted_seconds),
                        ("pte.latency_explained_s", r.latency_explained_s), ("pte.interference_s", r.interference_s),
                        ("pte.cost_usd", r.cost_usd)):  # fmt: skip

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
@@ -175,36 +176,45 @@ def metrics_for(registry: CollectorRegistry = REGISTRY) -> PteMetrics:
         return _metrics[registry]
 
 
+Labels = tuple[str, ...]
+
+
 @dataclass(frozen=True)
 class _RequestSeries:
     """The children every finished request of one (model, engine) feeds."""
+
+    ideal: Counter
+    recompute: Counter
+    eviction: Counter
+    request_pte: Histogram
+
+    @classmethod
+    def bind(cls, m: PteMetrics, lab: Labels) -> _RequestSeries:
+        return cls(m.ideal.labels(*lab), m.recompute.labels(*lab), m.eviction.labels(*lab), m.request_pte.labels(*lab))
+
+
+@dataclass(frozen=True)
+class _UsageSeries:
+    """The children of one (model, engine, tenant, lora_name): who used what."""
 
     served_prefill: Counter
     served_decode: Counter
     reference_prefill: Counter
     reference_decode: Counter
-    ideal: Counter
-    recompute: Counter
-    eviction: Counter
     prompt_tokens: Counter
     cached_tokens: Counter
     output_tokens: Counter
-    request_pte: Histogram
 
     @classmethod
-    def bind(cls, m: PteMetrics, lab: tuple[str, str]) -> _RequestSeries:
+    def bind(cls, m: PteMetrics, lab: Labels) -> _UsageSeries:
         return cls(
             m.served.labels(*lab, "prefill"),
             m.served.labels(*lab, "decode"),
             m.reference.labels(*lab, "prefill"),
             m.reference.labels(*lab, "decode"),
-            m.ideal.labels(*lab),
-            m.recompute.labels(*lab),
-            m.eviction.labels(*lab),
             m.prompt_tokens.labels(*lab),
             m.cached_tokens.labels(*lab),
             m.output_tokens.labels(*lab),
-            m.request_pte.labels(*lab),
         )
 
 
@@ -220,16 +230,11 @@ class _EngineSeries:
     wasted_drafts: Counter
     wasted_aborted: Counter
     gap: Gauge
-    gpu_prefill: Counter
-    gpu_kv_read: Counter
-    gpu_weights: Counter
-    gpu_overhead: Counter
     request_gpu_seconds: Histogram
     interference: Counter
-    cost_usd: Counter
 
     @classmethod
-    def bind(cls, m: PteMetrics, lab: tuple[str, str]) -> _EngineSeries:
+    def bind(cls, m: PteMetrics, lab: Labels) -> _EngineSeries:
         return cls(
             m.engine_served.labels(*lab),
             m.engine_recompute.labels(*lab),
@@ -239,28 +244,76 @@ class _EngineSeries:
             m.wasted.labels(*lab, "rejected_drafts"),
             m.wasted.labels(*lab, "aborted"),
             m.engine_gap.labels(*lab),
+            m.request_gpu_seconds.labels(*lab),
+            m.interference.labels(*lab),
+        )
+
+
+@dataclass(frozen=True)
+class _SecondsSeries:
+    """GPU seconds and money of one (model, engine, tenant, lora_name), with the scheduler hook."""
+
+    gpu_prefill: Counter
+    gpu_kv_read: Counter
+    gpu_weights: Counter
+    gpu_overhead: Counter
+    cost_usd: Counter
+
+    @classmethod
+    def bind(cls, m: PteMetrics, lab: Labels) -> _SecondsSeries:
+        return cls(
             m.gpu_seconds.labels(*lab, "prefill"),
             m.gpu_seconds.labels(*lab, "kv_read"),
             m.gpu_seconds.labels(*lab, "weights"),
             m.gpu_seconds.labels(*lab, "overhead"),
-            m.request_gpu_seconds.labels(*lab),
-            m.interference.labels(*lab),
             m.cost_usd.labels(*lab),
         )
+
+
+T = TypeVar("T")
+MAX_BOUND = 4096  # label-value combinations one exporter caches children for
+
+
+class _Bound(Generic[T]):
+    """Label children bound once per key, for at most ``capacity`` keys: past it the cache
+    starts over (binding again finds the same children; the label values themselves are
+    bounded by the allow-lists, this only bounds the cache whatever happens)."""
+
+    def __init__(self, bind: Callable[[Labels], T], capacity: int = MAX_BOUND) -> None:
+        self._bind = bind
+        self.capacity = capacity
+        self._map: dict[Labels, T] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    def __getitem__(self, key: Labels) -> T:
+        child = self._map.get(key)
+        if child is None:
+            with self._lock:  # the stat logger's thread and the pricing timer both export
+                if len(self._map) >= self.capacity:
+                    self._map = {}
+                child = self._map[key] = self._bind(key)
+        return child
 
 
 class PrometheusExporter:
     """Feeds one (model, engine)'s records to the families.
 
-    Label children are looked up once, not per request. Each group is bound on first use
-    rather than here, so a series still appears only once it has data, as before: no
-    zero ``pte_engine_*`` series without the scheduler hook, no pause histogram for a
-    model without sessions."""
+    Label children are looked up once, not per request: per (model, engine), and per tenant
+    and adapter for the families that attribute usage. Each group is bound on first use
+    rather than here, so a series still appears only once it has data, as before: no zero
+    ``pte_engine_*`` series without the scheduler hook, no pause histogram for a model
+    without sessions."""
 
     def __init__(self, model: str, engine: int, metrics: PteMetrics) -> None:
         self.m = metrics
         self.labels = (model, str(engine))
-        self._requests_by_reason: dict[str, Counter] = {}  # finish reasons are few: stop, length, abort…
+        # finish reasons are few (stop, length, abort…); tenants and adapters are bounded upstream
+        self._requests = _Bound(lambda key: self.m.requests.labels(*self.labels, *key))
+        self._usage = _Bound(lambda key: _UsageSeries.bind(self.m, (*self.labels, *key)))
+        self._seconds = _Bound(lambda key: _SecondsSeries.bind(self.m, (*self.labels, *key)))
         self._gpu_priced = 0.0  # Σ GPU seconds of the requests exported here
 
     @cached_property
@@ -274,14 +327,6 @@ class PrometheusExporter:
     @cached_property
     def _tool_pause(self) -> Histogram:
         return self.m.tool_pause.labels(self.labels[0])  # by model only
-
-    def _requests(self, finish_reason: str) -> Counter:
-        child = self._requests_by_reason.get(finish_reason)
-        if child is None:
-            # labels() returns the same child for the same values, so a racing thread is harmless.
-            child = self.m.requests.labels(*self.labels, finish_reason)
-            self._requests_by_reason[finish_reason] = child
-        return child
 
     def publish_engine_time(self, busy_s: float, unattributed_s: float) -> None:
         """The engine's busy time as it reported it with its latest totals."""
@@ -309,20 +354,22 @@ class PrometheusExporter:
 
     def export(self, r: RequestRecord) -> None:
         failpoint("prometheus")
-        self._requests(r.finish_reason).inc()
-        s = self._request
-        s.served_prefill.inc(r.pte_prefill)
-        s.served_decode.inc(r.pte_decode)
+        by = (r.tenant or "", r.lora_name or "")  # empty: tenants off, the base model (no label in Prometheus)
+        self._requests[(*by, r.finish_reason)].inc()
+        u = self._usage[by]
+        u.served_prefill.inc(r.pte_prefill)
+        u.served_decode.inc(r.pte_decode)
         # reference re-prefills the whole prompt (none for a request the engine never ran)
         reference_prefill = min(r.prompt_tokens, r.pte_reference)
-        s.reference_prefill.inc(reference_prefill)
-        s.reference_decode.inc(r.pte_reference - reference_prefill)
+        u.reference_prefill.inc(reference_prefill)
+        u.reference_decode.inc(r.pte_reference - reference_prefill)
+        u.prompt_tokens.inc(r.prompt_tokens)
+        u.cached_tokens.inc(r.cached_tokens)
+        u.output_tokens.inc(r.output_tokens)
+        s = self._request
         s.ideal.inc(r.pte_ideal)
         s.recompute.inc(r.pte_recompute)
         s.eviction.inc(r.pte_eviction_tax)
-        s.prompt_tokens.inc(r.prompt_tokens)
-        s.cached_tokens.inc(r.cached_tokens)
-        s.output_tokens.inc(r.output_tokens)
         s.request_pte.observe(r.pte_served)
         if r.pause_s is not None:
             self._tool_pause.observe(r.pause_s)
@@ -337,13 +384,13 @@ class PrometheusExporter:
             e.wasted_aborted.inc(r.pte_wasted_aborted)
             e.gap.inc(r.engine_pte_served - r.pte_served)
         if r.gpu_seconds is not None:
-            e = self._engine
-            e.gpu_prefill.inc(r.gpu_seconds_prefill)
-            e.gpu_kv_read.inc(r.gpu_seconds_kv_read)
-            e.gpu_weights.inc(r.gpu_seconds_weights)
-            e.gpu_overhead.inc(r.gpu_seconds_overhead)
+            e, t = self._engine, self._seconds[by]
+            t.gpu_prefill.inc(r.gpu_seconds_prefill)
+            t.gpu_kv_read.inc(r.gpu_seconds_kv_read)
+            t.gpu_weights.inc(r.gpu_seconds_weights)
+            t.gpu_overhead.inc(r.gpu_seconds_overhead)
             e.request_gpu_seconds.observe(r.gpu_seconds)
             e.interference.inc(max(0.0, r.interference_s or 0.0))
             if r.cost_usd is not None:
-                e.cost_usd.inc(r.cost_usd)
+                t.cost_usd.inc(r.cost_usd)
             self._gpu_priced += r.gpu_seconds
