@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry
@@ -35,6 +36,7 @@ STAGES = (
     "request_log",
     "otel",
     "otel_logs",
+    "otel_metrics",
     "summary",
     "middleware",
     "routes",
@@ -76,6 +78,17 @@ class Runtime:
         self.api_server = 0  # this process's index among the API servers
         self.otel = self._otel("otel", "OtelExporter") if settings.otel else None
         self.otel_logs = self._otel("otel_logs", "OtelLogExporter") if settings.otel_logs else None
+        self.otel_metrics = self._otel("otel_metrics", "OtelMetricsExporter") if settings.otel_metrics else None
+
+    @property
+    def takes_traces(self) -> bool:
+        """Whether OpenTelemetry reads each request's route and trace context (spans or metrics)."""
+        return self.otel is not None or self.otel_metrics is not None
+
+    @property
+    def new_trace_id(self) -> Callable[[], str] | None:
+        """With spans on: where a request that brings no trace gets the id of its own."""
+        return None if self.otel is None else self.otel.new_trace_id
 
     def _otel(self, stage: str, exporter: str) -> Any:
         try:
@@ -171,6 +184,8 @@ class Runtime:
             exporters.append(("otel", self.otel))
         if self.otel_logs is not None:
             exporters.append(("otel_logs", self.otel_logs))
+        if self.otel_metrics is not None:
+            exporters.append(("otel_metrics", self.otel_metrics))
         return exporters
 
     def summary(self) -> dict[str, Any]:
