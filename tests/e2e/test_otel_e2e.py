@@ -80,17 +80,25 @@ def test_span_carries_the_session_as_session_id(server):
 
 def test_span_ends_when_the_client_got_its_answer(server):
     """From the request's arrival to its finish as vLLM saw them: inside the client's own
-    send → answer interval, ending just before the answer reached it."""
+    send → answer interval, ending just before the answer reached it. The decode takes most
+    of the request, so a span that ended at the first token (or at the plugin's pricing,
+    after the answer) would fail; the bounds leave the client room to be scheduled late on a
+    busy host."""
     t0 = time.time()
-    response = chat(server, words(300), max_tokens=48)
+    response = chat(server, words(300), max_tokens=96)
     t1 = time.time()
-    _, span = record_and_span(server, response["id"])
+    rec, span = record_and_span(server, response["id"])
+    assert rec["decode_s"] > 0.5 * (t1 - t0), "the decode should be most of the request"
     start, end = span["start"] / 1e9, span["end"] / 1e9
     assert t0 - 0.01 <= start < end <= t1 + 0.01, (t0, start, end, t1)
-    assert t1 - end < 0.25, f"span ended {t1 - end:.3f} s before the client had its answer"
+    assert t1 - end < 0.25 * (t1 - t0), f"span ended {t1 - end:.3f} s before the client had its answer"
 
 
 def test_ttft_and_tpot_are_what_a_streaming_client_sees(server):
+    """vLLM's view of the first token and of the decode against the client's. The client
+    sees each chunk a little later than vLLM sent it, and later still when the host is busy:
+    the bounds are one-sided where the client's delay falls, wide enough for it, and still
+    tell the first token from the whole request (``e2e_s``) or from the queue alone."""
     body = {"model": server.model, "prompt": words(1500), "max_tokens": 64, "ignore_eos": True,
             "temperature": 0.0, "stream": True}  # fmt: skip
     t0 = time.perf_counter()
@@ -101,12 +109,12 @@ def test_ttft_and_tpot_are_what_a_streaming_client_sees(server):
                 chunk_times.append(time.perf_counter() - t0)
                 rid = json.loads(line[6:])["id"]
     client_ttft, client_decode = chunk_times[0], chunk_times[-1] - chunk_times[0]
-    assert client_decode > 0.05, "the decode should take long enough to tell TTFT from the whole request"
+    assert client_decode > 0.1, "the decode should take long enough to tell TTFT from the whole request"
     rec = server.log_records({rid})[rid][0]
     assert rec["output_tokens"] == 64
-    # the client's TTFT adds the HTTP exchange and tokenisation before vLLM's arrival time
-    assert client_ttft - 0.1 - 0.2 * client_ttft <= rec["ttft_s"] <= client_ttft + 0.01, (rec["ttft_s"], client_ttft)
-    assert rec["tpot_s"] * 63 == pytest.approx(client_decode, abs=0.05 + 0.2 * client_decode)
+    # vLLM's arrival follows the HTTP exchange and tokenisation the client's clock includes
+    assert 0.5 * client_ttft <= rec["ttft_s"] <= client_ttft + 0.01, (rec["ttft_s"], client_ttft)
+    assert 0.5 * client_decode <= rec["tpot_s"] * 63 <= 1.5 * client_decode + 0.05, (rec["tpot_s"], client_decode)
 
 
 def _wait_for_count(otlp, name: str, attrs: dict, count: int, timeout_s: float = 15.0) -> dict | None:
