@@ -86,6 +86,7 @@ class Settings:
     feedback_window: int = 50_000
     otel: bool = False
     otel_logs: bool = False  # a log record per priced request (OTLP), for a fleet's collector
+    otel_metrics: bool = False  # GenAI server and pte.* metrics over OTLP
     accumulator_backend: str = "auto"
     step_log: str | None = None
     benchmark_header: str = "X-PTE-Benchmark"
@@ -188,6 +189,12 @@ class Settings:
             otel_logs=flag(
                 "PTE_OTEL_LOGS",
                 bool(env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_LOGS_ENDPOINT")),
+            )
+            and not flag("OTEL_SDK_DISABLED", False),
+            # likewise: the base endpoint or the metrics endpoint
+            otel_metrics=flag(
+                "PTE_OTEL_METRICS",
+                bool(env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")),
             )
             and not flag("OTEL_SDK_DISABLED", False),
             accumulator_backend=backend,

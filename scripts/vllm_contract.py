@@ -109,6 +109,7 @@ CONTRACT: tuple[Item, ...] = (
             "prefill_time",
             "decode_time",
             "inference_time",
+            "mean_time_per_output_token",
         ),
     ),
     Item(

@@ -42,14 +42,15 @@ API_KEY = "test-key"
 
 
 class OtlpReceiver:
-    """An in-process OTLP/HTTP receiver of traces (``/v1/traces``) and logs (``/v1/logs``):
-    decodes the protobuf export requests."""
+    """An in-process OTLP/HTTP receiver of traces (``/v1/traces``), logs (``/v1/logs``) and
+    metrics (``/v1/metrics``): decodes the protobuf export requests."""
 
     def __init__(self) -> None:
         from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
+        from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
         from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-        spans, logs = self.spans, self.logs = [], []
+        spans, logs, points = self.spans, self.logs, self.points = [], [], []
 
         def take_spans(body: bytes) -> None:
             for rs in ExportTraceServiceRequest.FromString(body).resource_spans:
@@ -57,7 +58,10 @@ class OtlpReceiver:
                     for sp in ss.spans:
                         attrs = {a.key: _any_value(a.value) for a in sp.attributes}
                         spans.append({"name": sp.name, "start": sp.start_time_unix_nano,
-                                      "end": sp.end_time_unix_nano, "attributes": attrs})  # fmt: skip
+                                      "end": sp.end_time_unix_nano, "attributes": attrs,
+                                      "trace_id": sp.trace_id.hex(), "span_id": sp.span_id.hex(),
+                                      "parent_span_id": sp.parent_span_id.hex(), "kind": sp.kind,
+                                      "status": sp.status.code, "status_message": sp.status.message})  # fmt: skip
 
         def take_logs(body: bytes) -> None:
             for rl in ExportLogsServiceRequest.FromString(body).resource_logs:
@@ -69,10 +73,33 @@ class OtlpReceiver:
                                      "severity": lr.severity_text, "body": _any_value(lr.body),
                                      "attributes": attrs, "resource": resource})  # fmt: skip
 
+        def take_metrics(body: bytes) -> None:
+            """One entry per data point: histograms with count, sum and buckets, sums with value."""
+            for rm in ExportMetricsServiceRequest.FromString(body).resource_metrics:
+                resource = {a.key: _any_value(a.value) for a in rm.resource.attributes}
+                for sm in rm.scope_metrics:
+                    for m in sm.metrics:
+                        kind = m.WhichOneof("data")
+                        for dp in getattr(m, kind).data_points:
+                            point = {"name": m.name, "unit": m.unit, "kind": kind, "time": dp.time_unix_nano,
+                                     "attributes": {a.key: _any_value(a.value) for a in dp.attributes},
+                                     "resource": resource}  # fmt: skip
+                            if kind == "histogram":
+                                point.update(count=dp.count, sum=dp.sum, bounds=list(dp.explicit_bounds),
+                                             bucket_counts=list(dp.bucket_counts))  # fmt: skip
+                            else:
+                                point["value"] = getattr(dp, dp.WhichOneof("value"))
+                            points.append(point)
+
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers["Content-Length"]))
-                (take_logs if self.path.endswith("/v1/logs") else take_spans)(body)
+                if self.path.endswith("/v1/logs"):
+                    take_logs(body)
+                elif self.path.endswith("/v1/metrics"):
+                    take_metrics(body)
+                else:
+                    take_spans(body)
                 self.send_response(200)
                 self.send_header("Content-Type", "application/x-protobuf")
                 self.end_headers()
@@ -84,6 +111,7 @@ class OtlpReceiver:
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
         base = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.endpoint, self.logs_endpoint = f"{base}/v1/traces", f"{base}/v1/logs"
+        self.metrics_endpoint = f"{base}/v1/metrics"
 
     def span_for(self, response_id: str, timeout_s: float = 10.0) -> dict | None:
         return self._find(self.spans, lambda a: a.get("gen_ai.response.id") == response_id and "pte.served" in a,
@@ -91,6 +119,13 @@ class OtlpReceiver:
 
     def log_for(self, request_id: str, timeout_s: float = 10.0) -> dict | None:
         return self._find(self.logs, lambda a: a.get("request_id") == request_id, timeout_s)
+
+    def latest_point(self, name: str, **attributes) -> dict | None:
+        """The most recent data point of metric ``name`` whose attributes include ``attributes``
+        (cumulative temporality: it holds every observation so far)."""
+        found = [p for p in list(self.points)
+                 if p["name"] == name and all(p["attributes"].get(k) == v for k, v in attributes.items())]  # fmt: skip
+        return max(found, key=lambda p: p["time"], default=None)
 
     @staticmethod
     def _find(items: list[dict], match, timeout_s: float) -> dict | None:
@@ -175,6 +210,9 @@ def server(tiny_model, tmp_path_factory) -> Iterator[Server]:
         "OTEL_EXPORTER_OTLP_LOGS_ENDPOINT": otlp.logs_endpoint,
         "OTEL_EXPORTER_OTLP_LOGS_PROTOCOL": "http/protobuf",
         "OTEL_BLRP_SCHEDULE_DELAY": "100",
+        "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": otlp.metrics_endpoint,
+        "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL": "http/protobuf",
+        "OTEL_METRIC_EXPORT_INTERVAL": "300",  # ms: the test waits for each export
     }
     vllm = start_server(tiny_model, work, env, ["--api-key", API_KEY])
     try:

@@ -20,6 +20,11 @@ from pte_instrument.server.sessions import SessionLedger
 MAX_CONSECUTIVE_FAULTS = 100
 
 
+def trace_of(traceparent: str | None) -> str | None:
+    """The trace id of a W3C ``traceparent`` (``00-<trace id>-<parent span id>-<flags>``)."""
+    return traceparent.split("-")[1] if traceparent else None
+
+
 class Exporter(Protocol):
     def export(self, record: RequestRecord) -> None: ...
 
@@ -34,8 +39,10 @@ class Accountant:
         clock: Callable[[], float] = time.time,
         usd_per_gpu_second: float | None = None,  # the engine's price per second, all its GPUs
         on_switch_off: Callable[[str], None] | None = None,  # given the stage of a switched-off exporter
+        new_trace_id: Callable[[], str] | None = None,  # tracing on: a trace id for a request without one
     ) -> None:
         self.cost_model = cost_model
+        self.new_trace_id = new_trace_id
         self.usd_per_gpu_second = usd_per_gpu_second
         self.exporters = list(exporters)
         self.faults = faults
@@ -55,6 +62,8 @@ class Accountant:
                 request = replace(
                     request, turn=ctx.turn, reusable_tokens=ctx.reusable_tokens, pause_s=ctx.pause_s
                 )
+            if self.new_trace_id is not None:
+                request = replace(request, trace_id=trace_of(request.traceparent) or self.new_trace_id())
             record = price_request(self.cost_model, request, request.finished_at or now, self.usd_per_gpu_second)
         except Exception as e:
             self.faults.record("accounting", e)

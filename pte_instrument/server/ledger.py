@@ -38,6 +38,11 @@ class FinishedRequest:
     arrived_at: float = 0.0  # unix times, vLLM's own (0: unknown)
     finished_at: float = 0.0
     child_index: int | None = None  # parallel sampling (n > 1): which sample of its parent
+    ttft_s: float | None = None  # arrival → first token (None: no token, or unknown)
+    tpot_s: float | None = None  # mean time per output token after the first (None: under 2 tokens)
+    operation: str | None = None  # GenAI operation of its route (chat, text_completion); None: unknown
+    traceparent: str | None = None  # the caller's W3C trace context, if it sent one
+    trace_id: str | None = None  # the trace its span belongs to (None: no tracing)
 
     @property
     def ran(self) -> bool:
@@ -108,6 +113,11 @@ class RequestRecord:
     latency_explained_s: float | None = None
     interference_s: float | None = None
     cost_usd: float | None = None  # gpu_seconds × GPUs per engine × price (PTE_GPU_HOURLY_PRICE)
+    ttft_s: float | None = None  # arrival → first token, as vLLM timed it
+    tpot_s: float | None = None  # mean time per output token after the first
+    operation: str | None = None  # GenAI operation of the route (chat, text_completion); None: unknown
+    traceparent: str | None = None  # the caller's W3C trace context: its span is this one's parent
+    trace_id: str | None = None  # 32 hex digits: the trace of this request's span (None: tracing off)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -165,6 +175,11 @@ def price_request(
         lora_name=req.lora_name,
         arrived_at=req.arrived_at or None,
         child_index=req.child_index,
+        ttft_s=req.ttft_s,
+        tpot_s=req.tpot_s,
+        operation=req.operation,
+        traceparent=req.traceparent,
+        trace_id=req.trace_id,
         pte_wasted_rejected_drafts=totals.pte_rejected if totals is not None else 0.0,
         pte_wasted_aborted=wasted_aborted,
         **_engine_fields(totals),

@@ -1,6 +1,6 @@
-"""Request tags: validating client-supplied session ids, and remembering which session,
-benchmark label, tenant and requested model a request carries until the server reports it
-finished. Both bounded."""
+"""Request tags: validating client-supplied session ids and trace contexts, and remembering
+what a request carries (session, benchmark label, tenant, requested model, route, the
+caller's trace) until the server reports it finished. Both bounded."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pte_instrument.server.bounded import BoundedDict
 
 MAX_SESSION_ID_LEN = 128
 MAX_ECHO_LEN = 128
+MAX_TRACEPARENT_LEN = 256  # W3C: 55 characters in version 00; later versions may append fields
 
 
 def quoted(value: str, limit: int = MAX_ECHO_LEN) -> str:
@@ -38,12 +39,39 @@ def validate_session_id(raw: bytes | str) -> tuple[str | None, str | None]:
     return raw.decode("ascii"), None
 
 
+def parse_traceparent(raw: bytes | str) -> str | None:
+    """A W3C ``traceparent`` header as the propagator reads it, re-spelt in version 00
+    (``00-<trace id>-<parent span id>-<flags>``); None for a malformed or all-zero one."""
+    from opentelemetry.trace import format_span_id, format_trace_id, get_current_span
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    if isinstance(raw, bytes):
+        raw = raw.decode("latin-1")
+    if len(raw) > MAX_TRACEPARENT_LEN:
+        return None
+    ctx = get_current_span(TraceContextTextMapPropagator().extract({"traceparent": raw})).get_span_context()
+    if not ctx.is_valid:
+        return None
+    return f"00-{format_trace_id(ctx.trace_id)}-{format_span_id(ctx.span_id)}-{int(ctx.trace_flags):02x}"
+
+
 @dataclass(frozen=True)
 class RequestTag:
     session_id: str | None
     benchmark: str  # an allow-listed label, "other", or "none"
     tenant: str | None = None  # an allow-listed tenant or "other"; None: tenants are off
     model: str | None = None  # the OpenAI "model" field (read when the server serves LoRA adapters)
+    operation: str | None = None  # the GenAI operation of the route it came by (chat, text_completion)
+    traceparent: str | None = None  # the caller's trace context (``parse_traceparent``)
+
+    @property
+    def tracked(self) -> bool:
+        """Whether it carries a session or a benchmark label: only such a tag's drop is
+        counted (``PendingTags.dropped``); a route and a trace context alone are not."""
+        return self.session_id is not None or self.benchmark != "none"
+
+
+UNTAGGED = RequestTag(None, "none")  # a request that carries nothing to remember
 
 
 @dataclass
@@ -63,7 +91,8 @@ class PendingTags:
     finish before, or moments after, its answer goes out. A client that reuses a request id
     opens the key again. Past ``max_age_s``, or past ``capacity`` (least recently added
     first), a tag goes in any case. ``dropped`` counts the tags that went unclaimed: their
-    requests never reached the engine."""
+    requests never reached the engine (only tags that carry a session or a benchmark label
+    are counted: ``RequestTag.tracked``)."""
 
     def __init__(
         self,
@@ -80,7 +109,7 @@ class PendingTags:
         self.clock = clock
         self._map: BoundedDict[str, _Pending] = BoundedDict(capacity)  # oldest first
         self._settled: BoundedDict[str, float] = BoundedDict(capacity)  # key → drop time, in order
-        self._expired = 0
+        self._expired = 0  # tracked tags dropped unclaimed: past their grace or age, or the capacity
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -92,7 +121,7 @@ class PendingTags:
     def dropped(self) -> int:
         with self._lock:
             self._sweep()
-            return self._map.dropped + self._expired
+            return self._expired
 
     def put(self, key: str, tag: RequestTag) -> None:
         """An HTTP exchange under ``key`` opens (again, when a client reuses an id)."""
@@ -105,7 +134,8 @@ class PendingTags:
                 entry = _Pending(tag, now)
             else:
                 entry.tag, entry.since, entry.open = tag, now, entry.open + 1
-            self._map.put(key, entry)
+            for _, lost in self._map.put(key, entry):
+                self._expired += lost.tag.tracked
 
     def claim(self, *keys: str) -> RequestTag | None:
         """The tag of the first key present (callers try several spellings of an id); it
@@ -136,8 +166,8 @@ class PendingTags:
         while (due := self._settled.oldest()) is not None and due[1] <= now:
             self._settled.pop_oldest()
             entry = self._map.pop(due[0])
-            self._expired += entry is not None and not entry.claimed
+            self._expired += entry is not None and not entry.claimed and entry.tag.tracked
         while (old := self._map.oldest()) is not None and now - old[1].since > self.max_age_s:
             self._map.pop_oldest()
             self._settled.pop(old[0])
-            self._expired += not old[1].claimed
+            self._expired += not old[1].claimed and old[1].tag.tracked

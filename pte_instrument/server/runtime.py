@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -39,6 +40,7 @@ STAGES = (
     "request_log",
     "otel",
     "otel_logs",
+    "otel_metrics",
     "summary",
     "middleware",
     "routes",
@@ -82,6 +84,17 @@ class Runtime:
         self.api_server = 0  # this process's index among the API servers
         self.otel = self._otel("otel", "OtelExporter") if settings.otel else None
         self.otel_logs = self._otel("otel_logs", "OtelLogExporter") if settings.otel_logs else None
+        self.otel_metrics = self._otel("otel_metrics", "OtelMetricsExporter") if settings.otel_metrics else None
+
+    @property
+    def takes_traces(self) -> bool:
+        """Whether OpenTelemetry reads each request's route and trace context (spans or metrics)."""
+        return self.otel is not None or self.otel_metrics is not None
+
+    @property
+    def new_trace_id(self) -> Callable[[], str] | None:
+        """With spans on: where a request that brings no trace gets the id of its own."""
+        return None if self.otel is None else self.otel.new_trace_id
 
     def _otel(self, stage: str, exporter: str) -> Any:
         try:
@@ -161,8 +174,8 @@ class Runtime:
             self.faults.record("prometheus", e)
 
     def tagged(self, request: FinishedRequest, tag: RequestTag | None) -> FinishedRequest:
-        """A finished request with what its tag says: session, benchmark label, tenant, and the
-        LoRA adapter it was served by (bounded). Untagged (the middleware never saw it): no
+        """A finished request with what its tag says: session, benchmark label, tenant, the
+        LoRA adapter it was served by (bounded), the route's operation and the caller's trace. Untagged (the middleware never saw it): no
         session, and the catch-all tenant when tenants are on."""
         if tag is None:
             tenant = self.tenants.untagged
@@ -173,6 +186,8 @@ class Runtime:
             benchmark=tag.benchmark,
             tenant=tag.tenant,
             lora_name=self.lora_names.account(tag.model),
+            operation=tag.operation,
+            traceparent=tag.traceparent,
         )
 
     def exporters_for(self, model: str, engine: int, cost_model: CostModel) -> list[tuple[str, Any]]:
@@ -192,6 +207,8 @@ class Runtime:
             exporters.append(("otel", self.otel))
         if self.otel_logs is not None:
             exporters.append(("otel_logs", self.otel_logs))
+        if self.otel_metrics is not None:
+            exporters.append(("otel_metrics", self.otel_metrics))
         for stage, _ in exporters:  # at 1 from the start, so an alert sees the switch to 0
             self.metrics.exporter_enabled.labels(model, str(engine), stage).set(1)
         return exporters

@@ -405,6 +405,9 @@ class SessionLedger:
                 if db is not None:
                     db.close()
                 return
+            # Let the committed batch go before waiting for the next: held, it is up to a
+            # batch of records kept alive between bursts.
+            del first, batch, closed
 
     def _commit(
         self, db: sqlite3.Connection | None, adds: list[tuple[Any, ...]], now: float, expire: bool,

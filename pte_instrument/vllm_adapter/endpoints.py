@@ -3,8 +3,9 @@ middleware and the ``/pte/*`` HTTP routes.
 
 The middleware reads the session header (default ``X-Session-Id``; or the OpenAI ``user``
 field with ``PTE_SESSION_FROM_USER=1``), the tenant (``PTE_TENANT_HEADER``, the API key's
-hash), and, when the server serves LoRA adapters, the OpenAI ``model`` field; makes sure
-the request carries an ``X-Request-Id`` (vLLM names its request after it), and remembers
+hash), when the server serves LoRA adapters the OpenAI ``model`` field, and, when
+OpenTelemetry is on, the route's GenAI operation and the caller's W3C ``traceparent``; makes
+sure the request carries an ``X-Request-Id`` (vLLM names its request after it), and remembers
 request → tag until the stat logger sees the request finish, in the same process: the tag
 goes a grace period after the HTTP exchange ends (``PendingTags.settle``), so every engine
 request of one HTTP request (``n > 1``, a list of prompts) carries it.
@@ -24,18 +25,28 @@ from typing import Any
 
 import msgspec
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pte_instrument.failpoints import failpoint
+from pte_instrument.server.exporters.exposition import exposition
 from pte_instrument.server.live_efficiency import FeedbackError
-from pte_instrument.server.request_tags import RequestTag, quoted, validate_session_id
+from pte_instrument.server.request_tags import (
+    UNTAGGED,
+    RequestTag,
+    parse_traceparent,
+    quoted,
+    validate_session_id,
+)
 from pte_instrument.server.runtime import Runtime, get_runtime
 from pte_instrument.vllm_adapter import compat
 
-# Paths whose requests reach the engine and so finish in the stat logger.
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+# Paths whose requests reach the engine and so finish in the stat logger, with the GenAI
+# operation (OpenTelemetry's well-known values) each one performs; the Responses API is
+# the chat API's successor.
+OPERATIONS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion", "/v1/responses": "chat"}
+GENERATION_PATHS = tuple(OPERATIONS)
 MAX_PAGE = 1000
 MAX_BODY_BYTES = 64 * 1024  # a feedback body is a few ids: anything larger is refused unread
 MAX_MODEL_NAME_LEN = 256  # a longer "model" is kept for no adapter (its request is accounted to the base model)
@@ -43,8 +54,9 @@ SORT_KEYS = ("pte_served", "pte_eviction_tax", "pte_reference", "prompt_tokens",
 
 
 class SessionMiddleware:
-    """Tags generation requests with their session and benchmark label. Pure ASGI (no
-    per-request task, no body copy unless the ``user`` field is wanted)."""
+    """Tags generation requests with their session and benchmark label, and with their
+    route's operation and the caller's trace context when OpenTelemetry takes them. Pure
+    ASGI (no per-request task, no body copy unless the ``user`` field is wanted)."""
 
     def __init__(self, app: ASGIApp, runtime: Runtime | None = None) -> None:
         self.app = app
@@ -94,13 +106,20 @@ class SessionMiddleware:
         if label is not None:  # only allow-listed labels: they become metric labels
             text = label.decode("latin-1")
             benchmark = text if text in self.runtime.settings.benchmark_labels else "other"
-        if session_id is None and benchmark == "none" and tenant is None and model is None:
+        operation = traceparent = None
+        if self.runtime.takes_traces:  # spans or OTel metrics: every request's route and trace
+            raw_parent = next((v for k, v in headers if k == b"traceparent"), None)
+            path = scope["path"]
+            operation = next((op for p, op in OPERATIONS.items() if path.endswith(p)), None)
+            traceparent = parse_traceparent(raw_parent) if raw_parent is not None else None
+        tag = RequestTag(session_id, benchmark, tenant, model, operation, traceparent)
+        if tag == UNTAGGED:  # nothing to remember
             return None, receive
         request_id = next((v.decode("latin-1") for k, v in headers if k == b"x-request-id"), None)
         if request_id is None:
             request_id = uuid.uuid4().hex
             scope["headers"] = [*headers, (b"x-request-id", request_id.encode("ascii"))]
-        self.runtime.pending.put(request_id, RequestTag(session_id, benchmark, tenant, model))
+        self.runtime.pending.put(request_id, tag)
         return request_id, receive
 
 
@@ -279,6 +298,20 @@ def build_router(runtime: Runtime) -> APIRouter:
             )
 
         return await guarded(request, handler)
+
+    @router.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        """The process's Prometheus registry, in OpenMetrics when the scraper asks for it
+        (with exemplars), else in the text format: vLLM's ``/metrics`` answers the text
+        format whatever is asked, which has no exemplars."""
+        if not _authorized(request, runtime):
+            return _error(401, "Unauthorized: send Authorization: Bearer <key>")
+        try:
+            body, content_type = await asyncio.to_thread(exposition, request.headers.get("accept"))
+        except Exception as e:
+            runtime.faults.record("routes", e)
+            return _error(500, "pte-instrument route failed; see the server log")
+        return Response(body, media_type=content_type, headers={API_SERVER_HEADER: str(runtime.api_server)})
 
     # ":path": session ids may contain "/" (sent as-is or as %2F; the server decodes the path)
     @router.get("/sessions/{session_id:path}")

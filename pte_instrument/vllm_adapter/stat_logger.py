@@ -30,8 +30,14 @@ def finished_request(
     stats: FinishedRequestStats, model: str, engine: int, iteration_timestamp: float
 ) -> FinishedRequest:
     """``iteration_timestamp``: vLLM's wall time of the output batch that finished the
-    request, from which its ``e2e_latency`` is measured (so arrival = that − e2e)."""
+    request, from which its ``e2e_latency`` is measured (so arrival = that − e2e).
+
+    vLLM keeps a request's time to first token out of its finish stats; its ``decode_time``
+    runs from the first token to the last (engine-core clock), so arrival → first token is
+    ``e2e_latency − decode_time``, up to how much longer the last output took than the
+    first to reach this process."""
     e2e = float(stats.e2e_latency)
+    tokens = int(stats.num_generation_tokens)
     return FinishedRequest(
         request_id=str(stats.request_id),
         model=model,
@@ -48,6 +54,8 @@ def finished_request(
         e2e_s=e2e,
         arrived_at=iteration_timestamp - e2e,
         finished_at=iteration_timestamp,
+        ttft_s=max(0.0, e2e - float(stats.decode_time)) if tokens > 0 else None,
+        tpot_s=float(stats.mean_time_per_output_token) if tokens > 1 else None,
     )
 
 
@@ -89,7 +97,7 @@ class PteStatLogger(AggregateStatLoggerBase):
                 exporters = self.runtime.exporters_for(self.model, engine, cost_model)
                 self.accountants[engine] = Accountant(
                     cost_model, exporters, self.runtime.faults, self.runtime.sessions,
-                    usd_per_gpu_second=usd_per_engine_second,
+                    usd_per_gpu_second=usd_per_engine_second, new_trace_id=self.runtime.new_trace_id,
                     on_switch_off=partial(self.runtime.exporter_switched_off, self.model, engine),
                 )  # fmt: skip
         except Exception as e:  # unknown architecture, bad device name…: keep serving unpriced

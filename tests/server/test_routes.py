@@ -294,3 +294,66 @@ def test_user_field_with_deep_nesting_still_reaches_the_server(runtime):
     call(SessionMiddleware(app, runtime=runtime), "/v1/chat/completions", [], [body])
     assert seen == [body]
     assert runtime.faults.counts.get("middleware", 0) == 0
+
+
+# --- OpenTelemetry: the route's operation and the caller's trace context ------------------
+
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+@pytest.fixture
+def traced(runtime: Runtime) -> Runtime:
+    """OpenTelemetry metrics on (to an in-memory reader): the middleware tags every request."""
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from pte_instrument.server.exporters.otel import OtelMetricsExporter
+
+    runtime.otel_metrics = OtelMetricsExporter(InMemoryMetricReader())
+    yield runtime
+    runtime.otel_metrics.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("path", "operation"),
+    [("/v1/chat/completions", "chat"), ("/v1/completions", "text_completion"), ("/v1/responses", "chat")],
+)
+def test_with_opentelemetry_every_request_carries_its_route_and_trace(traced, path, operation):
+    c = tagged_client(traced, 200)
+    c.post(path, json={}, headers={"X-Request-Id": "r1", "traceparent": TRACEPARENT})
+    assert traced.pending.claim("r1") == RequestTag(None, "none", operation=operation, traceparent=TRACEPARENT)
+    c.post(path, json={}, headers={"X-Request-Id": "r2", "X-Session-Id": "s", "traceparent": "garbage"})
+    assert traced.pending.claim("r2") == RequestTag("s", "none", operation=operation)  # served, not joined
+
+
+def test_without_opentelemetry_only_sessions_and_benchmarks_are_tagged(runtime):
+    c = tagged_client(runtime, 200)
+    c.post("/v1/completions", json={}, headers={"X-Request-Id": "r1", "traceparent": TRACEPARENT})
+    assert runtime.pending.claim("r1") is None and len(runtime.pending) == 0
+    c.post("/v1/completions", json={}, headers={"X-Request-Id": "r2", "X-Session-Id": "s"})
+    assert runtime.pending.claim("r2") == RequestTag("s", "none")
+
+
+def test_rejected_requests_tagged_for_opentelemetry_alone_are_not_counted_as_drops(traced):
+    clock = Clock()
+    traced.pending = PendingTags(clock=clock)
+    c = tagged_client(traced, 404)
+    for _ in range(20):
+        c.post("/v1/chat/completions", json={"model": "wrong"}, headers={"traceparent": TRACEPARENT})
+    c.post("/v1/chat/completions", json={"model": "wrong"}, headers={"X-Session-Id": "s"})
+    assert len(traced.pending) == 21
+    clock.t += traced.pending.grace_s + 0.1
+    assert len(traced.pending) == 0 and traced.pending.dropped == 1  # the session's tag only
+
+
+# --- GET /pte/metrics: the registry in the format asked for ------------------------------
+
+
+def test_pte_metrics_answers_openmetrics_when_asked_and_needs_the_key(client, runtime):
+    om = {**AUTH, "Accept": "application/openmetrics-text; version=1.0.0"}
+    r = client.get("/pte/metrics", headers=om)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("application/openmetrics-text")
+    assert r.text.endswith("# EOF\n") and r.headers["X-PTE-API-Server"] == "0"
+    plain = client.get("/pte/metrics", headers=AUTH)
+    assert plain.status_code == 200 and plain.headers["content-type"].startswith("text/plain")
+    assert "# EOF" not in plain.text
+    assert client.get("/pte/metrics").status_code == 401

@@ -1,16 +1,31 @@
 """OpenTelemetry: one span per finished request (an agent turn), with the GenAI semantic
-conventions where they apply and ``pte.*`` attributes for the rest; and one log record per
+conventions where they apply and ``pte.*`` attributes for the rest; one log record per
 priced request with the request log's fields, so that a collector gathers every replica's
-ledger. Configured by the standard ``OTEL_*`` variables (endpoint, headers, service name,
-batch delays)."""
+ledger; and the GenAI model-server metrics with ``pte.*`` counters beside them. Configured
+by the standard ``OTEL_*`` variables (endpoint, headers, service name, batch delays,
+export interval)."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from pte_instrument.server.ledger import RequestRecord
 
 LOG_EVENT = "pte.request"  # the event name of a priced-request log record
+PROVIDER = "vllm"  # gen_ai.provider.name
+# A request whose route is unknown (the session middleware is not installed, or the
+# request's tag was dropped): vLLM's chat API, its main route.
+DEFAULT_OPERATION = "chat"
+# Finish reasons of a request that did not complete: its error.type (the finish reason
+# itself, a low-cardinality identifier, as the conventions ask), its span status ERROR.
+FAILED = ("error", "abort")
+
+# The conventions' explicit bucket advice for the GenAI model-server histograms (seconds).
+REQUEST_DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+GPU_TERMS = ("prefill", "kv_read", "weights", "overhead")  # pte.phase of pte.gpu.time
 
 
 def _resource() -> Any:
@@ -22,14 +37,17 @@ def _resource() -> Any:
     return resource
 
 
-def build_tracer_provider() -> Any:
+def build_tracer_provider(id_generator: Any = None, span_exporter: Any = None) -> Any:
     """A provider of our own (vLLM's tracing, when on, keeps its own) exporting OTLP/HTTP."""
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    provider = TracerProvider(resource=_resource())
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    if span_exporter is None:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        span_exporter = OTLPSpanExporter()
+    provider = TracerProvider(resource=_resource(), id_generator=id_generator)
+    provider.add_span_processor(BatchSpanProcessor(span_exporter))
     return provider
 
 
@@ -44,11 +62,44 @@ def build_logger_provider() -> Any:
     return provider
 
 
+def build_meter_provider(reader: Any = None) -> Any:
+    """A meter provider of our own exporting OTLP/HTTP every ``OTEL_METRIC_EXPORT_INTERVAL``
+    (``OTEL_EXPORTER_OTLP[_METRICS]_ENDPOINT``; temporality from the exporter's variable)."""
+    from opentelemetry.sdk.metrics import MeterProvider
+
+    if reader is None:
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+        reader = PeriodicExportingMetricReader(OTLPMetricExporter())
+    return MeterProvider(metric_readers=[reader], resource=_resource())
+
+
+def operation(r: RequestRecord) -> str:
+    return r.operation or DEFAULT_OPERATION
+
+
+def error_type(r: RequestRecord) -> str | None:
+    return r.finish_reason if r.finish_reason in FAILED else None
+
+
+def genai_attributes(r: RequestRecord) -> dict[str, Any]:
+    """What the conventions require or recommend on both the span and the server metrics."""
+    attrs: dict[str, Any] = {
+        "gen_ai.operation.name": operation(r),
+        "gen_ai.provider.name": PROVIDER,
+        "gen_ai.request.model": r.model,
+        "gen_ai.response.model": r.model,  # vLLM answers under the served name it was asked for
+    }
+    error = error_type(r)
+    if error is not None:
+        attrs["error.type"] = error
+    return attrs
+
+
 def span_attributes(r: RequestRecord) -> dict[str, Any]:
     attrs: dict[str, Any] = {
-        "gen_ai.operation.name": "chat",
-        "gen_ai.provider.name": "vllm",
-        "gen_ai.request.model": r.model,
+        **genai_attributes(r),
         "gen_ai.response.id": r.request_id,
         "gen_ai.response.finish_reasons": [r.finish_reason],
         "gen_ai.usage.input_tokens": r.prompt_tokens,
@@ -69,6 +120,7 @@ def span_attributes(r: RequestRecord) -> dict[str, Any]:
     }
     if r.session_id is not None:
         attrs["gen_ai.conversation.id"] = r.session_id
+        attrs["session.id"] = r.session_id  # the name Langfuse and other trace UIs group by
         attrs["pte.turn"] = r.turn
     if r.pause_s is not None:
         attrs["pte.tool_pause_s"] = r.pause_s
@@ -84,15 +136,70 @@ def span_attributes(r: RequestRecord) -> dict[str, Any]:
     return attrs
 
 
+class RecordTraceIds:
+    """The SDK's id generator, except that a root span takes the trace id its record already
+    carries (``preset``, per thread), so that the request log and the Prometheus exemplar
+    name the span's trace."""
+
+    def __init__(self) -> None:
+        from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+
+        self._random = RandomIdGenerator()
+        self._preset = threading.local()
+
+    def preset(self, trace_id: int | None) -> None:
+        self._preset.trace_id = trace_id
+
+    def generate_span_id(self) -> int:
+        return self._random.generate_span_id()
+
+    def generate_trace_id(self) -> int:
+        preset = getattr(self._preset, "trace_id", None)
+        return self._random.generate_trace_id() if preset is None else preset
+
+    def new_trace_id(self) -> str:
+        """A random trace id, 32 hex digits (as the request log shows it)."""
+        return f"{self._random.generate_trace_id():032x}"
+
+    def is_trace_id_random(self) -> bool:
+        return True  # the preset ids come from ``new_trace_id`` (random) or the caller's trace
+
+
+def parent_context(traceparent: str | None) -> Any:
+    """The caller's span as the parent of ours (None: ours is a root)."""
+    if traceparent is None:
+        return None
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    return TraceContextTextMapPropagator().extract({"traceparent": traceparent})
+
+
 class OtelExporter:
-    def __init__(self, provider: Any | None = None) -> None:
-        self.provider = provider or build_tracer_provider()
+    def __init__(self, span_exporter: Any = None) -> None:
+        self.ids = RecordTraceIds()
+        self.provider = build_tracer_provider(self.ids, span_exporter)
         self.tracer = self.provider.get_tracer("pte_instrument")
+        self.new_trace_id = self.ids.new_trace_id  # for a request that brings no trace of its own
 
     def export(self, r: RequestRecord) -> None:
+        from opentelemetry.trace import SpanKind, Status, StatusCode
+
         end_ns = int(r.finished_at * 1e9)
         start_ns = end_ns - int(r.e2e_s * 1e9)
-        span = self.tracer.start_span(f"chat {r.model}", start_time=start_ns, attributes=span_attributes(r))
+        parent = parent_context(r.traceparent)
+        self.ids.preset(int(r.trace_id, 16) if r.trace_id is not None and parent is None else None)
+        try:
+            span = self.tracer.start_span(
+                f"{operation(r)} {r.model}",
+                context=parent,
+                kind=SpanKind.SERVER,  # the server side of the caller's request
+                start_time=start_ns,
+                attributes=span_attributes(r),
+            )
+        finally:
+            self.ids.preset(None)
+        if error_type(r) is not None:
+            span.set_status(Status(StatusCode.ERROR, f"finish reason {r.finish_reason}"))
         span.end(end_time=end_ns)
 
     def shutdown(self) -> None:
@@ -123,6 +230,68 @@ class OtelLogExporter:
             body=f"{r.model} request {r.request_id} priced: {r.pte_served:.6g} PTE served",
             attributes=log_attributes(r),
         )
+
+    def shutdown(self) -> None:
+        self.provider.shutdown()
+
+
+class OtelMetricsExporter:
+    """The GenAI semantic conventions' model-server metrics, and ``pte.*`` counters by model:
+    served and reference PTE by phase, GPU time by term (with the step hook), cost (priced).
+    TTFT and time per output token are of successful requests only, as the conventions say."""
+
+    def __init__(self, reader: Any = None) -> None:
+        self.provider = build_meter_provider(reader)
+        meter = self.provider.get_meter("pte_instrument")
+        self.duration = meter.create_histogram(
+            "gen_ai.server.request.duration", unit="s",
+            description="Generative AI server request duration such as time-to-last byte or last output token.",
+            explicit_bucket_boundaries_advisory=REQUEST_DURATION_BUCKETS,
+        )  # fmt: skip
+        self.ttft = meter.create_histogram(
+            "gen_ai.server.time_to_first_token", unit="s",
+            description="Time to generate first token for successful responses.",
+            explicit_bucket_boundaries_advisory=TTFT_BUCKETS,
+        )  # fmt: skip
+        self.tpot = meter.create_histogram(
+            "gen_ai.server.time_per_output_token", unit="s",
+            description="Time per output token generated after the first token for successful responses.",
+            explicit_bucket_boundaries_advisory=TPOT_BUCKETS,
+        )  # fmt: skip
+        self.served = meter.create_counter(
+            "pte.served", unit="{pte}", description="Served PTE of finished requests, by phase."
+        )
+        self.reference = meter.create_counter(
+            "pte.reference", unit="{pte}", description="Reference PTE of finished requests, by phase."
+        )
+        self.gpu_time = meter.create_counter(
+            "pte.gpu.time", unit="s",
+            description="Engine busy time charged to finished requests, by term of the step-time model.",
+        )  # fmt: skip
+        self.cost = meter.create_counter(
+            "pte.cost", unit="{USD}", description="Cost of finished requests in US dollars."
+        )
+
+    def export(self, r: RequestRecord) -> None:
+        attrs = genai_attributes(r)
+        self.duration.record(r.e2e_s, attrs)
+        if error_type(r) is None:
+            if r.ttft_s is not None:
+                self.ttft.record(r.ttft_s, attrs)
+            if r.tpot_s is not None:
+                self.tpot.record(r.tpot_s, attrs)
+        model = {"gen_ai.request.model": r.model}
+        reference_prefill = min(r.prompt_tokens, r.pte_reference)  # as the Prometheus exporter splits it
+        for phase, served, reference in (("prefill", r.pte_prefill, reference_prefill),
+                                         ("decode", r.pte_decode, r.pte_reference - reference_prefill)):  # fmt: skip
+            self.served.add(served, {**model, "pte.phase": phase})
+            self.reference.add(reference, {**model, "pte.phase": phase})
+        if r.gpu_seconds is not None:
+            for term, seconds in zip(GPU_TERMS, (r.gpu_seconds_prefill, r.gpu_seconds_kv_read,
+                                                 r.gpu_seconds_weights, r.gpu_seconds_overhead), strict=True):  # fmt: skip
+                self.gpu_time.add(seconds or 0.0, {**model, "pte.phase": term})
+        if r.cost_usd is not None:
+            self.cost.add(r.cost_usd, model)
 
     def shutdown(self) -> None:
         self.provider.shutdown()

@@ -298,6 +298,12 @@ class _Bound(Generic[T]):
         return child
 
 
+def _exemplar(r: RequestRecord) -> dict[str, str] | None:
+    """The request's trace, on the bucket it fell in (OpenMetrics only; prometheus_client
+    keeps none in multiprocess mode)."""
+    return None if r.trace_id is None else {"trace_id": r.trace_id}
+
+
 class PrometheusExporter:
     """Feeds one (model, engine)'s records to the families.
 
@@ -370,7 +376,7 @@ class PrometheusExporter:
         s.ideal.inc(r.pte_ideal)
         s.recompute.inc(r.pte_recompute)
         s.eviction.inc(r.pte_eviction_tax)
-        s.request_pte.observe(r.pte_served)
+        s.request_pte.observe(r.pte_served, exemplar=_exemplar(r))
         if r.pause_s is not None:
             self._tool_pause.observe(r.pause_s)
         if r.engine_pte_served is not None:
@@ -389,7 +395,7 @@ class PrometheusExporter:
             t.gpu_kv_read.inc(r.gpu_seconds_kv_read)
             t.gpu_weights.inc(r.gpu_seconds_weights)
             t.gpu_overhead.inc(r.gpu_seconds_overhead)
-            e.request_gpu_seconds.observe(r.gpu_seconds)
+            e.request_gpu_seconds.observe(r.gpu_seconds, exemplar=_exemplar(r))
             e.interference.inc(max(0.0, r.interference_s or 0.0))
             if r.cost_usd is not None:
                 t.cost_usd.inc(r.cost_usd)
