@@ -23,7 +23,7 @@ from pte_instrument.server.accountant import MAX_CONSECUTIVE_FAULTS
 
 WINDOW = "5m"  # 20 scrapes at the usual 15 s, 5 at 1 min
 
-# Why a recorded series may have no data, or only 0, on a healthy server (the end-to-end test
+# Why a recorded series may have no data on a healthy server (the end-to-end test
 # server has the step hook and no price), as in the dashboard's queries.
 UNPRICED = "unpriced"  # money: needs PTE_GPU_HOURLY_PRICE
 EmptyReason = Literal["unpriced"]
@@ -53,7 +53,7 @@ STEP_MODEL_MAPE = 0.5
 class Recording:
     record: str
     expr: str
-    empty_on_test_server: EmptyReason | None = None  # why a healthy server may give it no data (or 0)
+    empty_on_test_server: EmptyReason | None = None  # why a healthy server may give it no data
 
     def as_dict(self) -> dict[str, Any]:
         return {"record": self.record, "expr": self.expr}

@@ -239,3 +239,19 @@ def test_usage_is_attributed_to_tenant_and_adapter_and_the_cache_stays_bounded()
         exporter.export(record(tenant=f"t{i % 3}"))
         assert len(bound) <= 2
     assert value("pte_served_pte_total", "t0", "", phase="prefill") == 4 * 90
+
+
+def test_cost_appears_only_once_a_request_is_priced():
+    """Without PTE_GPU_HOURLY_PRICE there is no cost series, not one at $0: a dashboard or rule
+    then shows "no data" rather than a free GPU."""
+    registry = CollectorRegistry()
+    exporter = PrometheusExporter("m", 0, PteMetrics(registry))
+    seconds = dict(gpu_seconds=0.5, gpu_seconds_prefill=0.2, gpu_seconds_kv_read=0.1, gpu_seconds_weights=0.1,
+                   gpu_seconds_overhead=0.1, interference_s=0.0)  # fmt: skip
+    exporter.export(record(**seconds, cost_usd=None))
+    text = generate_latest(registry).decode()
+    assert "pte_gpu_seconds_total{" in text
+    assert not [line for line in text.splitlines() if line.startswith("pte_cost_usd_total")]
+    exporter.export(record(**seconds, cost_usd=0.002))
+    priced = [line for line in generate_latest(registry).decode().splitlines() if line.startswith("pte_cost_usd_total")]
+    assert len(priced) == 1 and float(priced[0].rsplit(" ", 1)[1]) == pytest.approx(0.002)

@@ -251,13 +251,12 @@ class _EngineSeries:
 
 @dataclass(frozen=True)
 class _SecondsSeries:
-    """GPU seconds and money of one (model, engine, tenant, lora_name), with the scheduler hook."""
+    """GPU seconds of one (model, engine, tenant, lora_name), with the scheduler hook."""
 
     gpu_prefill: Counter
     gpu_kv_read: Counter
     gpu_weights: Counter
     gpu_overhead: Counter
-    cost_usd: Counter
 
     @classmethod
     def bind(cls, m: PteMetrics, lab: Labels) -> _SecondsSeries:
@@ -266,7 +265,6 @@ class _SecondsSeries:
             m.gpu_seconds.labels(*lab, "kv_read"),
             m.gpu_seconds.labels(*lab, "weights"),
             m.gpu_seconds.labels(*lab, "overhead"),
-            m.cost_usd.labels(*lab),
         )
 
 
@@ -320,6 +318,8 @@ class PrometheusExporter:
         self._requests = _Bound(lambda key: self.m.requests.labels(*self.labels, *key))
         self._usage = _Bound(lambda key: _UsageSeries.bind(self.m, (*self.labels, *key)))
         self._seconds = _Bound(lambda key: _SecondsSeries.bind(self.m, (*self.labels, *key)))
+        # bound apart from the seconds: without a price there is no cost series, not one at $0
+        self._cost = _Bound(lambda key: self.m.cost_usd.labels(*self.labels, *key))
         self._gpu_priced = 0.0  # Σ GPU seconds of the requests exported here
 
     @cached_property
@@ -398,5 +398,5 @@ class PrometheusExporter:
             e.request_gpu_seconds.observe(r.gpu_seconds, exemplar=_exemplar(r))
             e.interference.inc(max(0.0, r.interference_s or 0.0))
             if r.cost_usd is not None:
-                t.cost_usd.inc(r.cost_usd)
+                self._cost[by].inc(r.cost_usd)
             self._gpu_priced += r.gpu_seconds
