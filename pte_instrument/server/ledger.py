@@ -119,6 +119,12 @@ class RequestRecord:
     traceparent: str | None = None  # the caller's W3C trace context: its span is this one's parent
     trace_id: str | None = None  # 32 hex digits: the trace of this request's span (None: tracing off)
 
+    @property
+    def pte_reference_prefill(self) -> float:
+        """Reference PTE's prefill part: the whole prompt re-prefilled (none for a request the
+        engine never ran); the rest of ``pte_reference`` is its decode part."""
+        return min(self.prompt_tokens, self.pte_reference)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

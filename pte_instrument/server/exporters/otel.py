@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from pte_instrument.server.ledger import RequestRecord
+from pte_instrument.server.ledger import GPU_SECONDS_TERMS, RequestRecord
 
 LOG_EVENT = "pte.request"  # the event name of a priced-request log record
 PROVIDER = "vllm"  # gen_ai.provider.name
@@ -25,7 +25,6 @@ FAILED = ("error", "abort")
 REQUEST_DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
-GPU_TERMS = ("prefill", "kv_read", "weights", "overhead")  # pte.phase of pte.gpu.time
 
 
 def _resource() -> Any:
@@ -235,6 +234,12 @@ class OtelLogExporter:
         self.provider.shutdown()
 
 
+def _histogram(meter: Any, name: str, buckets: tuple[float, ...], description: str) -> Any:
+    """A GenAI server histogram in seconds, with the conventions' bucket advice."""
+    return meter.create_histogram(name, unit="s", description=description,
+                                  explicit_bucket_boundaries_advisory=buckets)  # fmt: skip
+
+
 class OtelMetricsExporter:
     """The GenAI semantic conventions' model-server metrics, and ``pte.*`` counters by model:
     served and reference PTE by phase, GPU time by term (with the step hook), cost (priced).
@@ -243,20 +248,17 @@ class OtelMetricsExporter:
     def __init__(self, reader: Any = None) -> None:
         self.provider = build_meter_provider(reader)
         meter = self.provider.get_meter("pte_instrument")
-        self.duration = meter.create_histogram(
-            "gen_ai.server.request.duration", unit="s",
-            description="Generative AI server request duration such as time-to-last byte or last output token.",
-            explicit_bucket_boundaries_advisory=REQUEST_DURATION_BUCKETS,
+        self.duration = _histogram(
+            meter, "gen_ai.server.request.duration", REQUEST_DURATION_BUCKETS,
+            "Generative AI server request duration such as time-to-last byte or last output token.",
         )  # fmt: skip
-        self.ttft = meter.create_histogram(
-            "gen_ai.server.time_to_first_token", unit="s",
-            description="Time to generate first token for successful responses.",
-            explicit_bucket_boundaries_advisory=TTFT_BUCKETS,
+        self.ttft = _histogram(
+            meter, "gen_ai.server.time_to_first_token", TTFT_BUCKETS,
+            "Time to generate first token for successful responses.",
         )  # fmt: skip
-        self.tpot = meter.create_histogram(
-            "gen_ai.server.time_per_output_token", unit="s",
-            description="Time per output token generated after the first token for successful responses.",
-            explicit_bucket_boundaries_advisory=TPOT_BUCKETS,
+        self.tpot = _histogram(
+            meter, "gen_ai.server.time_per_output_token", TPOT_BUCKETS,
+            "Time per output token generated after the first token for successful responses.",
         )  # fmt: skip
         self.served = meter.create_counter(
             "pte.served", unit="{pte}", description="Served PTE of finished requests, by phase."
@@ -281,15 +283,14 @@ class OtelMetricsExporter:
             if r.tpot_s is not None:
                 self.tpot.record(r.tpot_s, attrs)
         model = {"gen_ai.request.model": r.model}
-        reference_prefill = min(r.prompt_tokens, r.pte_reference)  # as the Prometheus exporter splits it
-        for phase, served, reference in (("prefill", r.pte_prefill, reference_prefill),
-                                         ("decode", r.pte_decode, r.pte_reference - reference_prefill)):  # fmt: skip
+        for phase, served, reference in (("prefill", r.pte_prefill, r.pte_reference_prefill),
+                                         ("decode", r.pte_decode, r.pte_reference - r.pte_reference_prefill)):  # fmt: skip
             self.served.add(served, {**model, "pte.phase": phase})
             self.reference.add(reference, {**model, "pte.phase": phase})
         if r.gpu_seconds is not None:
-            for term, seconds in zip(GPU_TERMS, (r.gpu_seconds_prefill, r.gpu_seconds_kv_read,
-                                                 r.gpu_seconds_weights, r.gpu_seconds_overhead), strict=True):  # fmt: skip
-                self.gpu_time.add(seconds or 0.0, {**model, "pte.phase": term})
+            for field in GPU_SECONDS_TERMS:
+                phase = field.removeprefix("gpu_seconds_")
+                self.gpu_time.add(getattr(r, field) or 0.0, {**model, "pte.phase": phase})
         if r.cost_usd is not None:
             self.cost.add(r.cost_usd, model)
 

@@ -365,10 +365,8 @@ class PrometheusExporter:
         u = self._usage[by]
         u.served_prefill.inc(r.pte_prefill)
         u.served_decode.inc(r.pte_decode)
-        # reference re-prefills the whole prompt (none for a request the engine never ran)
-        reference_prefill = min(r.prompt_tokens, r.pte_reference)
-        u.reference_prefill.inc(reference_prefill)
-        u.reference_decode.inc(r.pte_reference - reference_prefill)
+        u.reference_prefill.inc(r.pte_reference_prefill)
+        u.reference_decode.inc(r.pte_reference - r.pte_reference_prefill)
         u.prompt_tokens.inc(r.prompt_tokens)
         u.cached_tokens.inc(r.cached_tokens)
         u.output_tokens.inc(r.output_tokens)
