@@ -308,8 +308,9 @@ ROWS: tuple[Row, ...] = (
             Panel(
                 "Step-time model: calibration quality",
                 "γ measured by the engine's step-time model over γ from theory (1: theory holds), "
-                "and how well the model fits the engine's recent steps (R², MAPE as a ratio; after "
-                "the first online fit).",
+                "how well the model fits the engine's recent steps (R², MAPE as a ratio; after "
+                "the first online fit), and the host's speed against it (measured / modelled step "
+                "time of the last steps; 1: as fitted).",
                 (
                     Query(
                         f"pte_gamma_measured{{{SEL}}} / ignoring (device) pte_gamma{{{SEL}}}",
@@ -326,6 +327,10 @@ ROWS: tuple[Row, ...] = (
                         "MAPE {{model_name}} e{{engine}}",
                         optional=True,
                         empty_on_test_server=UNFITTED,
+                    ),
+                    Query(
+                        f"pte_step_model_speed_ratio{{{SEL}}}",
+                        "host speed {{model_name}} e{{engine}}",
                     ),
                 ),
                 min_zero=False,

@@ -87,6 +87,7 @@ class EngineCalibration(msgspec.Struct, tag="calibration", frozen=True):
     r2: float | None = None  # over the recent steps (None before the first fit)
     mape: float | None = None
     steps: int = 0  # steps the fit has seen
+    speed: float = 1.0  # the host's speed: measured / modelled time of the recent steps
 
 
 EngineMessage = Union[EngineHello, EngineFaults, RequestTotals, EngineCalibration]  # noqa: UP007 (msgspec needs a runtime Union on 3.10)
@@ -123,7 +124,9 @@ class StepLogHeader(msgspec.Struct, frozen=True):
 
 class StepLogLine(msgspec.Struct):
     """One scheduler step. ``dt_s``: wall time from the end of scheduling to the model's
-    outputs (None only while the step is running); ``hook_s``: the hook's own time."""
+    outputs (None only while the step is running); ``hook_s``: the hook's own time;
+    ``model_s``: the engine's step-time model's duration of it, at the host's speed of the
+    steps before (what the step's requests were priced at, before its time was known)."""
 
     engine: int
     step: int
@@ -140,6 +143,7 @@ class StepLogLine(msgspec.Struct):
     weights_pte: float
     hook_s: float
     dt_s: float | None = None
+    model_s: float | None = None
 
 
 STEP_LOG_FIELDS: tuple[str, ...] = StepLogLine.__struct_fields__

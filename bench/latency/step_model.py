@@ -5,7 +5,9 @@
 fitted with ``pte_instrument.cost.step_time.fit`` (theory as the prior), and scored — MAPE,
 median APE, R², Pearson r with a bootstrap interval — over all steps, decode-only steps
 (prefill = 0) and each phase, beside theory alone (``theory(cost_model, weight_bytes)``) and
-the engine's own online fit when the run recorded it. When a target is missed, :func:`error_terms`
+the engine's own online fit when the run recorded it, and as the engine priced each step one
+step ahead (the step log's ``model_s``: its fit of the moment at the host's speed of the steps
+before) beside the whole-log fit at the host's speed (``HostSpeed``). When a target is missed, :func:`error_terms`
 says which term's steps carry the error, and what the residuals follow that the model has no
 term for.
 
@@ -25,7 +27,7 @@ import numpy as np
 from pte_instrument.cost.architecture import KVGroup, ModelShape, kv_dtype_bytes, load_config, parse_shape
 from pte_instrument.cost.devices import PROFILES, DeviceProfile, measured_achieved, resolve_device
 from pte_instrument.cost.model import CostModel
-from pte_instrument.cost.step_time import TERMS, StepTimeModel, fit, score, theory
+from pte_instrument.cost.step_time import TERMS, HostSpeed, StepTimeModel, fit, score_predictions, theory
 from pte_instrument.offline.statistics import index_chunks, interval_bounds, pearson
 
 from .analysis import Corr, StepTable, bootstrap_corr
@@ -190,14 +192,23 @@ def bootstrap_mean(x: np.ndarray, n_boot: int, seed: int, level: float = 0.95) -
     return interval_bounds(np.concatenate(means), level)
 
 
-def score_model(
-    name: str, model: StepTimeModel, subset: str, c: StepColumns, n_boot: int, seed: int
-) -> ModelScore:
-    r2, mape, mdape = score(model, c.prefill, c.ctx, c.memory_bound, c.dt)
-    pred = model.predict(c.prefill, c.ctx, c.memory_bound)
-    ape = np.abs(pred - c.dt) / c.dt
-    return ModelScore(name, subset, len(c), mape, bootstrap_mean(ape, n_boot, seed), mdape, r2,
-                      bootstrap_corr(pred, c.dt, n_boot, seed))  # fmt: skip
+def score_model(name: str, pred: np.ndarray, subset: str, dt: np.ndarray, n_boot: int, seed: int) -> ModelScore:
+    """Predicted step times against the measured ``dt`` (steps without a prediction left out)."""
+    ok = np.isfinite(pred)
+    pred, dt = pred[ok], dt[ok]
+    r2, mape, mdape = score_predictions(pred, dt)
+    ape = np.abs(pred - dt) / dt
+    return ModelScore(name, subset, int(ok.sum()), mape, bootstrap_mean(ape, n_boot, seed), mdape, r2,
+                      bootstrap_corr(pred, dt, n_boot, seed))  # fmt: skip
+
+
+def at_host_speed(pred: np.ndarray, dt: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """``pred`` at the host's speed of the steps before each (in time order), as the engine
+    prices them: :class:`HostSpeed` over the same steps."""
+    order = np.argsort(t, kind="stable")
+    out = np.empty_like(pred)
+    out[order] = pred[order] * HostSpeed().advance(pred[order], dt[order])
+    return out
 
 
 # =========================================================================== error by term
@@ -305,6 +316,8 @@ class StepModelAnalysis:
 
 
 FITTED, THEORY, ONLINE = "four-term fit", "theory", "engine online fit"
+FITTED_SPEED = "four-term fit × host speed"
+LIVE = "engine, one step ahead"  # the step log's model_s
 
 
 def analyse_step_model(
@@ -320,17 +333,21 @@ def analyse_step_model(
     c = step_columns(steps)
     prior = theory_.model if theory_ is not None and theory_.model.a > 0 else None
     result = fit(c.prefill, c.ctx, c.memory_bound, c.dt, prior)
-    models = [(FITTED, result.model)]
+    fitted = result.model.predict(c.prefill, c.ctx, c.memory_bound)
+    preds = {FITTED: fitted, FITTED_SPEED: at_host_speed(fitted, c.dt, steps["t"])}
     if prior is not None:
-        models.append((THEORY, prior))
+        preds[THEORY] = prior.predict(c.prefill, c.ctx, c.memory_bound)
     if online is not None:
-        models.append((ONLINE, online))
+        preds[ONLINE] = online.predict(c.prefill, c.ctx, c.memory_bound)
+    live = steps.cols.get("model_s")
+    if live is not None and np.isfinite(live).mean() > 0.5:  # logs before model_s have none
+        preds[LIVE] = np.where(live > 0, live, np.nan)
     scores, errors, leads = [], {}, {}
     for name, mask in subsets.items():
         sub = c.select(mask)
         if len(sub) < 3:
             continue
-        scores += [score_model(m, model, name, sub, n_boot, seed) for m, model in models]
+        scores += [score_model(m, pred[mask], name, sub.dt, n_boot, seed) for m, pred in preds.items()]
         errors[name] = error_terms(result.model, sub)
         leads[name] = residual_leads(result.model, steps, mask)
     th_err = theory_term_errors(prior, result.model, c) if prior is not None else {}

@@ -15,7 +15,8 @@ work the cost model counts,
 :func:`theory` gives each term from architecture × device (the achieved fractions and the
 overhead of :class:`~pte_instrument.cost.devices.DeviceProfile`); :func:`fit` calibrates them
 from measured steps (non-negative, Huber-robust, on relative errors); :class:`OnlineStepFit`
-keeps a windowed fit up to date inside the engine. Pure numpy, nothing of vLLM or the server:
+keeps a windowed fit up to date inside the engine, and :class:`HostSpeed` the host's speed
+against it over the last few steps. Pure numpy, nothing of vLLM or the server:
 it runs in the engine process, so it stays cheap.
 """
 
@@ -230,10 +231,11 @@ def _rows(prefill: Any, ctx: Any, mb: Any, dt: Any) -> tuple[np.ndarray, np.ndar
 def score(model: StepTimeModel, prefill: Any, ctx: Any, mb: Any, dt: Any) -> tuple[float, float, float]:
     """(R², MAPE, median APE) of ``model`` on the usable steps (finite, dt > 0)."""
     X, y, ok = _rows(prefill, ctx, mb, dt)
-    return _score(X[ok] @ model.coefficients(), y[ok])
+    return score_predictions(X[ok] @ model.coefficients(), y[ok])
 
 
-def _score(pred: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:
+def score_predictions(pred: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:
+    """(R², MAPE, median APE) of predicted step times against measured ones (dt > 0)."""
     if y.size == 0:
         return math.nan, math.nan, math.nan
     ss_tot = float(((y - y.mean()) ** 2).sum())
@@ -375,7 +377,7 @@ def fit(
     coef = _fit_free(
         X, y, None, free, np.where(np.isin(np.arange(4), free), 0.0, prior_coef), iterations, huber_k
     )
-    r2, mape, mdape = _score(X @ coef, y)
+    r2, mape, mdape = score_predictions(X @ coef, y)
     label = f"fit: {y.size} steps" + (f", {', '.join(from_prior)} from prior" if from_prior else "")
     model = StepTimeModel(*coef.tolist(), source=label)
     return FitResult(model, r2, mape, mdape, int(y.size), from_prior, tuple(notes))
@@ -417,6 +419,55 @@ def _percentile_interval(x: np.ndarray, level: float) -> tuple[float, float]:
     return float(lo), float(hi)
 
 
+# =========================================================================== the host's speed
+
+SPEED_STEPS = 16.0  # time constant of the host's speed, in steps
+SPEED_CLIP = 0.5  # a step moves the log ratio by at most this / SPEED_STEPS (×1.65 per step)
+
+
+class HostSpeed:
+    """How fast the host runs against the step-time model now: measured / modelled step
+    time over the recent steps, as an exponentially weighted mean of its logarithm with a
+    time constant of ``steps`` steps. A step's log ratio is clipped to ± ``clip`` around the
+    current value, so that one stalled step moves it little. The coefficients fit the last
+    few thousand steps; a host whose speed drifts over seconds (clock changes, other work on
+    its cores or its memory bus) is followed by this ratio instead, and each step is priced
+    at the speed of the steps before it: one step ahead, never from its own time."""
+
+    def __init__(self, steps: float = SPEED_STEPS, clip: float = SPEED_CLIP) -> None:
+        if not steps >= 1 or not clip > 0:
+            raise ValueError("steps must be ≥ 1 and clip > 0")
+        self.alpha = 1.0 / steps
+        self.clip = clip
+        self.log_ratio = 0.0
+
+    @property
+    def ratio(self) -> float:
+        return math.exp(self.log_ratio)
+
+    def advance(self, modelled: Any, dt: Any) -> np.ndarray:
+        """Per step, the ratio in force before it; then the ratio moves past the steps.
+        Steps the model prices at nothing, or without a usable time, leave it."""
+        m = np.asarray(modelled, dtype=np.float64).ravel()
+        d = np.asarray(dt, dtype=np.float64).ravel()
+        before = np.empty(m.size)
+        e, alpha, clip = self.log_ratio, self.alpha, self.clip
+        with np.errstate(divide="ignore", invalid="ignore"):
+            x = np.log(d / m)
+        for i, xi in enumerate(x.tolist()):  # a few steps per call in the engine
+            before[i] = e
+            if math.isfinite(xi) and m[i] > 0:
+                e += alpha * min(max(xi - e, -clip), clip)
+        self.log_ratio = e
+        return np.exp(before)
+
+    def rebase(self, modelled: Any, dt: Any) -> None:
+        """Start again from speed 1 over the given steps (the newest last): after a refit the
+        ratio is against the new coefficients, which already carry the window's mean speed."""
+        self.log_ratio = 0.0
+        self.advance(modelled, dt)
+
+
 # =========================================================================== the online fit
 
 
@@ -449,6 +500,7 @@ class OnlineStepFit:
         self._since = 0  # steps added since the last refit
         self.steps_seen = 0
         self.last_fit: FitResult | None = None
+        self.speed = HostSpeed()  # the caller advances it with the steps it prices
 
     def add(self, prefill: Any, ctx: Any, memory_bound: Any, dt: Any) -> None:
         """Append one batch of steps (arrays of equal length, or floats); unusable steps
@@ -488,6 +540,10 @@ class OnlineStepFit:
             return None
         X, y = self._x[: self._filled], self._y[: self._filled]
         self.last_fit = fit(X[:, 0], X[:, 1], X[:, 2], y, self.prior, iterations=self.iterations)
+        k = min(self._filled, int(8 * SPEED_STEPS))  # the newest steps, in order: e^-8 of the start left
+        newest = (self._pos - k + np.arange(k)) % self.window  # below a full window, _pos = _filled
+        Xn = self._x[newest]
+        self.speed.rebase(self.last_fit.model.predict(Xn[:, 0], Xn[:, 1], Xn[:, 2]), self._y[newest])
         return self.last_fit
 
     @property

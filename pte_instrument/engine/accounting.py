@@ -355,13 +355,13 @@ class EngineAccounting:
             share = np.where(np.repeat(memory_bound, sizes), weights + kv_pte, tokens)
             np.add.at(self.roofline, packed[ref.SLOT], share)  # a slot repeats across steps
         durations = [row[4] for row in meta]
-        self.timing.steps(
+        predicted = self.timing.steps(
             packed[ref.SLOT], sizes, offsets, contrib[ref.PREFILL], kv_pte / self._gamma_total,
             tokens < self.weights_pte + kv_pte, memory_bound, durations,
         )  # fmt: skip
         if self._log is None:
             return None
-        return self._log_steps(contrib, offsets, sizes, meta, step_tokens, memory)
+        return self._log_steps(contrib, offsets, sizes, meta, step_tokens, memory, predicted)
 
     def _log_steps(
         self,
@@ -371,6 +371,7 @@ class EngineAccounting:
         meta: list[list[Any]],
         step_tokens: np.ndarray,
         memory: np.ndarray,
+        predicted: list[float],
     ) -> StepLogLine:
         """One JSON line per step, the same as when every step was priced on its own.
         ``hook_s`` is the time of the step's own hook call, which includes any journal pass
@@ -391,6 +392,7 @@ class EngineAccounting:
                 engine=self.engine, step=step, t=t, n_reqs=sizes[i], tokens=int(tokens[i]), prefill=int(prefill[i]),
                 recompute=int(recompute[i]), decode_tokens=int(decode[i]), spec_tokens=int(spec_tokens[i]),
                 ctx=ctx[i], pte=pte[i], roofline_pte=roofline[i], weights_pte=self.weights_pte, hook_s=hook, dt_s=dt,
+                model_s=predicted[i],
             )  # fmt: skip
             if i + 1 < len(meta):  # closed: only the latest step can still be running
                 write(encode_step_log(line))
@@ -484,6 +486,7 @@ class EngineAccounting:
             self.engine, m.a, m.b, m.w, m.o, "online" if fitted else self.step_model_source,
             gamma_theory=self.cost_model.gamma, r2=online.r2 if fitted else None,
             mape=online.mape if fitted else None, steps=online.steps_seen if online is not None else 0,
+            speed=online.speed.ratio if online is not None else 1.0,
         )  # fmt: skip
 
     def _seconds(self, slot: int) -> dict[str, float]:

@@ -5,8 +5,9 @@ KV-read terms, and the step's weight read and fixed overhead are split evenly ov
 step's requests. The shares are rescaled to the measured duration, so the GPU seconds of all
 requests add up to the engine's busy time exactly. A request also collects the durations of
 every step it was scheduled in (its latency spent in the engine) and what its own work would
-have cost alone (``predicted``). The coefficients come from theory, a saved fit, or the
-online fit of the steps seen so far.
+have cost alone (``predicted``), at the host's speed of the moment when the online fit runs
+(measured / modelled time of the steps before). The coefficients come from theory, a saved
+fit, or the online fit of the steps seen so far.
 
 Numpy only, vectorized over the rows of a journal pass: the engine hook runs it."""
 
@@ -33,6 +34,7 @@ class _Pending:
     parts: np.ndarray  # (4, rows): modelled prefill, KV, weights, overhead seconds per row
     modelled: np.ndarray  # Σ parts per row
     alone: np.ndarray  # modelled seconds of each row's work, had it run alone
+    speed: float  # the host's speed it was priced at
     features: tuple[float, float, float] | None  # for the online fit: prefill tokens, context, memory-bound
 
 
@@ -61,12 +63,13 @@ class TimeAttribution:
         alone_memory_bound: np.ndarray,
         memory_bound: np.ndarray,
         durations: list[float | None],
-    ) -> None:
+    ) -> list[float]:
         """The rows of one or more steps (``sizes`` rows each, in step order, the first row
         of each at ``offsets``, None for one step): per row its prefill tokens, γ-weighted
         context read and whether it alone would be memory-bound; per step whether it is
         memory-bound and its measured duration (None: only the latest step can still be
-        running)."""
+        running). Returns each step's predicted duration: the model at the host's speed of
+        the steps before it."""
         m = self.model
         rows = np.asarray(sizes)  # once: np.repeat converts a list on every call
         parts = np.empty((4, len(slots)))
@@ -90,32 +93,44 @@ class TimeAttribution:
                 features = np.array([prefill.sum()]), np.array([ctx.sum()])
             else:
                 features = np.add.reduceat(prefill, offsets), np.add.reduceat(ctx, offsets)
+        # bincount adds each step's rows in order (a pairwise sum would round differently)
+        total = np.bincount(np.repeat(np.arange(len(rows)), rows), weights=modelled, minlength=len(rows))
         last = len(sizes) - 1
-        if durations[last] is None:  # its time is attributed when it ends
+        pending = durations[last] is None  # its time is attributed when it ends
+        closed = last if pending else last + 1
+        dts = np.asarray(durations[:closed], dtype=np.float64)
+        speeds = self._advance_speed(total[:closed], dts)
+        if pending:
             start = len(slots) - sizes[last]
+            speed = self.online.speed.ratio if self.online is not None else 1.0
             self._pending = _Pending(
-                slots[start:].copy(), parts[:, start:].copy(), modelled[start:].copy(), alone[start:].copy(),
+                slots[start:].copy(), parts[:, start:].copy(), modelled[start:].copy(), alone[start:].copy(), speed,
                 None if features is None else (float(features[0][last]), float(features[1][last]),
                                                float(memory_bound[last])),
             )  # fmt: skip
+            predicted = [*(total[:last] * speeds).tolist(), float(total[last]) * speed]
             if not last:
-                return
+                return predicted
             slots, modelled, alone = slots[:start], modelled[:start], alone[:start]
-            parts, rows, memory_bound = parts[:, :start], rows[:last], memory_bound[:last]
+            parts, rows, memory_bound, total = parts[:, :start], rows[:last], memory_bound[:last], total[:last]
             if features is not None:
                 features = features[0][:last], features[1][:last]
-        dts = np.asarray(durations[: len(rows)], dtype=np.float64)
-        self._charge(slots, rows, parts, modelled, alone, dts)
+        else:
+            predicted = (total * speeds).tolist()
+        self._charge(slots, rows, parts, total, alone, dts, speeds)
         if features is not None:
             self._observe(*features, memory_bound, dts)
+        return predicted
 
     def step_done(self, duration: float) -> None:
         """The pending step ended after ``duration`` seconds."""
         p, self._pending = self._pending, None
         if p is None:
             return
-        n = len(p.slots)
-        self._charge(p.slots, np.array([n]), p.parts, p.modelled, p.alone, np.array([duration]))
+        dts = np.array([duration])
+        total = np.array([p.modelled.sum()])
+        self._advance_speed(total, dts)
+        self._charge(p.slots, np.array([len(p.slots)]), p.parts, total, p.alone, dts, np.array([p.speed]))
         if p.features is not None:
             self._observe(*p.features, np.array([duration]))
 
@@ -139,14 +154,13 @@ class TimeAttribution:
         slots: np.ndarray,
         rows: np.ndarray,
         parts: np.ndarray,
-        modelled: np.ndarray,
+        total: np.ndarray,
         alone: np.ndarray,
         dts: np.ndarray,
+        speeds: np.ndarray,
     ) -> None:
-        """Steps of ``rows`` rows each that took ``dts``; ``parts``, ``modelled`` and
-        ``alone`` per row as in ``_Pending``."""
-        # bincount adds each step's rows in order (a pairwise sum would round differently)
-        total = np.bincount(np.repeat(np.arange(len(rows)), rows), weights=modelled, minlength=len(rows))
+        """Steps of ``rows`` rows each that took ``dts``, modelled at ``total`` seconds and
+        priced at the host's ``speeds``; ``parts`` and ``alone`` per row as in ``_Pending``."""
         even = total <= 0  # a model that predicts nothing: share the step evenly
         scale = np.where(even, 0.0, dts / np.where(even, 1.0, total))
         one = len(rows) == 1  # one step: its values broadcast as scalars
@@ -155,6 +169,7 @@ class TimeAttribution:
             charged[3] = np.where(np.repeat(even, rows), np.repeat(dts / rows, rows), charged[3])
         self.busy_s += float(dts.sum())
         latency = np.full(len(slots), dts[0]) if one else np.repeat(dts, rows)
+        alone = alone * (speeds[0] if one else np.repeat(speeds, rows))
         known = slots >= 0
         if not known.all():
             self.unattributed_s += float(charged[:, ~known].sum())
@@ -163,6 +178,12 @@ class TimeAttribution:
             np.add.at(self.per_slot[col], slots, charged[col])
         np.add.at(self.per_slot[LATENCY_S], slots, latency)
         np.add.at(self.per_slot[PREDICTED_S], slots, alone)
+
+    def _advance_speed(self, total: np.ndarray, dts: np.ndarray) -> np.ndarray:
+        """The host's speed before each of these steps; it then moves past them."""
+        if self.online is None or not len(dts):
+            return np.ones(len(dts))
+        return self.online.speed.advance(total, dts)
 
     def _observe(self, prefill: _Floats, ctx: _Floats, memory_bound: _Floats, dts: np.ndarray) -> None:
         """Steps into the online fit (per step; ``add`` takes floats for one step too)."""

@@ -18,6 +18,7 @@ from pte_instrument.cost.model import CostModel
 from pte_instrument.cost.step_time import (
     FORMAT,
     FORMAT_VERSION,
+    HostSpeed,
     OnlineStepFit,
     StepTimeModel,
     _nnls,
@@ -289,6 +290,52 @@ def test_online_warm_start_and_auto_refit():
     assert online.n == 100
     with pytest.raises(ValueError):
         OnlineStepFit(TRUE, window=1)
+
+
+# =========================================================================== the host's speed
+
+
+def test_host_speed_prices_each_step_at_the_speed_of_the_steps_before_it():
+    speed = HostSpeed(steps=4, clip=0.5)
+    assert speed.ratio == 1.0
+    # every step takes three times the model: log 3 − the current value stays above the clip,
+    # so the log ratio moves 0.5/4 per step: 0, 0.125, 0.25 before each of the three
+    before = speed.advance(np.ones(3), np.full(3, 3.0))
+    np.testing.assert_allclose(before, np.exp([0.0, 0.125, 0.25]))
+    assert speed.ratio == pytest.approx(math.exp(0.375))
+    # one step at exactly the current speed leaves it; one stalled 100× moves it by clip/steps only
+    speed.advance(np.array([1.0]), np.array([math.exp(0.375)]))
+    assert speed.ratio == pytest.approx(math.exp(0.375))
+    speed.advance(np.array([1.0]), np.array([100.0]))
+    assert speed.ratio == pytest.approx(math.exp(0.375 + 0.125))
+    # steps the model prices at nothing, or that did not run, are skipped
+    assert speed.advance(np.array([0.0, 1.0]), np.array([1.0, float("nan")])).tolist() == [speed.ratio] * 2
+    assert speed.ratio == pytest.approx(math.exp(0.5))
+    with pytest.raises(ValueError):
+        HostSpeed(steps=0.5)
+
+
+def test_host_speed_follows_a_drifting_host_one_step_ahead():
+    p, c, m, dt = synthetic(seed=13, n=4000, outliers=0.0)
+    drift = 1.0 + 0.4 * np.sin(np.arange(4000) / 150.0)  # the host slows and speeds up over ~1,000 steps
+    dt = dt * drift
+    modelled = TRUE.predict(p, c, m)
+    before = HostSpeed().advance(modelled, dt)
+    static = np.mean(np.abs(modelled / dt - 1))
+    tracked = np.mean(np.abs(modelled * before / dt - 1))
+    assert static > 0.2 and tracked < 0.05, (static, tracked)
+
+
+def test_the_online_fit_rebases_the_host_speed_on_its_new_coefficients():
+    p, c, m, dt = synthetic(seed=14, n=512, noise=0.0, outliers=0.0)
+    half = StepTimeModel(TRUE.a / 2, TRUE.b / 2, TRUE.w / 2, TRUE.o / 2, "prior")
+    online = OnlineStepFit(half, min_steps=64)
+    online.speed.advance(half.predict(p, c, m), dt)  # steps take twice the prior's time
+    online.add(p, c, m, dt)
+    assert online.speed.ratio == pytest.approx(2.0, rel=0.01)
+    online.refit()  # the fit now prices them right: the host is at the model's speed
+    assert rel_err(online.model, TRUE).max() < 0.01
+    assert online.speed.ratio == pytest.approx(1.0, abs=0.01)
 
 
 # =========================================================================== the saved file

@@ -66,6 +66,7 @@ def test_gpu_seconds_add_up_to_the_engines_busy_time(timed):
     assert metric_sum(m, "pte_gpu_seconds_total") == pytest.approx(charged, rel=1e-9)
     steps = [json.loads(x) for x in (work / "steps.jsonl").read_text().splitlines()[1:]]
     assert sum(s["dt_s"] for s in steps) == pytest.approx(busy, rel=1e-3)  # busy time is the steps' time
+    assert all(s["model_s"] > 0 for s in steps)  # each step's price before its time was known
     for e in entries:
         parts = (
             e["gpu_seconds_prefill"]
@@ -104,3 +105,7 @@ def test_the_step_time_model_is_fitted_online_and_exported(timed):
     text = client.get("/metrics").text
     assert "pte_step_model_coefficient{" in text and 'source="online"' in text
     assert "pte_gamma_measured{" in text
+    # the host's speed against the fit, exported beside it
+    assert 0 < model["speed"] < 100
+    (speed,) = [v for (name, _), v in samples(text).items() if name == "pte_step_model_speed_ratio"]
+    assert speed > 0

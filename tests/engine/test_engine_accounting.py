@@ -102,7 +102,7 @@ ONE_GROUP = (KVGroup(1, 2.0, None),)
 TWO_GROUPS = (KVGroup(1, 2.0, None), KVGroup(1, 1.0, 16))
 JOURNAL_COSTS = [CostModel(ModelShape("j", len(g), 8, 1, 1, 8, "mha", 2, g, 100.0, 137.3), UNIT)
                  for g in (ONE_GROUP, TWO_GROUPS)]  # fmt: skip
-TIMINGS = ("t", "hook_s", "dt_s")
+TIMINGS = ("t", "hook_s", "dt_s", "model_s")
 NEEDS_TORCH = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch not installed")
 
 
@@ -294,7 +294,7 @@ def test_journal_equals_per_step_accounting(tmp_path, seed, cost, asynchronous, 
         lines = [json.loads(x) for x in log.read_text().splitlines()][1:]
         assert len(lines) == len(oracle.lines), msg
         for got, want in zip(lines, oracle.lines, strict=True):
-            assert list(got) == [*list(want)[:2], "t", *list(want)[2:], "hook_s", "dt_s"], msg  # field order
+            assert list(got) == [*list(want)[:2], "t", *list(want)[2:], "hook_s", "dt_s", "model_s"], msg  # field order
             assert all(got[k] >= 0 for k in TIMINGS), msg
             assert same({k: v for k, v in got.items() if k not in TIMINGS}, want), f"{msg} {want}"
         # the journal's accumulator updates conserve what the requests were charged

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from pte_instrument.cost.step_time import StepTimeModel
+from pte_instrument.cost.step_time import OnlineStepFit, StepTimeModel
 from pte_instrument.engine.timing import (
     KV_S,
     LATENCY_S,
@@ -66,3 +66,29 @@ def test_a_model_that_predicts_nothing_splits_evenly():
     t.steps(np.array([0, 1]), [2], None, np.array([5.0, 0.0]), np.array([0.0, 9.0]),
             np.array([False, True]), np.array([False]), [0.008])  # fmt: skip
     assert t.read(0)[OVERHEAD_S] == pytest.approx(0.004) and t.read(1)[OVERHEAD_S] == pytest.approx(0.004)
+
+
+def test_predicted_seconds_follow_the_host_speed_and_gpu_seconds_do_not_change():
+    online = OnlineStepFit(MODEL, min_steps=1000)  # no refit: the speed alone moves
+    online.speed.alpha = 1.0  # the last step's speed, for hand-computed values (clip 0.5)
+    t = TimeAttribution(MODEL, online, capacity=2)
+    one = (np.array([0]), [1], None, np.array([0.0]), np.array([100.0]), np.array([True]), np.array([True]))
+    # modelled 10 + 5 + 2 = 17 ms; the first step is priced at speed 1 and takes 17·e^0.4 ms
+    first = t.steps(*one, [0.017 * np.exp(0.4)])
+    assert first == pytest.approx([0.017])
+    assert t.read(0)[PREDICTED_S] == pytest.approx(0.017)
+    # the next is priced at the speed of the one before: e^0.4, and takes twice the model (a stall)
+    second = t.steps(*one, [None])
+    assert second == pytest.approx([0.017 * np.exp(0.4)])
+    t.step_done(0.034)
+    r = t.read(0)
+    assert r[PREDICTED_S] == pytest.approx(0.017 * np.exp(0.4))
+    assert r[:4].sum() == pytest.approx(0.034)  # its GPU seconds: the measured time, as without
+    assert online.speed.ratio == pytest.approx(np.exp(0.4 + min(np.log(2) - 0.4, 0.5)))
+
+
+def test_without_the_online_fit_predicted_seconds_are_the_model_alone():
+    t = TimeAttribution(MODEL, None, capacity=1)
+    out = t.steps(np.array([0]), [1], None, np.array([0.0]), np.array([100.0]), np.array([True]),
+                  np.array([True]), [0.1])  # fmt: skip
+    assert out == pytest.approx([0.017]) and t.read(0)[PREDICTED_S] == pytest.approx(0.017)

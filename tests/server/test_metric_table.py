@@ -40,7 +40,7 @@ BY_TYPE_AND_LABELS: dict[tuple[str, tuple[str, ...]], tuple[str, ...]] = {
     ("gauge", M): (
         "pte_active_parameters", "pte_kv_cache_bytes_per_token", "pte_engine_busy_seconds",
         "pte_gpu_seconds_unattributed", "pte_gamma_measured", "pte_step_model_r2",
-        "pte_step_model_mape_ratio", "pte_engine_estimate_gap_pte",
+        "pte_step_model_mape_ratio", "pte_step_model_speed_ratio", "pte_engine_estimate_gap_pte",
     ),
     ("counter", E): (
         "pte_eval_requests_total", "pte_eval_truncated_total", "pte_eval_output_tokens_total",
@@ -65,7 +65,7 @@ GAUGE_MODES = {
         ("pte_gamma", "pte_hardware_operational_intensity_flops_per_byte", "pte_active_parameters",
          "pte_kv_cache_bytes_per_token", "pte_engine_busy_seconds", "pte_gpu_seconds_unattributed",
          "pte_step_model_coefficient", "pte_gamma_measured", "pte_step_model_r2",
-         "pte_step_model_mape_ratio"),
+         "pte_step_model_mape_ratio", "pte_step_model_speed_ratio"),
         "mostrecent",
     ),
     "pte_engine_estimate_gap_pte": "sum",  # a running sum that may go negative

@@ -173,6 +173,10 @@ FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("step_model_mape", "pte_step_model_mape_ratio", "gauge",
                "Mean absolute percentage error of the step-time model over recent steps, as a ratio.", REQ,
                multiprocess_mode="mostrecent"),
+    FamilySpec("step_model_speed", "pte_step_model_speed_ratio", "gauge",
+               "The host's speed against the step-time model: measured / modelled time of the engine's "
+               "last steps (1: as fitted; 2: steps take twice as long). Predicted seconds are priced at it.",
+               REQ, multiprocess_mode="mostrecent"),
     # A running sum that may go negative: a gauge, not a counter; summed across processes.
     FamilySpec("engine_gap", "pte_engine_estimate_gap_pte", "gauge",
                "Σ (engine exact served PTE − stat-logger estimate) over finished requests.",

@@ -78,6 +78,7 @@ class PteMetrics:
     gamma_measured: Gauge
     step_model_r2: Gauge
     step_model_mape: Gauge
+    step_model_speed: Gauge
     engine_gap: Gauge
     eval_requests: Counter
     eval_truncated: Counter
@@ -349,6 +350,7 @@ class PrometheusExporter:
             m.step_model_r2.labels(*lab).set(c.r2)
         if c.mape is not None:
             m.step_model_mape.labels(*lab).set(c.mape)
+        m.step_model_speed.labels(*lab).set(c.speed)
 
     def publish_cost_model(self, cost: CostModel) -> None:
         # Once per engine at start-up: nothing to cache.
