@@ -448,18 +448,16 @@ class HostSpeed:
     def advance(self, modelled: Any, dt: Any) -> np.ndarray:
         """Per step, the ratio in force before it; then the ratio moves past the steps.
         Steps the model prices at nothing, or without a usable time, leave it."""
-        m = np.asarray(modelled, dtype=np.float64).ravel()
-        d = np.asarray(dt, dtype=np.float64).ravel()
-        before = np.empty(m.size)
+        m = np.asarray(modelled, dtype=np.float64).ravel().tolist()
+        d = np.asarray(dt, dtype=np.float64).ravel().tolist()
+        before = [1.0] * len(m)
         e, alpha, clip = self.log_ratio, self.alpha, self.clip
-        with np.errstate(divide="ignore", invalid="ignore"):
-            x = np.log(d / m)
-        for i, xi in enumerate(x.tolist()):  # a few steps per call in the engine
-            before[i] = e
-            if math.isfinite(xi) and m[i] > 0:
-                e += alpha * min(max(xi - e, -clip), clip)
+        for i, (mi, di) in enumerate(zip(m, d, strict=True)):  # a few steps per call in the engine: no numpy
+            before[i] = math.exp(e)
+            if mi > 0 and di > 0 and math.isfinite(di) and math.isfinite(mi):
+                e += alpha * min(max(math.log(di / mi) - e, -clip), clip)
         self.log_ratio = e
-        return np.exp(before)
+        return np.array(before)
 
     def rebase(self, modelled: Any, dt: Any) -> None:
         """Start again from speed 1 over the given steps (the newest last): after a refit the
