@@ -14,7 +14,8 @@ STEPS is the plugin's step log (``PTE_STEP_LOG``: a header line, then one JSON l
 
 Theory comes from ``--model-dir`` (the model's config.json, with ``--device``), else from the
 step log's header (its γ, N_active, n_total, weight read and device; ``--device`` replaces the
-device). A CSV without ``--model-dir`` is fitted without theory.
+device). A CSV without ``--model-dir`` is fitted without theory. Steps are taken in the
+file's order for the host's speed (the model at the speed of the steps before each).
 """
 
 from __future__ import annotations
@@ -48,11 +49,13 @@ from pte_instrument.cost.step_time import (
     TERMS,
     UNITS,
     FitResult,
+    HostSpeed,
     StepTimeModel,
     bootstrap_intervals,
     fit,
     memory_bound,
     score,
+    score_predictions,
     theory,
     weighted_ctx,
 )
@@ -313,6 +316,12 @@ def calibration_report(
         }
         for k in TERMS
     }
+    # the engine prices each step at the host's speed of the steps before it (the file's order)
+    pred = m.predict(steps.prefill, steps.ctx, steps.memory_bound)
+    speed = HostSpeed()
+    r2_s, mape_s, mdape_s = score_predictions(pred * speed.advance(pred, steps.dt), steps.dt)
+    at_host_speed = {"r2": _num(r2_s), "mape": _num(mape_s), "median_ape": _num(mdape_s),
+                     "final_speed": _num(speed.ratio)}  # fmt: skip
     gamma_theory = th.cost_model.gamma if th else None
     theory_only = None
     if t is not None:
@@ -354,6 +363,7 @@ def calibration_report(
             "mape": _num(result.mape),
             "median_ape": _num(result.median_ape),
         },
+        "at_host_speed": at_host_speed,
         "theory_only": theory_only,
         "from_prior": list(result.from_prior),
         "bootstrap": {"resamples": n_boot, "seed": seed, "level": LEVEL},
@@ -396,7 +406,12 @@ def _print_report(report: dict[str, Any], path: str) -> None:
         table.add_row(label, _fmt(theory_v), _fmt(measured), interval, _fmt(ratio, 3))
     console = Console()
     console.print(table)
-    lines = [f"calibrated:  {_goodness(report['calibrated'])}"]
+    hs = report["at_host_speed"]
+    lines = [
+        f"calibrated:  {_goodness(report['calibrated'])}",
+        f"calibrated at the host's speed of the steps before each (as the engine prices them): "
+        f"{_goodness(hs)}; speed at the end ×{_fmt(hs['final_speed'], 3)}",
+    ]
     if report["theory_only"] is not None:
         lines.append(f"theory only: {_goodness(report['theory_only'])}")
         lines.append(f"γ of the theory model (b/a at the device's fractions): {_fmt(g['theory_model'])}")

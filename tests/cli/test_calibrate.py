@@ -128,8 +128,8 @@ def test_json_is_stable_and_sorted():
     out = json.loads(a.stdout)
     assert list(out) == sorted(out)
     assert set(out) == {
-        "bootstrap", "calibrated", "device", "from_prior", "gamma", "input", "notes", "saved", "terms",
-        "theory_only", "weight_read_pte",
+        "at_host_speed", "bootstrap", "calibrated", "device", "from_prior", "gamma", "input", "notes", "saved",
+        "terms", "theory_only", "weight_read_pte",
     }  # fmt: skip
     assert set(out["terms"]) == {"a", "b", "w", "o"}
     assert set(out["terms"]["a"]) == {
@@ -189,6 +189,22 @@ def test_csv_recovers_the_coefficients(tmp_path: Path, columns: list[str]):
     for k, v in TRUE.items():
         assert out["terms"][k]["measured"] == pytest.approx(v, rel=1e-6), k
     assert out["theory_only"] is None and out["terms"]["a"]["theory"] is None  # no --model-dir
+
+
+def test_a_host_that_slows_down_is_followed_at_its_speed(tmp_path: Path):
+    # 5 × the fixture's steps, in order; from the middle on every step takes 1.5 × as long
+    rows = [dict(r) for _ in range(5) for r in _csv_rows()]
+    for r in rows[len(rows) // 2 :]:
+        r["dt_s"] *= 1.5
+    path = _csv(tmp_path / "steps.csv", ["prefill_tokens", "ctx", "memory_bound", "dt_s"], rows)
+    r = pte(str(path), "--json", "--bootstrap", "0")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    # one set of coefficients cannot be both speeds; priced at the speed of the steps before,
+    # only the steps right after the change are off
+    assert out["calibrated"]["mape"] > 0.15
+    assert out["at_host_speed"]["mape"] < out["calibrated"]["mape"] / 3
+    assert out["at_host_speed"]["final_speed"] == pytest.approx(1.5 / 1.25, rel=0.1)  # the fit sits between
 
 
 def test_csv_without_memory_bound_takes_decode_only_steps(tmp_path: Path):
