@@ -23,6 +23,7 @@ import importlib.util
 import json
 import shutil
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -271,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
         "VLLM_CPU_KVCACHE_SPACE": str(cfg["kv_cache_gib"]),
         "VLLM_SERVER_DEV_MODE": "1",  # /reset_prefix_cache between phases
     }
+    # the server's session store is its working state, not a result: outside the run folder
+    store_dir = Path(tempfile.mkdtemp(prefix="pte-latency-"))
+    env["PTE_SESSION_STORE"] = str(store_dir / "sessions.sqlite3")
     if cfg["pte_device"]:
         env["PTE_DEVICE"] = cfg["pte_device"]
     if cfg["pte_hoi"] == "measured" and host_profile is not None:
@@ -348,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(0.5)  # keeps the phases' step windows apart
     finally:
         server.stop()  # flushes the engine's buffered step log
+        shutil.rmtree(store_dir, ignore_errors=True)
     meta.update({
         "phases": [p.to_dict() for p in phases], "phases_run": summaries,
         "host_profile": asdict(host_profile) if host_profile else None,
