@@ -450,12 +450,13 @@ class HostSpeed:
         Steps the model prices at nothing, or without a usable time, leave it."""
         m = np.asarray(modelled, dtype=np.float64).ravel().tolist()
         d = np.asarray(dt, dtype=np.float64).ravel().tolist()
-        before = [1.0] * len(m)
-        e, alpha, clip = self.log_ratio, self.alpha, self.clip
-        for i, (mi, di) in enumerate(zip(m, d, strict=True)):  # a few steps per call in the engine: no numpy
-            before[i] = math.exp(e)
-            if mi > 0 and di > 0 and math.isfinite(di) and math.isfinite(mi):
-                e += alpha * min(max(math.log(di / mi) - e, -clip), clip)
+        before = []
+        e, alpha, clip, exp, log, inf = self.log_ratio, self.alpha, self.clip, math.exp, math.log, math.inf
+        for mi, di in zip(m, d, strict=True):  # a few steps per call in the engine: plain floats, no numpy
+            before.append(exp(e))
+            if 0.0 < mi < inf and 0.0 < di < inf:  # NaN fails both comparisons
+                x = log(di / mi) - e
+                e += alpha * (clip if x > clip else -clip if x < -clip else x)
         self.log_ratio = e
         return np.array(before)
 
