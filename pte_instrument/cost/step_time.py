@@ -422,7 +422,7 @@ def _percentile_interval(x: np.ndarray, level: float) -> tuple[float, float]:
 # =========================================================================== the host's speed
 
 SPEED_STEPS = 16.0  # time constant of the host's speed, in steps
-SPEED_CLIP = 0.5  # a step moves the log ratio by at most this / SPEED_STEPS (×1.65 per step)
+SPEED_CLIP = 0.5  # a step's log ratio counts at most ±0.5 off the current one: the speed moves ≤ ×1.03 a step
 
 
 class HostSpeed:
