@@ -371,7 +371,7 @@ class EngineAccounting:
         meta: list[list[Any]],
         step_tokens: np.ndarray,
         memory: np.ndarray,
-        predicted: list[float],
+        predicted: np.ndarray,
     ) -> StepLogLine:
         """One JSON line per step, the same as when every step was priced on its own.
         ``hook_s`` is the time of the step's own hook call, which includes any journal pass
@@ -387,12 +387,13 @@ class EngineAccounting:
         spec_tokens, tokens = cols[ref.SPEC_TOKENS], step_tokens.tolist()
         roofline = np.maximum(step_tokens, memory).tolist()
         write = self._log.write  # type: ignore[union-attr]
+        model_s = predicted.tolist()  # only with the step log: plain floats for its lines
         for i, (step, t, hook, _, dt) in enumerate(meta):
             line = StepLogLine(
                 engine=self.engine, step=step, t=t, n_reqs=sizes[i], tokens=int(tokens[i]), prefill=int(prefill[i]),
                 recompute=int(recompute[i]), decode_tokens=int(decode[i]), spec_tokens=int(spec_tokens[i]),
                 ctx=ctx[i], pte=pte[i], roofline_pte=roofline[i], weights_pte=self.weights_pte, hook_s=hook, dt_s=dt,
-                model_s=predicted[i],
+                model_s=model_s[i],
             )  # fmt: skip
             if i + 1 < len(meta):  # closed: only the latest step can still be running
                 write(encode_step_log(line))

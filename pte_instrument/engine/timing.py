@@ -63,7 +63,7 @@ class TimeAttribution:
         alone_memory_bound: np.ndarray,
         memory_bound: np.ndarray,
         durations: list[float | None],
-    ) -> list[float]:
+    ) -> np.ndarray:
         """The rows of one or more steps (``sizes`` rows each, in step order, the first row
         of each at ``offsets``, None for one step): per row its prefill tokens, γ-weighted
         context read and whether it alone would be memory-bound; per step whether it is
@@ -100,6 +100,8 @@ class TimeAttribution:
         closed = last if pending else last + 1
         dts = np.asarray(durations[:closed], dtype=np.float64)
         speeds = self._advance_speed(total[:closed], dts)
+        predicted = total.copy()  # each step's price: its model at the host's speed before it
+        predicted[:closed] *= speeds
         if pending:
             start = len(slots) - sizes[last]
             speed = self.online.speed.ratio if self.online is not None else 1.0
@@ -108,15 +110,13 @@ class TimeAttribution:
                 None if features is None else (float(features[0][last]), float(features[1][last]),
                                                float(memory_bound[last])),
             )  # fmt: skip
-            predicted = [*(total[:last] * speeds).tolist(), float(total[last]) * speed]
+            predicted[last] *= speed
             if not last:
                 return predicted
             slots, modelled, alone = slots[:start], modelled[:start], alone[:start]
             parts, rows, memory_bound, total = parts[:, :start], rows[:last], memory_bound[:last], total[:last]
             if features is not None:
                 features = features[0][:last], features[1][:last]
-        else:
-            predicted = (total * speeds).tolist()
         self._charge(slots, rows, parts, total, alone, dts, speeds)
         if features is not None:
             self._observe(*features, memory_bound, dts)
