@@ -148,7 +148,12 @@ CONTRACT: tuple[Item, ...] = (
             "data_parallel_rpc_port",
         ),
     ),
-    Item(("vllm.config:SchedulerConfig",), "class", "--scheduler-cls", fields=("scheduler_cls",)),
+    Item(
+        ("vllm.config:SchedulerConfig",),
+        "class",
+        "--scheduler-cls, compat.py async_scheduling",
+        fields=("scheduler_cls", "async_scheduling"),
+    ),
     # Scheduler hook (engine core).
     *(
         Item(
@@ -169,11 +174,42 @@ CONTRACT: tuple[Item, ...] = (
             "vllm.v1.core.sched.async_scheduler:AsyncScheduler",
         )
     ),
+    # What the hook calls (not overrides), and the driver of tests and benchmarks.
+    *(
+        Item(
+            (where,),
+            "class",
+            "scheduler.py _PteHook (calls), driver.py",
+            methods=(
+                "get_num_unfinished_requests()",
+                "has_requests()",
+                "add_request(request)",
+                "update_draft_token_ids(draft_token_ids)",
+            ),
+            fields=("num_spec_tokens",),
+        )
+        for where in (
+            "vllm.v1.core.sched.scheduler:Scheduler",
+            "vllm.v1.core.sched.async_scheduler:AsyncScheduler",
+        )
+    ),
     Item(
         ("vllm.v1.core.sched.output:SchedulerOutput",),
         "class",
-        "scheduler.py schedule",
-        fields=("num_scheduled_tokens", "scheduled_spec_decode_tokens"),
+        "scheduler.py _completed_steps",
+        fields=("num_scheduled_tokens", "scheduled_spec_decode_tokens", "scheduled_new_reqs", "scheduled_cached_reqs"),
+    ),
+    Item(
+        ("vllm.v1.core.sched.output:NewRequestData",),
+        "class",
+        "scheduler.py _completed_steps, compat.py prompt_length",
+        fields=("req_id", "num_computed_tokens", "prompt_token_ids", "prompt_embeds"),
+    ),
+    Item(
+        ("vllm.v1.core.sched.output:CachedRequestData",),
+        "class",
+        "scheduler.py _completed_steps",
+        fields=("req_ids", "num_computed_tokens"),
     ),
     Item(
         ("vllm.v1.request:Request",),

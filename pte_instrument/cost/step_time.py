@@ -448,17 +448,22 @@ class HostSpeed:
     def advance(self, modelled: Any, dt: Any) -> np.ndarray:
         """Per step, the ratio in force before it; then the ratio moves past the steps.
         Steps the model prices at nothing, or without a usable time, leave it."""
-        m = np.asarray(modelled, dtype=np.float64).ravel().tolist()
-        d = np.asarray(dt, dtype=np.float64).ravel().tolist()
+        m = np.asarray(modelled, dtype=np.float64).ravel()
+        d = np.asarray(dt, dtype=np.float64).ravel()
+        if m.shape != d.shape:
+            raise ValueError(f"{m.size} modelled steps, {d.size} measured")
+        usable = (m > 0) & (d > 0) & np.isfinite(m) & np.isfinite(d)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            logs = np.where(usable, np.log(d / m), np.nan).tolist()
         before = []
-        e, alpha, clip, exp, log, inf = self.log_ratio, self.alpha, self.clip, math.exp, math.log, math.inf
-        for mi, di in zip(m, d, strict=True):  # a few steps per call in the engine: plain floats, no numpy
-            before.append(exp(e))
-            if 0.0 < mi < inf and 0.0 < di < inf:  # NaN fails both comparisons
-                x = log(di / mi) - e
+        e, alpha, clip = self.log_ratio, self.alpha, self.clip
+        for x in logs:  # the recursion, on plain floats (the logs are taken above, at once)
+            before.append(e)
+            if x == x:  # not NaN: a usable step
+                x -= e
                 e += alpha * (clip if x > clip else -clip if x < -clip else x)
         self.log_ratio = e
-        return np.array(before)
+        return np.exp(before)
 
     def rebase(self, modelled: Any, dt: Any) -> None:
         """Start again from speed 1 over the given steps (the newest last): after a refit the

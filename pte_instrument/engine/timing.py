@@ -13,7 +13,7 @@ Numpy only, vectorized over the rows of a journal pass: the engine hook runs it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
 
 import numpy as np
 
@@ -22,20 +22,11 @@ from pte_instrument.cost.step_time import OnlineStepFit, StepTimeModel
 # Per-slot columns.
 PREFILL_S, KV_S, WEIGHTS_S, OVERHEAD_S, LATENCY_S, PREDICTED_S = range(6)
 N_COLUMNS = 6
-REFIT_STEPS = 256  # steps between two online refits (amortized over the journal passes)
+REFIT_STEPS = 256  # steps between two online refits, at least
+# and seconds, at least: a refit costs milliseconds, which at small batches would be more
+# than the scheduler's own time if it ran every 256 steps
+REFIT_INTERVAL_S = 2.0
 _Floats = np.ndarray | float  # per step, or one step's
-
-
-@dataclass
-class _Pending:
-    """The latest step, processed before its duration was known."""
-
-    slots: np.ndarray
-    parts: np.ndarray  # (4, rows): modelled prefill, KV, weights, overhead seconds per row
-    modelled: np.ndarray  # Σ parts per row
-    alone: np.ndarray  # modelled seconds of each row's work, had it run alone
-    speed: float  # the host's speed it was priced at
-    features: tuple[float, float, float] | None  # for the online fit: prefill tokens, context, memory-bound
 
 
 class TimeAttribution:
@@ -44,9 +35,9 @@ class TimeAttribution:
         self.online = online
         self.per_slot = np.zeros((N_COLUMNS, capacity))
         self.busy_s = 0.0  # Σ measured step durations
-        self.unattributed_s = 0.0  # time of rows whose request finished before the step did
-        self._pending: _Pending | None = None
+        self.unattributed_s = 0.0  # time of rows whose request's totals were sent before them
         self._since_refit = 0
+        self._refit_at = time.monotonic()
 
     def grow(self, capacity: int) -> None:
         extra = capacity - self.per_slot.shape[1]
@@ -62,21 +53,20 @@ class TimeAttribution:
         ctx: np.ndarray,
         alone_memory_bound: np.ndarray,
         memory_bound: np.ndarray,
-        durations: list[float | None],
+        durations: np.ndarray | list[float],
     ) -> np.ndarray:
         """The rows of one or more steps (``sizes`` rows each, in step order, the first row
         of each at ``offsets``, None for one step): per row its prefill tokens, γ-weighted
         context read and whether it alone would be memory-bound; per step whether it is
-        memory-bound and its measured duration (None: only the latest step can still be
-        running). Returns each step's predicted duration: the model at the host's speed of
-        the steps before it."""
+        memory-bound and its measured duration. Returns each step's predicted duration: the
+        model at the host's speed of the steps before it."""
         m = self.model
         rows = np.asarray(sizes)  # once: np.repeat converts a list on every call
         parts = np.empty((4, len(slots)))
         np.multiply(prefill, m.a, out=parts[0])
         np.multiply(ctx, m.b, out=parts[1])
         # a step's weight read (if memory-bound) and overhead, split evenly over its rows
-        if len(sizes) == 1:  # scalars: no per-row copies (every step with drafts comes alone)
+        if len(sizes) == 1:  # scalars: no per-row copies
             parts[2] = memory_bound[0] * m.w / sizes[0]
             parts[3] = m.o / sizes[0]
         else:
@@ -95,53 +85,13 @@ class TimeAttribution:
                 features = np.add.reduceat(prefill, offsets), np.add.reduceat(ctx, offsets)
         # bincount adds each step's rows in order (a pairwise sum would round differently)
         total = np.bincount(np.repeat(np.arange(len(rows)), rows), weights=modelled, minlength=len(rows))
-        last = len(sizes) - 1
-        pending = durations[last] is None  # its time is attributed when it ends
-        closed = last if pending else last + 1
-        dts = np.asarray(durations[:closed], dtype=np.float64)
-        speeds = self._advance_speed(total[:closed], dts)
-        predicted = total.copy()  # each step's price: its model at the host's speed before it
-        predicted[:closed] *= speeds
-        if pending:
-            start = len(slots) - sizes[last]
-            speed = self.online.speed.ratio if self.online is not None else 1.0
-            self._pending = _Pending(
-                slots[start:].copy(), parts[:, start:].copy(), modelled[start:].copy(), alone[start:].copy(), speed,
-                None if features is None else (float(features[0][last]), float(features[1][last]),
-                                               float(memory_bound[last])),
-            )  # fmt: skip
-            predicted[last] *= speed
-            if not last:
-                return predicted
-            slots, modelled, alone = slots[:start], modelled[:start], alone[:start]
-            parts, rows, memory_bound, total = parts[:, :start], rows[:last], memory_bound[:last], total[:last]
-            if features is not None:
-                features = features[0][:last], features[1][:last]
+        dts = np.asarray(durations, dtype=np.float64)
+        speeds = self._advance_speed(total, dts)
+        predicted = total * speeds  # each step's price: its model at the host's speed before it
         self._charge(slots, rows, parts, total, alone, dts, speeds)
         if features is not None:
             self._observe(*features, memory_bound, dts)
         return predicted
-
-    def step_done(self, duration: float) -> None:
-        """The pending step ended after ``duration`` seconds."""
-        p, self._pending = self._pending, None
-        if p is None:
-            return
-        dts = np.array([duration])
-        total = np.array([p.modelled.sum()])
-        self._advance_speed(total, dts)
-        self._charge(p.slots, np.array([len(p.slots)]), p.parts, total, p.alone, dts, np.array([p.speed]))
-        if p.features is not None:
-            self._observe(*p.features, np.array([duration]))
-
-    def release(self, slots: np.ndarray) -> None:
-        """Slots freed (their totals read): a pending step's share of them can no longer be
-        charged to anyone; it is counted as unattributed busy time when the step ends."""
-        p = self._pending
-        if p is not None and len(slots):
-            gone = np.isin(p.slots, slots)
-            if gone.any():  # their rows stay in the step's total, charged to nobody
-                p.slots = np.where(gone, -1, p.slots)
 
     def read(self, slot: int) -> np.ndarray:
         """A finished request's columns; the slot's are zeroed for its next request."""
@@ -160,7 +110,8 @@ class TimeAttribution:
         speeds: np.ndarray,
     ) -> None:
         """Steps of ``rows`` rows each that took ``dts``, modelled at ``total`` seconds and
-        priced at the host's ``speeds``; ``parts`` and ``alone`` per row as in ``_Pending``."""
+        priced at the host's ``speeds``; per row its modelled ``parts`` (prefill, KV, weights,
+        overhead seconds) and ``alone``, its work's modelled seconds had it run alone."""
         even = total <= 0  # a model that predicts nothing: share the step evenly
         scale = np.where(even, 0.0, dts / np.where(even, 1.0, total))
         one = len(rows) == 1  # one step: its values broadcast as scalars
@@ -170,10 +121,6 @@ class TimeAttribution:
         self.busy_s += float(dts.sum())
         latency = np.full(len(slots), dts[0]) if one else np.repeat(dts, rows)
         alone = alone * (speeds[0] if one else np.repeat(speeds, rows))
-        known = slots >= 0
-        if not known.all():
-            self.unattributed_s += float(charged[:, ~known].sum())
-            slots, charged, alone, latency = slots[known], charged[:, known], alone[known], latency[known]
         for col in range(4):
             np.add.at(self.per_slot[col], slots, charged[col])
         np.add.at(self.per_slot[LATENCY_S], slots, latency)
@@ -191,7 +138,8 @@ class TimeAttribution:
             return
         self.online.add(prefill, ctx, memory_bound, dts)
         self._since_refit += len(dts)
-        if self._since_refit >= REFIT_STEPS:
+        if self._since_refit >= REFIT_STEPS and time.monotonic() - self._refit_at >= REFIT_INTERVAL_S:
             self._since_refit = 0
+            self._refit_at = time.monotonic()
             self.online.refit()
             self.model = self.online.model

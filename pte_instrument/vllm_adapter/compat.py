@@ -63,6 +63,20 @@ def kv_block_size(vllm_config: VllmConfig) -> int:
     return int(vllm_config.cache_config.block_size or 1)
 
 
+def async_scheduling(vllm_config: VllmConfig | None) -> bool:
+    """Whether the engine schedules asynchronously (step N+1 before step N's outputs): the
+    GPU builds' default, settled by the time the engine builds its scheduler."""
+    return bool(vllm_config is not None and vllm_config.scheduler_config.async_scheduling)
+
+
+def prompt_length(new_request: Any) -> int:
+    """A ``NewRequestData``'s prompt length (token ids, or embeddings)."""
+    if new_request.prompt_token_ids is not None:
+        return len(new_request.prompt_token_ids)
+    embeds = new_request.prompt_embeds
+    return int(embeds.shape[0]) if embeds is not None else 0
+
+
 def gpus_per_engine(vllm_config: VllmConfig) -> int:
     """GPUs one engine (data-parallel rank) runs on: tensor × pipeline parallel."""
     pc = vllm_config.parallel_config

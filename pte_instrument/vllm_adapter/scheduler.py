@@ -1,24 +1,31 @@
 """Engine-side step hook: a scheduler subclass selected with
-``--scheduler-cls pte_instrument.vllm_adapter.scheduler.PteScheduler``
-(``PteAsyncScheduler`` with ``--async-scheduling``).
+``--scheduler-cls pte_instrument.vllm_adapter.scheduler.PteScheduler``.
 
-Every step it turns the scheduler output into a step batch for the accumulator; when a
-request finishes (stopped, length, aborted) its exact totals go to the API server through
-the transport. A fault inside the hook is counted and logged, never raised into vLLM; a
-hook that keeps failing switches itself off.
+``PteScheduler`` keeps vLLM's choice of scheduler: constructed where vLLM's config has async
+scheduling on (the GPU builds' default), it is vLLM's ``AsyncScheduler`` with the hook, and
+otherwise vLLM's ``Scheduler`` with the hook. It never changes ``async_scheduling``.
+
+Per step the hook keeps a reference to the scheduler output and two clock readings; the
+steps whose outputs are back are priced together (``EngineAccounting.price``) every
+``PRICE_EVERY_STEPS`` steps, or within ``PRICE_DELAY_S`` of a request finishing, or at
+once when the engine runs out of requests. A finished request's exact totals then go to the
+API server through the transport, once no step still running has it. A fault inside the
+hook is counted and logged, never raised into vLLM; a hook that keeps failing switches
+itself off.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from pte_instrument.cost.step_time import StepTimeModel
-from pte_instrument.engine.accounting import EngineAccounting
+from pte_instrument.engine.accounting import CompletedSteps, EngineAccounting
 from pte_instrument.engine.report import EngineReporter
 from pte_instrument.failpoints import failpoint
 from pte_instrument.faults import FaultTracker, install_log_handler, log
@@ -28,19 +35,34 @@ from pte_instrument.vllm_adapter import compat
 from pte_instrument.wire import RequestTotals
 
 MAX_FAULTS = 100  # then the hook turns itself off, with one log line
+PRICE_EVERY_STEPS = 128  # completed steps held at most before they are priced
+PRICE_DELAY_S = 0.02  # a finished request's totals are sent within this (or its next step)
+SCHEDULER_FLAG = "--scheduler-cls pte_instrument.vllm_adapter.scheduler.PteScheduler"
+
+# One step in flight or completed: [scheduler output, scheduled at, outputs back at, hook s,
+# draft tokens per request, rejected drafts per request, positions to take back per request]
+_OUT, _SCHEDULED, _DONE, _HOOK, _DRAFTS, _REJECTED, _BACK = range(7)
 
 
 class _PteHook:
     """Mixed into vLLM's schedulers; the only code that reads their internals."""
+
+    _pte_async = False  # whether this class is vLLM's AsyncScheduler
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         install_log_handler()
         self._pte: EngineAccounting | None = None
         self._pte_faults = FaultTracker()
+        self._pte_reporter: EngineReporter | None = None
+        self._pte_clock = time.perf_counter
+        self._pte_inflight: deque[list[Any]] = deque()  # scheduled, outputs not back (in order)
+        self._pte_done: list[list[Any]] = []  # outputs back, not priced yet
+        self._pte_finished_at: float | None = None  # the earliest finish not sent yet
         try:
             settings = Settings.from_env()
             cfg = self.vllm_config  # type: ignore[attr-defined]
+            self._pte_check_kind(cfg)
             address = compat.engine_transport(cfg, os.environ.get(ADDRESS_ENV))
             if not settings.enabled or not address:
                 log.warning(
@@ -50,33 +72,52 @@ class _PteHook:
                 return
             engine = compat.engine_index(cfg)
             self._pte_reporter = EngineReporter(Sender(address), engine, self._pte_faults)
-            cost_model = compat.cost_model_from_vllm(cfg, settings)
-            step_model, source = None, "theory"
-            if settings.calibration not in ("off", "online"):  # a saved fit
-                step_model, source = StepTimeModel.load(settings.calibration), "file"
-            self._pte = EngineAccounting(
-                cost_model,
-                self._pte_send,
-                engine=engine,
-                backend=settings.accumulator_backend,
-                step_log=settings.step_log,
-                external_id=compat.external_request_id,
-                weight_bytes=compat.weight_bytes(cfg),
-                step_model=step_model,
-                step_model_source=source,
-                calibrate_online=settings.calibration != "off",
-            )
+            self._pte = self._pte_accounting(cfg, settings, engine, self._pte_send)
             if self._pte.step_log_error is not None:
                 self._pte_step_log_off(settings.step_log, self._pte.step_log_error)
             self._pte_reporter.hello(compat.api_server_count(cfg), self._pte.calibration())
             log.info(
-                "pte-instrument engine hook active (engine %d, %s accumulator, totals to %s)",
+                "pte-instrument engine hook active (engine %d, %s scheduling, %s accumulator, totals to %s)",
                 engine,
+                "async" if self._pte_async else "sync",
                 self._pte.acc.backend,
                 address,
             )
         except Exception as e:
             self._pte_fault("setup", e)
+
+    def _pte_accounting(self, cfg: Any, settings: Settings, engine: int, send: Any) -> EngineAccounting:
+        step_model, source = None, "theory"
+        if settings.calibration not in ("off", "online"):  # a saved fit
+            step_model, source = StepTimeModel.load(settings.calibration), "file"
+        return EngineAccounting(
+            compat.cost_model_from_vllm(cfg, settings),
+            send,
+            engine=engine,
+            backend=settings.accumulator_backend,
+            step_log=settings.step_log,
+            external_id=compat.external_request_id,
+            prompt_of=self._pte_prompt_of,
+            weight_bytes=compat.weight_bytes(cfg),
+            step_model=step_model,
+            step_model_source=source,
+            calibrate_online=settings.calibration != "off",
+        )
+
+    def _pte_check_kind(self, cfg: Any) -> None:
+        """One warning when this class's kind is not the one vLLM's engine runs: a
+        synchronous scheduler driven in async order schedules a decode every other step."""
+        if compat.async_scheduling(cfg) and not self._pte_async:
+            log.warning(
+                "pte-instrument: async scheduling is on but %s is vLLM's synchronous Scheduler, which "
+                "loses what async scheduling is for; use %s, which keeps vLLM's choice",
+                type(self).__name__,
+                SCHEDULER_FLAG,
+            )
+
+    def _pte_prompt_of(self, rid: str) -> int:
+        request = self.requests.get(rid)  # type: ignore[attr-defined]
+        return request.num_prompt_tokens if request is not None else 0
 
     def _pte_step_log_off(self, path: str | None, error: OSError) -> None:
         """One line, counted once; the step log is off, the accounting goes on."""
@@ -91,7 +132,8 @@ class _PteHook:
     def _pte_send(self, totals: list[RequestTotals]) -> None:
         try:
             failpoint("transport")
-            self._pte_reporter.send(totals, self._pte.calibration() if self._pte is not None else None)
+            if self._pte_reporter is not None:
+                self._pte_reporter.send(totals, self._pte.calibration() if self._pte is not None else None)
         except Exception as e:  # those totals are lost; the API server prices without them
             self._pte_fault("transport", e)
 
@@ -100,77 +142,178 @@ class _PteHook:
         if sum(self._pte_faults.counts.values()) >= MAX_FAULTS and self._pte is not None:
             log.error("pte-instrument engine hook switched off after %d faults", MAX_FAULTS)
             self._pte = None
+            self._pte_inflight.clear()
+            self._pte_done.clear()
+
+    # --- vLLM's scheduler interface -------------------------------------------------------
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         out = super().schedule(*args, **kwargs)  # type: ignore[misc]
         if self._pte is not None:
-            try:
-                t0 = time.perf_counter()
-                requests = self.requests  # type: ignore[attr-defined]
-                scheduled = out.num_scheduled_tokens
-                rids = list(scheduled)
-                reqs = [requests[rid] for rid in rids]
-                n = list(scheduled.values())
-                spec = out.scheduled_spec_decode_tokens
-                columns = [
-                    # num_computed_tokens was already advanced by this step's n
-                    [r.num_computed_tokens - k for r, k in zip(reqs, n, strict=True)],
-                    n,
-                    [r.num_prompt_tokens for r in reqs],
-                    [len(spec.get(rid, ())) for rid in rids] if spec else [0] * len(rids),
-                ]
-                failpoint("engine_step")
-                self._pte.hook_s += time.perf_counter() - t0  # reading vLLM's state counts too
-                self._pte.on_schedule(rids, columns)
-            except Exception as e:
-                self._pte_fault("step", e)
+            clock = self._pte_clock
+            t = clock()
+            self._pte_inflight.append([out, t, 0.0, 0.0, None, None, None])
+            self._pte.hook_s += clock() - t
         return out
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
-        if self._pte is not None:
-            self._pte.on_step_done()
+        pte = self._pte
+        if pte is None:
+            return super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+        clock = self._pte_clock
+        t0 = clock()
+        step, drafts = None, None
+        try:
+            step = self._pte_completed(scheduler_output)
+            spec = scheduler_output.scheduled_spec_decode_tokens
+            if spec and step is not None:  # what vLLM rolls back is what it rejected
+                step[_DRAFTS] = {rid: len(tokens) for rid, tokens in spec.items()}
+                requests = self.requests  # type: ignore[attr-defined]
+                drafts = [(rid, r, r.num_computed_tokens) for rid in spec if (r := requests.get(rid)) is not None]
+        except Exception as e:
+            self._pte_fault("step", e)
+        t1 = clock()
         outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
-        if self._pte is not None:
-            try:
-                if scheduler_output.scheduled_spec_decode_tokens:
-                    requests = self.requests  # type: ignore[attr-defined]
-                    for rid in scheduler_output.scheduled_spec_decode_tokens:
-                        if rid in requests:
-                            self._pte.accepted(rid, requests[rid].num_computed_tokens)
-                self._pte.flush()
-            except Exception as e:
-                self._pte_fault("finish", e)
+        t2 = clock()
+        try:
+            if step is not None:
+                step[_DONE] = t0
+                if drafts is not None:
+                    self._pte_rejected(step, drafts)
+                if scheduler_output.num_scheduled_tokens:
+                    self._pte_done.append(step)
+            failpoint("engine_step")
+            finished_at = self._pte_finished_at
+            if len(self._pte_done) >= PRICE_EVERY_STEPS or (
+                finished_at is not None
+                and (t2 - finished_at >= PRICE_DELAY_S or not self.get_num_unfinished_requests())  # type: ignore[attr-defined]
+            ):
+                self._pte_price()
+        except Exception as e:
+            self._pte_fault("finish", e)
+        spent = (t1 - t0) + (clock() - t2)
+        pte.hook_s += spent
+        if step is not None:
+            step[_HOOK] += spent
         return outputs
 
     def finish_requests(self, *args: Any, **kwargs: Any) -> Any:
         result = super().finish_requests(*args, **kwargs)  # type: ignore[misc]
-        if self._pte is not None:
-            try:
-                self._pte.flush()  # aborts arrive here, outside update_from_output
+        if self._pte is not None and self._pte_finished_at is not None:
+            t = self._pte_clock()
+            try:  # aborts arrive here, outside update_from_output; an idle engine steps no more
+                if not self.get_num_unfinished_requests():  # type: ignore[attr-defined]
+                    self._pte_price()
             except Exception as e:
                 self._pte_fault("finish", e)
+            if self._pte is not None:
+                self._pte.hook_s += self._pte_clock() - t
         return result
 
     def _free_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
         if self._pte is not None:
+            t = self._pte_clock()
             try:
-                reason = request.get_finished_reason()
-                counts = compat.finished_counts(request)
-                self._pte.on_finished(request.request_id, str(reason), request.num_computed_tokens, counts)
+                reason = str(request.get_finished_reason())
+                self._pte.on_finished(request.request_id, reason, compat.finished_counts(request))
+                if self._pte_finished_at is None:
+                    self._pte_finished_at = t
             except Exception as e:
                 self._pte_fault("finish", e)
+            if self._pte is not None:
+                self._pte.hook_s += self._pte_clock() - t
         return super()._free_request(request, *args, **kwargs)  # type: ignore[misc]
 
     def shutdown(self) -> None:
         if self._pte is not None:
-            self._pte.close()
+            try:
+                self._pte_done += self._pte_inflight  # never to complete: priced as they are
+                self._pte_inflight.clear()
+                self._pte_price()
+            except Exception as e:
+                self._pte_fault("finish", e)
+            if self._pte is not None:
+                self._pte.close()
+        if self._pte_reporter is not None:
             self._pte_reporter.close()
         super().shutdown()  # type: ignore[misc]
 
+    # --- the hook's own work ------------------------------------------------------------
+
+    def _pte_completed(self, scheduler_output: Any) -> list[Any] | None:
+        """The in-flight step whose outputs these are: the oldest, as vLLM's engine completes
+        steps in order; steps scheduled before it and never completed are dropped."""
+        inflight = self._pte_inflight
+        while inflight:
+            step = inflight.popleft()
+            if step[_OUT] is scheduler_output:
+                return step
+        return None
+
+    def _pte_rejected(self, step: list[Any], drafts: list[tuple[str, Any, int]]) -> None:
+        """A step's drafts of requests still live: vLLM rolled each one's computed tokens back
+        by the drafts it rejected. A step scheduled before these outputs were back (async scheduling) started
+        its positions that many too far: they are taken back when it is priced."""
+        rejected = step[_REJECTED] = {}
+        for rid, request, before in drafts:
+            k = before - request.num_computed_tokens
+            if k > 0:
+                rejected[rid] = k
+                for later in self._pte_inflight:
+                    if rid in later[_OUT].num_scheduled_tokens:
+                        back = later[_BACK] = later[_BACK] or {}
+                        back[rid] = back.get(rid, 0) + k
+
+    def _pte_price(self) -> None:
+        """Price the completed steps, then send the finished requests no running step has."""
+        pte = self._pte
+        if pte is None:
+            return
+        done, self._pte_done = self._pte_done, []
+        if done:
+            pte.price(_completed_steps(done))
+        inflight = self._pte_inflight
+        pte.flush((lambda rid: any(rid in s[_OUT].num_scheduled_tokens for s in inflight)) if inflight else None)
+        if not pte.finished:
+            self._pte_finished_at = None
+
+
+def _completed_steps(done: list[list[Any]]) -> CompletedSteps:
+    """vLLM's scheduler outputs as the accounting's plain rows: new requests first, then
+    the cached ones (running and resumed), each with the tokens computed before the step."""
+    batch = CompletedSteps()
+    prompts = batch.prompts
+    for out, scheduled_at, done_at, hook_s, drafts, rejected, back in done:
+        new, cached, counts = out.scheduled_new_reqs, out.scheduled_cached_reqs, out.num_scheduled_tokens
+        if new:
+            rids = [d.req_id for d in new]
+            c = [d.num_computed_tokens for d in new]
+            for d in new:
+                prompts[d.req_id] = compat.prompt_length(d)
+            rids += cached.req_ids
+            c += cached.num_computed_tokens
+        else:
+            rids, c = cached.req_ids, cached.num_computed_tokens
+        if back:
+            c = [k - back.get(rid, 0) for rid, k in zip(rids, c, strict=True)]
+        batch.add(rids, c, list(map(counts.__getitem__, rids)), scheduled_at, done_at, hook_s, drafts, rejected)
+    return batch
+
 
 class PteScheduler(_PteHook, Scheduler):
-    pass
+    """vLLM's scheduler with the hook: ``AsyncScheduler`` where vLLM's config has async
+    scheduling on, ``Scheduler`` otherwise (decided at construction)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> PteScheduler:
+        if cls is PteScheduler:
+            cfg = kwargs.get("vllm_config", args[0] if args else None)
+            if compat.async_scheduling(cfg):
+                cls = PteAsyncScheduler
+        return super().__new__(cls)
 
 
-class PteAsyncScheduler(_PteHook, AsyncScheduler):
-    pass
+class PteAsyncScheduler(PteScheduler, AsyncScheduler):
+    """vLLM's ``AsyncScheduler`` with the hook (what ``PteScheduler`` becomes under async
+    scheduling)."""
+
+    _pte_async = True

@@ -9,7 +9,7 @@ from pte_instrument.engine.accounting import EngineAccounting
 from pte_instrument.engine.report import EngineReporter
 from pte_instrument.faults import FaultTracker
 from pte_instrument.wire import EngineFaults, EngineHello
-from tests.engine.test_engine_accounting import COST, collect
+from tests.engine.test_engine_accounting import COST, collect, completed
 
 
 def test_an_unwritable_step_log_leaves_the_accounting_on(tmp_path):
@@ -18,9 +18,8 @@ def test_an_unwritable_step_log_leaves_the_accounting_on(tmp_path):
     sent: list[dict] = []
     ea = EngineAccounting(COST, collect(sent), step_log=str(blocker / "steps.jsonl"))
     assert isinstance(ea.step_log_error, NotADirectoryError) and str(blocker) in str(ea.step_log_error)
-    ea.on_schedule(["a"], [[0], [10], [10], [0]])
-    ea.on_step_done()
-    ea.on_finished("a", "length", 10, {"prompt_tokens": 10, "output_tokens": 1, "num_preemptions": 0})
+    ea.price(completed([[("a", 0, 10)]], {"a": 10}))
+    ea.on_finished("a", "length", {"prompt_tokens": 10, "output_tokens": 1, "num_preemptions": 0})
     ea.flush()
     ea.close()
     assert [(m["request_id"], m["prefill"]) for m in sent] == [("a", 10)]
@@ -30,8 +29,7 @@ def test_a_writable_step_log_reports_no_error(tmp_path):
     log = tmp_path / "steps.jsonl"
     ea = EngineAccounting(COST, collect([]), step_log=str(log))
     assert ea.step_log_error is None
-    ea.on_schedule(["a"], [[0], [10], [10], [0]])
-    ea.on_step_done()
+    ea.price(completed([[("a", 0, 10)]], {"a": 10}))
     ea.close()
     header, line = (json.loads(x) for x in log.read_text().splitlines())
     assert (header["header"], header["engine"], header["gammas"]) == (True, 0, [0.01])

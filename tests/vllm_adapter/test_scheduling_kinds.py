@@ -1,0 +1,202 @@
+"""The scheduler hook inside vLLM's real ``Scheduler`` and ``AsyncScheduler``, driven without a
+model (``pte_instrument.vllm_adapter.driver``) through the same request streams: the hook's
+per-request totals equal an independent, position-by-position count of what the scheduler
+scheduled, under either kind; sync and async schedule the same work but for the steps async
+scheduling runs past a request's end, which are charged to it; the hook never changes what
+vLLM schedules; and each step's measured time, steps overlapping or not, adds up to the
+engine's busy time."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from pte_instrument.settings import Settings
+from pte_instrument.vllm_adapter.driver import Arrival, Driver, StepClock, build_scheduler
+from pte_instrument.vllm_adapter.scheduler import PteAsyncScheduler, PteScheduler
+from tests.conftest import ROOT
+
+MODEL = ROOT / "models" / "tiny"
+pytestmark = pytest.mark.skipif(not (MODEL / "config.json").exists(), reason="needs the tiny model (make test)")
+
+
+def mixed_stream(seed: int, n: int = 40) -> list[Arrival]:
+    """Chunked prefills (prompts up to 600 tokens, 256 scheduled per step), prefix-cache hits
+    (a shared 64-token prefix), stop tokens and length limits, parallel-sampling children
+    (``0_p``, ``1_p``: the same prompt), and aborts while waiting, mid-prefill and mid-decode."""
+    rng = np.random.default_rng(seed)
+    shared = tuple(int(x) for x in rng.integers(100, 1000, 64))
+    out: list[Arrival] = []
+    for i in range(n):
+        prompt = (shared if i % 3 == 0 else ()) + tuple(int(x) for x in rng.integers(100, 1000, int(rng.integers(5, 600))))
+        stop = int(rng.integers(0, 30)) if i % 2 else None
+        step, max_tokens = i // 2, int(rng.integers(1, 40))
+        abort = {3: step, 5: step + 1, 7: step + 6}.get(i % 10)  # waiting, mid-prefill, mid-decode
+        if i % 11 == 4:  # parallel sampling: two children of one parent
+            out += [Arrival(f"{k}_p{i}", prompt, max_tokens, step, stop, abort) for k in range(2)]
+        else:
+            out.append(Arrival(f"r{i}", prompt, max_tokens, step, stop, abort))
+    return out
+
+
+STREAMS = {
+    "mixed": {"stream": mixed_stream(1), "num_blocks": 4096, "num_spec_tokens": 0, "prefix_caching": True},
+    # a KV pool of 48 blocks of 16 tokens for 40 requests of up to 650: preemptions, which
+    # recompute without the prefix cache (with it, a resumed request finds its blocks)
+    "preemption": {"stream": mixed_stream(2), "num_blocks": 48, "num_spec_tokens": 0, "prefix_caching": False},
+    "speculative": {"stream": mixed_stream(3), "num_blocks": 4096, "num_spec_tokens": 3, "prefix_caching": True},
+}
+
+
+def drive(kind: type, asynchronous: bool, case: dict, clock: StepClock | None = None) -> tuple[Driver, list]:
+    s = build_scheduler(kind, MODEL, async_scheduling=asynchronous, num_blocks=case["num_blocks"],
+                        num_spec_tokens=case["num_spec_tokens"], prefix_caching=case["prefix_caching"],
+                        max_num_batched_tokens=256)  # fmt: skip
+    sent: list = []
+    if isinstance(s, PteScheduler):  # the hook's own accounting, totals into a list
+        s._pte = s._pte_accounting(s.vllm_config, Settings.from_env(), 0, sent.extend)
+    d = Driver(s, async_scheduling=asynchronous, clock=clock)
+    d.run(case["stream"])
+    return d, sent
+
+
+def independent_totals(d: Driver, overrun: bool = True) -> dict[str, dict]:
+    """Per request, from the driver's record of each scheduled step: its positions, position
+    by position. A step scheduled before an earlier step's rejected drafts were rolled back
+    (async scheduling) runs its positions back by them. ``overrun=False``: without the rows
+    scheduled after the step that finished the request."""
+    prompts = {a.rid: len(a.prompt) for a in d.arrivals.values()}
+    out: dict[str, dict] = {}
+    high: dict[str, int] = {}
+    for step in d.steps:  # in schedule order
+        for row in step.rows:
+            fin = d.finished_in.get(row.rid)
+            if not overrun and fin is not None and step.scheduled > fin:
+                continue
+            back = sum(p.rejected.get(row.rid, 0) for p in d.steps
+                       if p.scheduled < step.scheduled < p.delivered)  # fmt: skip
+            c, P = row.c - back, prompts[row.rid]
+            end, h = c + row.n, high.get(row.rid, 0)
+            t = out.setdefault(row.rid, dict.fromkeys(("prefill", "recompute", "decode", "ctx", "spec", "rejected"), 0)
+                               | {"cached": c})  # fmt: skip
+            for p in range(c, end):
+                if p < max(P, h):
+                    t["prefill"] += 1
+                    t["recompute"] += p < h
+                else:
+                    t["decode"] += 1
+                    t["ctx"] += p + 1
+            if max(h, c) < P <= end:  # the prompt's last position samples output 0
+                t["decode"] += 1
+                t["ctx"] += P
+            rejected = step.rejected.get(row.rid, 0)
+            t["spec"] += row.drafts
+            t["rejected"] += rejected
+            high[row.rid] = max(h, end - rejected)
+    return out
+
+
+def hook_totals(sent: list) -> dict[str, dict]:
+    return {m.request_id: {"prefill": m.prefill, "recompute": m.recompute, "decode": m.decode_tokens,
+                           "ctx": m.ctx[0], "spec": m.spec_tokens, "rejected": m.rejected_tokens,
+                           "cached": m.cached_tokens} for m in sent if m.scheduled}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    """Every stream through vLLM's classes and through PteScheduler, sync and async."""
+    out = {}
+    for name, case in STREAMS.items():
+        for asynchronous in (False, True):
+            out[name, asynchronous, "vllm"] = drive(AsyncScheduler if asynchronous else Scheduler, asynchronous, case)
+            out[name, asynchronous, "pte"] = drive(PteScheduler, asynchronous, case)
+    return out
+
+
+@pytest.mark.parametrize("name", STREAMS)
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_the_hooks_totals_are_an_independent_count_of_what_ran(runs, name, asynchronous):
+    d, sent = runs[name, asynchronous, "pte"]
+    assert type(d.s) is (PteAsyncScheduler if asynchronous else PteScheduler)
+    assert not d.s._pte_faults.counts
+    # every request once, and before the engine shut down: the last when it ran out of work
+    assert sorted(m.request_id for m in sent) == sorted(d.arrivals)
+    expected = independent_totals(d)
+    assert hook_totals(sent) == expected
+    never = {m.request_id for m in sent if not m.scheduled}
+    assert never == set(d.arrivals) - set(expected)
+    assert d.s._pte.live == 0 and d.s._pte.acc.in_use == 0
+    if name == "preemption":
+        assert sum(t["recompute"] for t in expected.values()) > 0
+    if name == "speculative":
+        assert sum(t["rejected"] for t in expected.values()) > 0
+        assert sum(m.pte_rejected for m in sent) > 0
+
+
+@pytest.mark.parametrize("name", STREAMS)
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_the_hook_schedules_as_vllms_own_class(runs, name, asynchronous):
+    ours, _ = runs[name, asynchronous, "pte"]
+    theirs, _ = runs[name, asynchronous, "vllm"]
+    assert [s.rows for s in ours.steps] == [s.rows for s in theirs.steps]
+    assert ours.finished_in == theirs.finished_in
+
+
+@pytest.mark.parametrize("name", ["mixed", "speculative"])
+def test_sync_and_async_charge_the_same_work_but_the_steps_run_past_the_end(runs, name):
+    """Without preemption both kinds schedule each request the same positions; async
+    scheduling also runs one step past a request's end (it is scheduled before the engine
+    sees the stop token, or the drafts that reach the length), which is charged to it."""
+    sync, sync_sent = runs[name, False, "pte"]
+    asyn, async_sent = runs[name, True, "pte"]
+    aborted = {a.rid for a in sync.arrivals.values() if a.abort_at is not None}
+    plain = independent_totals(asyn, overrun=False)
+    for rid, totals in independent_totals(sync).items():
+        if rid not in aborted:
+            assert plain[rid] == totals, rid
+    assert independent_totals(sync, overrun=False) == independent_totals(sync)  # sync never runs past
+    past = {rid for rid, t in hook_totals(async_sent).items() if rid not in aborted and t != plain[rid]}
+    stopped = {m.request_id for m in sync_sent if m.finish_reason == "stop"} - aborted
+    assert stopped <= past  # every stop ran one step more under async
+    assert past
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_each_steps_time_is_its_run_and_all_of_it_is_charged(asynchronous):
+    """A controlled clock: each step's model runs 2–9 ms from when it was scheduled, or from
+    when the previous step's run ended (one device); 1 ms of host time between calls."""
+    runs_s = {}
+
+    def run_s(k: int) -> float:
+        return runs_s.setdefault(k, 0.002 + 0.001 * (k * 7 % 8))
+
+    clock = StepClock(run_s)
+    d, sent = drive(PteScheduler, asynchronous, STREAMS["mixed"], clock)
+    busy = sum(run_s(s.scheduled) for s in d.steps if any(r.n for r in s.rows))
+    timing = d.s._pte.timing
+    assert timing.busy_s == pytest.approx(busy, rel=1e-9)
+    charged = sum(m.gpu_prefill_s + m.gpu_kv_s + m.gpu_weights_s + m.gpu_overhead_s for m in sent)
+    assert charged + timing.unattributed_s == pytest.approx(busy, rel=1e-9)
+    if asynchronous:  # steps overlapped: the union, not the sum of schedule → outputs intervals
+        assert sum(s.done_at - s.scheduled_at for s in d.steps) > busy * 1.2
+
+
+def test_the_documented_class_becomes_vllms_async_scheduler_only_under_async_scheduling(caplog):
+    sync = build_scheduler(PteScheduler, MODEL, async_scheduling=False, num_blocks=64)
+    asyn = build_scheduler(PteScheduler, MODEL, async_scheduling=True, num_blocks=64)
+    assert type(sync) is PteScheduler and not isinstance(sync, AsyncScheduler)
+    assert type(asyn) is PteAsyncScheduler and isinstance(asyn, AsyncScheduler)
+    assert asyn.vllm_config.scheduler_config.async_scheduling is True  # never changed
+
+    class Subclassed(PteScheduler):  # a user's own subclass keeps its kind: vLLM's sync one
+        pass
+
+    with caplog.at_level(logging.WARNING, logger="pte_instrument"):
+        mine = build_scheduler(Subclassed, MODEL, async_scheduling=True, num_blocks=64)
+    assert type(mine) is Subclassed
+    lines = [r.getMessage() for r in caplog.records if "async scheduling is on" in r.getMessage()]
+    assert len(lines) == 1 and "--scheduler-cls pte_instrument.vllm_adapter.scheduler.PteScheduler" in lines[0]
