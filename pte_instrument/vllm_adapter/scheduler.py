@@ -149,11 +149,16 @@ class _PteHook:
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         out = super().schedule(*args, **kwargs)  # type: ignore[misc]
-        if self._pte is not None:
+        pte = self._pte
+        if pte is not None:
             clock = self._pte_clock
             t = clock()
-            self._pte_inflight.append([out, t, 0.0, 0.0, None, None, None])
-            self._pte.hook_s += clock() - t
+            try:
+                failpoint("engine_step")
+                self._pte_inflight.append([out, t, 0.0, 0.0, None, None, None])
+            except Exception as e:  # this step is lost to the accounting
+                self._pte_fault("step", e)
+            pte.hook_s += clock() - t
         return out
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
@@ -182,7 +187,6 @@ class _PteHook:
                     self._pte_rejected(step, drafts)
                 if scheduler_output.num_scheduled_tokens:
                     self._pte_done.append(step)
-            failpoint("engine_step")
             finished_at = self._pte_finished_at
             if len(self._pte_done) >= PRICE_EVERY_STEPS or (
                 finished_at is not None
@@ -244,11 +248,14 @@ class _PteHook:
         """The in-flight step whose outputs these are: the oldest, as vLLM's engine completes
         steps in order; steps scheduled before it and never completed are dropped."""
         inflight = self._pte_inflight
-        while inflight:
-            step = inflight.popleft()
+        if inflight and inflight[0][_OUT] is scheduler_output:
+            return inflight.popleft()
+        for k, step in enumerate(inflight):
             if step[_OUT] is scheduler_output:
+                for _ in range(k + 1):
+                    inflight.popleft()
                 return step
-        return None
+        return None  # a step the hook lost (a fault): the ones in flight stay
 
     def _pte_rejected(self, step: list[Any], drafts: list[tuple[str, Any, int]]) -> None:
         """A step's drafts of requests still live: vLLM rolled each one's computed tokens back

@@ -200,3 +200,20 @@ def test_the_documented_class_becomes_vllms_async_scheduler_only_under_async_sch
     assert type(mine) is Subclassed
     lines = [r.getMessage() for r in caplog.records if "async scheduling is on" in r.getMessage()]
     assert len(lines) == 1 and "--scheduler-cls pte_instrument.vllm_adapter.scheduler.PteScheduler" in lines[0]
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_a_lost_step_is_counted_and_the_rest_stays_exact(monkeypatch, asynchronous):
+    """A fault while a step is recorded loses that step, never a step in flight beside it:
+    every request is still sent once, and the steps kept are charged as they ran."""
+    from pte_instrument import failpoints
+
+    monkeypatch.setitem(failpoints._points, "engine_step", 0.05)
+    d, sent = drive(PteScheduler, asynchronous, STREAMS["mixed"])
+    faults = dict(d.s._pte_faults.counts)
+    assert set(faults) == {"engine_step"} and 0 < faults["engine_step"] < 100, faults
+    assert sorted(m.request_id for m in sent) == sorted(d.arrivals)
+    got, full = hook_totals(sent), independent_totals(d)
+    assert all(got[r]["prefill"] <= full[r]["prefill"] for r in got)
+    assert sum(t["prefill"] + t["decode"] for t in got.values()) < sum(t["prefill"] + t["decode"] for t in full.values())
+    assert d.s._pte.live == 0
