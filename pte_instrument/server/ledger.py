@@ -85,7 +85,8 @@ class RequestRecord:
     finished_at: float
     benchmark: str = "none"
     tenant: str | None = None  # allow-listed tenant or "other" (None: tenants off)
-    lora_name: str | None = None  # the LoRA adapter that served it, priced as its base ``model`` (None: the base)
+    # the LoRA adapter that served it, priced as its base ``model`` (None: the base)
+    lora_name: str | None = None
     arrived_at: float | None = None  # unix time vLLM received it
     child_index: int | None = None  # parallel sampling (n > 1): which sample; request_id is <index>_<parent>
     # Work done and thrown away, beside served PTE (which it does not change): speculative
@@ -121,8 +122,9 @@ class RequestRecord:
 
     @property
     def pte_reference_prefill(self) -> float:
-        """Reference PTE's prefill part: the whole prompt re-prefilled (none for a request the
-        engine never ran); the rest of ``pte_reference`` is its decode part."""
+        """Reference PTE's prefill part: the whole prompt re-prefilled (for a request aborted
+        before its first token, the part it got through; none for one the engine never ran);
+        the rest of ``pte_reference`` is its decode part."""
         return min(self.prompt_tokens, self.pte_reference)
 
     def to_dict(self) -> dict[str, Any]:
@@ -133,15 +135,8 @@ def price_request(
     model: CostModel, req: FinishedRequest, finished_at: float, usd_per_gpu_second: float | None = None
 ) -> RequestRecord:
     """``usd_per_gpu_second``: the price of one second of the engine (all its GPUs); None: no money."""
-    tokens = TurnTokens(
-        prompt_tokens=req.prompt_tokens,
-        output_tokens=req.output_tokens,
-        cached_tokens=req.cached_tokens,
-        recomputed_tokens=req.recomputed_tokens,
-        reusable_tokens=req.reusable_tokens,
-    )
-    # A request the engine never ran cost nothing, whatever its prompt.
-    cost = price_turn(model, tokens) if req.ran else price_turn(model, TurnTokens(0, 0))
+    tokens = charged_tokens(req)
+    cost = price_turn(model, tokens)
     totals = req.engine_totals
     wasted_aborted = 0.0
     if totals is not None and req.finish_reason == "abort":  # its last step's work was never returned
@@ -155,7 +150,7 @@ def price_request(
         finish_reason=req.finish_reason,
         prompt_tokens=req.prompt_tokens,
         cached_tokens=req.cached_tokens,
-        computed_prefill_tokens=tokens.computed_prefill_tokens if req.ran else 0,
+        computed_prefill_tokens=tokens.computed_prefill_tokens,
         recomputed_tokens=req.recomputed_tokens,
         output_tokens=req.output_tokens,
         num_preemptions=req.num_preemptions,
@@ -193,7 +188,29 @@ def price_request(
     )
 
 
-def _seconds(totals: RequestTotals | None, queued_s: float, usd_per_gpu_second: float | None) -> dict[str, float | None]:
+def charged_tokens(req: FinishedRequest) -> TurnTokens:
+    """What a request is priced on (docs/cost-model.md §2): its own token counts, except for
+    a request stopped before its prompt was through. One the engine never ran is priced on
+    nothing; one aborted before its first token on the part of its prompt the engine got
+    through (its cached prefix and the positions it prefilled once), so that it is charged
+    the prefill that ran, not its whole prompt."""
+    if not req.ran:
+        return TurnTokens(0, 0)
+    prompt, totals = req.prompt_tokens, req.engine_totals
+    if totals is not None and req.finish_reason == "abort" and req.output_tokens == 0:
+        prompt = min(prompt, totals.cached_tokens + round(totals.prefill - totals.recompute))
+    return TurnTokens(
+        prompt_tokens=prompt,
+        output_tokens=req.output_tokens,
+        cached_tokens=min(req.cached_tokens, prompt),
+        recomputed_tokens=req.recomputed_tokens,
+        reusable_tokens=req.reusable_tokens,
+    )
+
+
+def _seconds(
+    totals: RequestTotals | None, queued_s: float, usd_per_gpu_second: float | None
+) -> dict[str, float | None]:
     if totals is None:
         return {}
     gpu = totals.gpu_prefill_s + totals.gpu_kv_s + totals.gpu_weights_s + totals.gpu_overhead_s
@@ -233,7 +250,12 @@ def _engine_fields(totals: RequestTotals | None) -> dict[str, float | None]:
 SUMMED_TOKENS_AND_PTE = ("prompt_tokens", "cached_tokens", "computed_prefill_tokens", "recomputed_tokens",
                          "output_tokens", "pte_reference", "pte_served", "pte_ideal", "pte_prefill",
                          "pte_decode", "pte_recompute", "pte_eviction_tax")  # fmt: skip
-GPU_SECONDS_TERMS = ("gpu_seconds_prefill", "gpu_seconds_kv_read", "gpu_seconds_weights", "gpu_seconds_overhead")
+GPU_SECONDS_TERMS = (
+    "gpu_seconds_prefill",
+    "gpu_seconds_kv_read",
+    "gpu_seconds_weights",
+    "gpu_seconds_overhead",
+)
 TIMED = ("gpu_seconds", *GPU_SECONDS_TERMS, "predicted_seconds", "latency_explained_s", "interference_s")
 PRICED = ("cost_usd",)
 TIMED_COUNT, PRICED_COUNT = "requests_timed", "requests_priced"

@@ -1,11 +1,13 @@
 """Every request priced once, on time, under its session, on a real server with the step
-hook: parallel sampling, a list of prompts, a reused X-Request-Id, a client abort, and a
-request aborted while still queued. Uses only HTTP and the request log."""
+hook: parallel sampling, a list of prompts, a reused X-Request-Id, a client abort, a
+request aborted while still queued, and one aborted in the middle of its prefill. Uses only
+HTTP and the request log."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import subprocess
 import sys
 import time
@@ -20,6 +22,7 @@ from tests.e2e.conftest import serving
 from tests.helpers import jsonl
 
 HOOK = ["--scheduler-cls", "pte_instrument.vllm_adapter.scheduler.PteScheduler"]
+CHUNK = 64  # --max-num-batched-tokens: the prefill tokens of one step
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +30,10 @@ def served(tiny_model, tmp_path_factory):
     work = tmp_path_factory.mktemp("pricing")
     log = work / "requests.jsonl"
     env = {"PTE_REQUEST_LOG": str(log), "VLLM_PLUGINS": "pte", "PTE_DEVICE": "h100-sxm"}
-    # one sequence at a time: a second request waits in the queue while the first runs
-    with serving(tiny_model, work, env, [*HOOK, "--max-num-seqs", "1"]) as (vllm, client):
+    # one sequence at a time: a second request waits in the queue while the first runs; small
+    # prefill chunks: a long prompt takes many steps, so a client can hang up in the middle
+    args = [*HOOK, "--max-num-seqs", "1", "--enable-chunked-prefill", "--max-num-batched-tokens", str(CHUNK)]
+    with serving(tiny_model, work, env, args) as (vllm, client):
         yield vllm, log, client
 
 
@@ -150,10 +155,11 @@ with httpx.Client(base_url=sys.argv[1], timeout=300) as c, c.stream("POST", "/v1
 """
 
 
-def vllm_gauge(client: httpx.Client, name: str) -> float:
-    """One of vLLM's own gauges (``vllm:num_requests_running``, ``…_waiting``), summed."""
+def metric_sum(client: httpx.Client, name: str, having: str = "") -> float:
+    """A sample of ``/metrics`` (vLLM's own, ``vllm:num_requests_waiting``, or the plugin's),
+    summed over its series whose labels include ``having`` (``phase="prefill"``)."""
     return sum(float(line.rsplit(" ", 1)[1]) for line in client.get("/metrics").text.splitlines()
-               if line.startswith(name + "{"))  # fmt: skip
+               if line.startswith(name + "{") and having in line.split("}", 1)[0])  # fmt: skip
 
 
 async def abort_once_queued(url: str, body: dict, headers: dict, queued) -> None:
@@ -183,7 +189,7 @@ def test_a_request_aborted_while_queued_costs_nothing(served):
                 vllm.url,
                 body,
                 {"X-Session-Id": session},
-                lambda: vllm_gauge(client, "vllm:num_requests_waiting") > 0,
+                lambda: metric_sum(client, "vllm:num_requests_waiting") > 0,
             )
         )
     finally:
@@ -193,3 +199,42 @@ def test_a_request_aborted_while_queued_costs_nothing(served):
     assert entry["finish_reason"] == "abort" and entry["prompt_tokens"] > 100
     assert entry["computed_prefill_tokens"] == 0 and entry["engine_prefill_tokens"] == 0
     assert entry["pte_served"] == 0 and entry["pte_ideal"] == 0 and entry["pte_reference"] == 0
+
+
+def test_a_request_aborted_mid_prefill_is_charged_the_prefill_that_ran(served):
+    vllm, log, client = served
+    session = f"prefill-{uuid.uuid4().hex[:8]}"
+    rng = random.Random(session)
+    # about 3,800 tokens (one a word) the prefix cache cannot hold (the session comes first):
+    # some 60 steps of prefill
+    prompt = " ".join([session, *(rng.choice("agent tool call result search python value".split())
+                                  for _ in range(3800))])  # fmt: skip
+    body = {"model": vllm.served_name, "prompt": prompt, "max_tokens": 1, "stream": True}
+    admitted = metric_sum(client, "vllm:prefix_cache_queries_total")
+    served_prefill = metric_sum(client, "pte_served_pte_total", 'phase="prefill"')
+    gap = metric_sum(client, "pte_engine_estimate_gap_pte")
+    with (
+        httpx.Client(base_url=vllm.url, timeout=60) as c,
+        c.stream("POST", "/v1/completions", json=body, headers={"X-Session-Id": session}) as r,
+    ):
+        r.raise_for_status()
+        # the engine counts a request's prefix-cache lookup once it schedules its first chunk
+        deadline = time.monotonic() + 30
+        while metric_sum(client, "vllm:prefix_cache_queries_total") == admitted:
+            assert time.monotonic() < deadline, "the request was never scheduled"
+            time.sleep(0.01)
+    # the connection is closed before the first token: vLLM aborts the request mid-prefill
+    [entry] = wait_for(log, lambda e: e["session_id"] == session, 1, timeout_s=30)
+    assert entry["finish_reason"] == "abort" and entry["output_tokens"] == 0 and entry["cached_tokens"] == 0
+    ran = entry["engine_prefill_tokens"]
+    assert CHUNK <= ran < entry["prompt_tokens"], "aborted during its prefill"
+    assert entry["engine_recompute_tokens"] == 0
+    assert entry["pte_served"] == entry["pte_prefill"] == ran == entry["engine_pte_served"]
+    assert entry["computed_prefill_tokens"] == ran and entry["pte_decode"] == 0
+    assert entry["pte_reference"] == entry["pte_ideal"] == ran  # a first turn: no cache, nothing reusable
+    assert entry["pte_wasted_aborted"] == 0
+    # the session's totals and the counters add what the request log says
+    totals = client.get(f"/pte/sessions/{session}").json()
+    assert (totals["pte_served"], totals["pte_reference"], totals["pte_ideal"]) == (ran, ran, ran)
+    assert metric_sum(client, "pte_served_pte_total", 'phase="prefill"') - served_prefill == ran
+    assert metric_sum(client, "pte_engine_estimate_gap_pte") == gap

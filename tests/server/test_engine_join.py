@@ -3,17 +3,23 @@ once, on time, under a unique id, whatever order the two sides arrive in."""
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import replace
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from pte_instrument.cost.architecture import KVGroup, ModelShape
 from pte_instrument.cost.devices import DeviceProfile
 from pte_instrument.cost.model import CostModel
 from pte_instrument.faults import FaultTracker
+from pte_instrument.server.accountant import Accountant
 from pte_instrument.server.engine_join import ABORT_GRACE_S, EngineInbox, RequestJoin
+from pte_instrument.server.exporters.prometheus import PrometheusExporter, metrics_for
+from pte_instrument.server.exporters.request_log import RequestLogWriter
 from pte_instrument.server.ledger import FinishedRequest, price_request
+from pte_instrument.server.sessions import SessionLedger
 from pte_instrument.vllm_adapter.compat import request_keys
 from pte_instrument.wire import EngineHello, RequestTotals
 
@@ -102,7 +108,9 @@ def test_wasted_work_is_counted_beside_served():
     assert record.pte_served == pytest.approx(served)  # unchanged
     assert record.pte_wasted_aborted == pytest.approx(0.13)
     assert record.pte_wasted_rejected_drafts == pytest.approx(0.25)
-    done = FinishedRequest("chatcmpl-d", "m", 10, 0, 3, "stop", engine_totals=totals("d", 3, pte_rejected=0.25))
+    done = FinishedRequest(
+        "chatcmpl-d", "m", 10, 0, 3, "stop", engine_totals=totals("d", 3, pte_rejected=0.25)
+    )
     assert price_request(COST, done, 0.0).pte_wasted_aborted == 0  # only an abort throws its last step away
 
 
@@ -141,3 +149,58 @@ def test_an_engine_whose_hook_never_reached_this_api_server_is_a_fault_priced_at
     join.finished(replace(stats("cmpl-near-0", output=3), engine=0), now=0.0)
     join.price_ready(now=0.0)  # engine 0's hook is there: its request waits for its totals
     assert len(priced) == 1 and faults.counts["engine_join"] == 1
+
+
+def mid_prefill(prompt: int, prefill: float, cached: int = 0, recompute: float = 0.0) -> RequestTotals:
+    """Totals of a request aborted before its first token: the engine prefilled ``prefill``
+    positions (``recompute`` of them a second time) above a ``cached`` prefix."""
+    return RequestTotals("chatcmpl-p-0123abcd", "chatcmpl-p", 0, "abort", prompt_tokens=prompt, scheduled=True,
+                         cached_tokens=cached, prefill=prefill, recompute=recompute, pte_served=prefill,
+                         ctx=(0.0,))  # fmt: skip
+
+
+def test_a_request_aborted_mid_prefill_is_charged_the_prefill_that_ran(tmp_path):
+    # a 1,000-token prompt aborted after 256 of it were prefilled (chunked prefill)
+    inbox, join, priced, _ = make_join()
+    inbox.on_messages([mid_prefill(1000, 256.0)])
+    join.price_ready(time.monotonic() + 1)
+    registry = CollectorRegistry()
+    sessions = SessionLedger(tmp_path / "sessions.sqlite3")
+    log = tmp_path / "requests.jsonl"
+    accountant = Accountant(COST, [("prometheus", PrometheusExporter("m", 0, metrics_for(registry))),
+                                   ("request_log", RequestLogWriter(log))], FaultTracker(), sessions)  # fmt: skip
+    accountant.on_finished(replace(priced[0], session_id="s"))
+    [entry] = [json.loads(line) for line in log.read_text().splitlines()]
+    assert (entry["prompt_tokens"], entry["output_tokens"], entry["engine_prefill_tokens"]) == (1000, 0, 256)
+    assert entry["computed_prefill_tokens"] == 256
+    assert entry["pte_served"] == entry["pte_prefill"] == 256 and entry["pte_decode"] == 0
+    assert entry["pte_reference"] == entry["pte_ideal"] == 256  # the same 256 tokens, without cache or reuse
+    assert entry["pte_eviction_tax"] == entry["pte_recompute"] == entry["pte_wasted_aborted"] == 0
+    # the counters and the session add what the log says
+    labels = {"model_name": "m", "engine": "0", "tenant": "", "lora_name": ""}
+    sample = registry.get_sample_value
+    assert sample("pte_served_pte_total", {**labels, "phase": "prefill"}) == 256
+    assert sample("pte_served_pte_total", {**labels, "phase": "decode"}) == 0
+    assert sample("pte_reference_pte_total", {**labels, "phase": "prefill"}) == 256
+    assert sample("pte_engine_estimate_gap_pte", {"model_name": "m", "engine": "0"}) == 0
+    session = sessions.get("s")
+    assert session is not None
+    assert (session["pte_served"], session["pte_reference"], session["pte_ideal"]) == (256, 256, 256)
+    sessions.close()
+
+
+def test_a_mid_prefill_abort_is_priced_on_the_part_of_its_prompt_it_got_through():
+    # 128 prompt tokens from the prefix cache, 256 prefilled, then preempted and 64 of those
+    # recomputed before the abort: it got through 128 + 256 = 384 prompt tokens, of which the
+    # session's previous turn had paid for 200
+    t = mid_prefill(1000, 320.0, cached=128, recompute=64.0)
+    req = FinishedRequest("chatcmpl-p", "m", 1000, 128, 0, "abort", recomputed_tokens=64, reusable_tokens=200,
+                          engine_totals=t)  # fmt: skip
+    r = price_request(COST, req, 0.0)
+    assert (r.computed_prefill_tokens, r.recomputed_tokens) == (256, 64)
+    assert r.pte_served == r.pte_prefill == 320 == r.engine_pte_served
+    assert r.pte_recompute == 64 and r.pte_decode == 0
+    assert r.pte_reference == r.pte_reference_prefill == 384
+    assert r.pte_ideal == 384 - 200
+    assert r.pte_eviction_tax == 320 - 64 - 184  # paid-for context prefilled again
+    assert r.pte_wasted_aborted == 0
