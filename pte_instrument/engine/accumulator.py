@@ -1,6 +1,6 @@
 """The batched step accumulator (docs/cost-model.md §4): per-request PTE state updated with one batch of
-rows per call — one scheduler step, or several concatenated (the engine hook journals
-steps and adds them in one call) — on whichever backend fits the host.
+rows per call — one scheduler step, or several concatenated (the engine hook prices
+completed steps in one call) — on whichever backend fits the host.
 
     acc = StepAccumulator(windows=(None,))          # one full-attention KV group
     s = acc.allocate()                               # a state row for a new request

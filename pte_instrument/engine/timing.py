@@ -9,7 +9,7 @@ have cost alone (``predicted``), at the host's speed of the moment when the onli
 (measured / modelled time of the steps before). The coefficients come from theory, a saved
 fit, or the online fit of the steps seen so far.
 
-Numpy only, vectorized over the rows of a journal pass: the engine hook runs it."""
+Numpy only, vectorized over the rows of a pricing pass: the engine hook runs it."""
 
 from __future__ import annotations
 
