@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import random
 import subprocess
 import sys
@@ -23,6 +24,9 @@ from tests.helpers import jsonl
 
 HOOK = ["--scheduler-cls", "pte_instrument.vllm_adapter.scheduler.PteScheduler"]
 CHUNK = 64  # --max-num-batched-tokens: the prefill tokens of one step
+# The slot holder's length: minutes of decoding on two cores (about 300 tokens/s at 4k
+# context, slower as the context grows), so it holds the slot until the test lets it go.
+HOLD_TOKENS = 120_000
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +35,11 @@ def served(tiny_model, tmp_path_factory):
     log = work / "requests.jsonl"
     env = {"PTE_REQUEST_LOG": str(log), "VLLM_PLUGINS": "pte", "PTE_DEVICE": "h100-sxm"}
     # one sequence at a time: a second request waits in the queue while the first runs; small
-    # prefill chunks: a long prompt takes many steps, so a client can hang up in the middle
-    args = [*HOOK, "--max-num-seqs", "1", "--enable-chunked-prefill", "--max-num-batched-tokens", str(CHUNK)]
+    # prefill chunks: a long prompt takes many steps, so a client can hang up in the middle. A
+    # context long enough that the slot's holder (below) cannot finish before it is let go.
+    long = ["--max-model-len", str(HOLD_TOKENS + 1024), "--hf-overrides",
+            json.dumps({"max_position_embeddings": HOLD_TOKENS + 1024})]  # fmt: skip
+    args = [*HOOK, "--max-num-seqs", "1", "--enable-chunked-prefill", "--max-num-batched-tokens", str(CHUNK), *long]
     with serving(tiny_model, work, env, args) as (vllm, client):
         yield vllm, log, client
 
@@ -141,17 +148,19 @@ def test_a_client_abort_is_priced_promptly_and_turns_follow_arrival(served):
     assert 0.6 < true_pause < (retry_sent - hung_up) + 0.5
 
 
-# A long completion, until killed: holds the server's only sequence slot. A process of its
-# own, so that nothing it does can delay the test's own client.
+# A completion longer than any test, until killed: holds the server's only sequence slot
+# until the test lets it go. A process of its own, so that nothing it does can delay the
+# test's own client.
 RUNNER = """
 import sys, time, httpx
-body = {"model": sys.argv[2], "max_tokens": 3800, "ignore_eos": True, "stream": True,
+body = {"model": sys.argv[2], "max_tokens": int(sys.argv[3]), "ignore_eos": True, "stream": True,
         "messages": [{"role": "user", "content": "agent tool call result"}]}
-with httpx.Client(base_url=sys.argv[1], timeout=300) as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
+with httpx.Client(base_url=sys.argv[1], timeout=600) as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
     for i, _ in enumerate(r.iter_lines()):
         if i == 1:
             print("generating", flush=True)  # the engine runs it: the slot is taken
         time.sleep(0.002)  # read slowly: leave the CPU to the server
+print("finished", flush=True)  # never before the test kills it
 """
 
 
@@ -162,26 +171,38 @@ def metric_sum(client: httpx.Client, name: str, having: str = "") -> float:
                if line.startswith(name + "{") and having in line.split("}", 1)[0])  # fmt: skip
 
 
-async def abort_once_queued(url: str, body: dict, headers: dict, queued) -> None:
-    """Send ``body``; once ``queued()`` says the engine holds it in its queue, hang up."""
+async def abort_once_queued(url: str, body: dict, headers: dict, queued, holding) -> None:
+    """Send ``body``; once ``queued()`` says the engine holds it in its queue, hang up.
+    ``holding()``: whether the slot's holder still runs (else nothing keeps the request
+    queued, and the test would race the holder's end)."""
     async with httpx.AsyncClient(base_url=url, timeout=300) as c:
         sent = asyncio.create_task(c.post("/v1/chat/completions", json=body, headers=headers))
         deadline = time.monotonic() + 60
         while not await asyncio.to_thread(queued):
+            assert holding(), "the slot's holder finished: nothing kept the request queued"
             assert time.monotonic() < deadline and not sent.done(), "the request was never queued"
             await asyncio.sleep(0.05)
+        assert holding() and not sent.done()
         sent.cancel()  # closes the connection: vLLM aborts the request
         with contextlib.suppress(asyncio.CancelledError):
             await sent
 
 
 def test_a_request_aborted_while_queued_costs_nothing(served):
+    """The holder takes the only slot and keeps it until the test kills it, so the request
+    stays queued until it is aborted, however fast the engine runs; "queued" is read from
+    the engine's own counts (vLLM's waiting gauge, set from the scheduler's stats at every
+    step the holder's decoding makes)."""
     vllm, log, client = served
     session = f"queued-{uuid.uuid4().hex[:8]}"
-    runner = subprocess.Popen([sys.executable, "-c", RUNNER, vllm.url, vllm.served_name],
+    runner = subprocess.Popen([sys.executable, "-c", RUNNER, vllm.url, vllm.served_name, str(HOLD_TOKENS)],
                               stdout=subprocess.PIPE, text=True)  # fmt: skip
     try:
         assert runner.stdout is not None and runner.stdout.readline().strip() == "generating"
+        deadline = time.monotonic() + 30
+        while metric_sum(client, "vllm:num_requests_running") < 1:  # the engine runs the holder
+            assert time.monotonic() < deadline and runner.poll() is None
+            time.sleep(0.05)
         body = {"model": vllm.served_name, "max_tokens": 5,
                 "messages": [{"role": "user", "content": "agent tool call result " * 40}]}  # fmt: skip
         asyncio.run(
@@ -190,6 +211,7 @@ def test_a_request_aborted_while_queued_costs_nothing(served):
                 body,
                 {"X-Session-Id": session},
                 lambda: metric_sum(client, "vllm:num_requests_waiting") > 0,
+                lambda: runner.poll() is None,
             )
         )
     finally:
