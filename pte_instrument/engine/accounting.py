@@ -398,16 +398,12 @@ class EngineAccounting:
         steps they ran first."""
         if not self.finished:
             return
-        if hold is None:
-            done, self.finished = self.finished, []
-        else:
-            done = [f for f in self.finished if not hold(f[0])]
-            if len(done) < len(self.finished):
-                self.finished = [f for f in self.finished if hold(f[0])]
-            else:
-                self.finished = []
-            if not done:
-                return
+        done, waiting = [], []
+        for f in self.finished:
+            (waiting if hold is not None and hold(f[0]) else done).append(f)
+        self.finished = waiting
+        if not done:
+            return
         slot_of, sent = self.slot_of, self._sent
         picked = []
         for rid, reason, counts, at in done:

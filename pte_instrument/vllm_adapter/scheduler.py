@@ -47,8 +47,6 @@ _OUT, _SCHEDULED, _DONE, _HOOK, _DRAFTS, _REJECTED, _BACK = range(7)
 class _PteHook:
     """Mixed into vLLM's schedulers; the only code that reads their internals."""
 
-    _pte_async = False  # whether this class is vLLM's AsyncScheduler
-
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         install_log_handler()
@@ -79,7 +77,7 @@ class _PteHook:
             log.info(
                 "pte-instrument engine hook active (engine %d, %s scheduling, %s accumulator, totals to %s)",
                 engine,
-                "async" if self._pte_async else "sync",
+                "async" if isinstance(self, AsyncScheduler) else "sync",
                 self._pte.acc.backend,
                 address,
             )
@@ -107,7 +105,7 @@ class _PteHook:
     def _pte_check_kind(self, cfg: Any) -> None:
         """One warning when this class's kind is not the one vLLM's engine runs: a
         synchronous scheduler driven in async order schedules a decode every other step."""
-        if compat.async_scheduling(cfg) and not self._pte_async:
+        if compat.async_scheduling(cfg) and not isinstance(self, AsyncScheduler):
             log.warning(
                 "pte-instrument: async scheduling is on but %s is vLLM's synchronous Scheduler, which "
                 "loses what async scheduling is for; use %s, which keeps vLLM's choice",
@@ -259,8 +257,9 @@ class _PteHook:
 
     def _pte_rejected(self, step: list[Any], drafts: list[tuple[str, Any, int]]) -> None:
         """A step's drafts of requests still live: vLLM rolled each one's computed tokens back
-        by the drafts it rejected. A step scheduled before these outputs were back (async scheduling) started
-        its positions that many too far: they are taken back when it is priced."""
+        by the drafts it rejected. A step scheduled before these outputs were back (async
+        scheduling) started its positions that many too far: they are taken back when it is
+        priced."""
         rejected = step[_REJECTED] = {}
         for rid, request, before in drafts:
             k = before - request.num_computed_tokens
@@ -322,5 +321,3 @@ class PteScheduler(_PteHook, Scheduler):
 class PteAsyncScheduler(PteScheduler, AsyncScheduler):
     """vLLM's ``AsyncScheduler`` with the hook (what ``PteScheduler`` becomes under async
     scheduling)."""
-
-    _pte_async = True
