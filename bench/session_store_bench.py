@@ -92,7 +92,11 @@ def main(argv: list[str] | None = None) -> int:
             start = ctx.Manager().Event()
             with ctx.Pool(args.processes) as pool:
                 pending = pool.map_async(
-                    _worker, [(path, i, args.processes, args.streams, args.turns, start) for i in range(args.processes)]
+                    _worker,
+                    [
+                        (path, i, args.processes, args.streams, args.turns, start)
+                        for i in range(args.processes)
+                    ],
                 )
                 time.sleep(2.0)  # every process has opened the store
                 start.set()
@@ -110,8 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {
         "benchmark": "session_store",
         **provenance(),
-        "config": {"processes": args.processes, "streams": args.streams, "turns": args.turns,
-                   "repeats": args.repeats},
+        "config": {
+            "processes": args.processes,
+            "streams": args.streams,
+            "turns": args.turns,
+            "repeats": args.repeats,
+        },
         "runs": runs,
         "median": {k: statistics.median(r[k] for r in runs) for k in runs[0]},
     }

@@ -105,7 +105,9 @@ def _quantiles(
 
 def _rates_by_model(**metrics: str) -> tuple[Query, ...]:
     """Counters side by side, one rate per model each, the legend led by its keyword."""
-    return tuple(Query(_rate(metric, "model_name"), f"{name} {{{{model_name}}}}") for name, metric in metrics.items())
+    return tuple(
+        Query(_rate(metric, "model_name"), f"{name} {{{{model_name}}}}") for name, metric in metrics.items()
+    )
 
 
 def _session_quantiles(
@@ -235,7 +237,12 @@ ROWS: tuple[Row, ...] = (
             Panel(
                 "Hardware operational intensity (HOI)",
                 "Peak FLOP/s over memory bandwidth of the device profile (FLOP per byte).",
-                (Query(f"pte_hardware_operational_intensity_flops_per_byte{{{SEL}}}", "{{model_name}} e{{engine}} {{device}}"),),
+                (
+                    Query(
+                        f"pte_hardware_operational_intensity_flops_per_byte{{{SEL}}}",
+                        "{{model_name}} e{{engine}} {{device}}",
+                    ),
+                ),
             ),
         ),
     ),
@@ -360,8 +367,10 @@ ROWS: tuple[Row, ...] = (
                 "re-prefilling context a session had already paid for: a full cache evicts what the next "
                 "turn needs.",
                 (
-                    Query(f"max by (model_name, engine) (vllm:kv_cache_usage_perc{{{SEL}}})",
-                          "KV usage {{model_name}} e{{engine}}"),
+                    Query(
+                        f"max by (model_name, engine) (vllm:kv_cache_usage_perc{{{SEL}}})",
+                        "KV usage {{model_name}} e{{engine}}",
+                    ),
                     Query(
                         f"{_rate('pte_eviction_tax_pte_total', 'model_name, engine')}"
                         f" / on (model_name, engine) {_rate('pte_served_pte_total', 'model_name, engine')}",

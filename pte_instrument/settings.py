@@ -156,7 +156,9 @@ class Settings:
             errors.append("PTE_TENANTS is set but neither PTE_TENANT_HEADER nor PTE_TENANT_FROM_API_KEY: "
                           "tenants are off")  # fmt: skip
         elif not tenants and (tenant_header is not None or tenant_from_api_key):
-            errors.append(f"PTE_TENANTS lists no tenant: every request is accounted to tenant {OTHER_TENANT!r}")
+            errors.append(
+                f"PTE_TENANTS lists no tenant: every request is accounted to tenant {OTHER_TENANT!r}"
+            )
         # OpenTelemetry follows its own standard variables: on when an OTLP endpoint is set.
         otel_default = bool(
             env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
@@ -169,7 +171,9 @@ class Settings:
         if calibration.lower() in ("off", "online"):
             calibration = calibration.lower()
         elif not os.path.isfile(calibration):
-            errors.append(f"PTE_CALIBRATION={calibration!r} is not off, online or a saved fit's file; using online")
+            errors.append(
+                f"PTE_CALIBRATION={calibration!r} is not off, online or a saved fit's file; using online"
+            )
             calibration = "online"
         return cls(
             enabled=flag("PTE_ENABLED", True),
@@ -194,7 +198,9 @@ class Settings:
             # likewise: the base endpoint or the metrics endpoint
             otel_metrics=flag(
                 "PTE_OTEL_METRICS",
-                bool(env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")),
+                bool(
+                    env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")
+                ),
             )
             and not flag("OTEL_SDK_DISABLED", False),
             accumulator_backend=backend,
@@ -237,9 +243,13 @@ def _tenant_list(raw: str, errors: list[str]) -> frozenset[str]:
             continue
         problem = tenant_name_problem(name)
         if problem is not None:
-            errors.append(f"PTE_TENANTS: {name[:MAX_TENANT_LEN]!r} is not a usable tenant ({problem}); left out")
+            errors.append(
+                f"PTE_TENANTS: {name[:MAX_TENANT_LEN]!r} is not a usable tenant ({problem}); left out"
+            )
         elif len(names) == MAX_TENANTS:
-            errors.append(f"PTE_TENANTS lists more than {MAX_TENANTS} tenants; the first {MAX_TENANTS} are kept")
+            errors.append(
+                f"PTE_TENANTS lists more than {MAX_TENANTS} tenants; the first {MAX_TENANTS} are kept"
+            )
             break
         else:
             names.append(name)

@@ -148,6 +148,7 @@ class StepLogLine(msgspec.Struct):
 
 STEP_LOG_FIELDS: tuple[str, ...] = StepLogLine.__struct_fields__
 
+
 def _plain_number(value: object) -> object:
     """A numpy scalar (a clock, a reduction) as the Python number it is; msgspec refuses it."""
     item = getattr(value, "item", None)

@@ -197,7 +197,12 @@ CONTRACT: tuple[Item, ...] = (
         ("vllm.v1.core.sched.output:SchedulerOutput",),
         "class",
         "scheduler.py _completed_steps",
-        fields=("num_scheduled_tokens", "scheduled_spec_decode_tokens", "scheduled_new_reqs", "scheduled_cached_reqs"),
+        fields=(
+            "num_scheduled_tokens",
+            "scheduled_spec_decode_tokens",
+            "scheduled_new_reqs",
+            "scheduled_cached_reqs",
+        ),
     ),
     Item(
         ("vllm.v1.core.sched.output:NewRequestData",),

@@ -89,14 +89,18 @@ def test_engine_process_never_reaches_the_server_side(graph):
 def test_cost_model_imports_only_itself(graph):
     for module, deps in graph.items():
         if under(module, "pte_instrument.cost"):
-            own = sorted(d for d in deps if under(d, "pte_instrument") and not under(d, "pte_instrument.cost"))
+            own = sorted(
+                d for d in deps if under(d, "pte_instrument") and not under(d, "pte_instrument.cost")
+            )
             assert own == [], f"{module} imports {own}"
 
 
 def test_runtime_code_never_imports_the_harness_or_the_cli(graph):
     for module, deps in graph.items():
         if not any(under(module, p) for p in ("pte_instrument.cli", "pte_instrument.devtools")):
-            bad = sorted(d for d in deps if under(d, "pte_instrument.cli") or under(d, "pte_instrument.devtools"))
+            bad = sorted(
+                d for d in deps if under(d, "pte_instrument.cli") or under(d, "pte_instrument.devtools")
+            )
             assert bad == [], f"{module} imports {bad}"
 
 

@@ -48,6 +48,8 @@ def test_gpu_price_and_calibration(tmp_path):
     assert (s.gpu_hourly_price, s.calibration, s.errors) == (2.5, str(fit), ())
     assert Settings.from_env({}).gpu_hourly_price is None and Settings.from_env({}).calibration == "online"
     assert Settings.from_env({"PTE_CALIBRATION": "OFF"}).calibration == "off"
-    bad = Settings.from_env({"PTE_GPU_HOURLY_PRICE": "inf", "PTE_CALIBRATION": str(tmp_path / "missing.json")})
+    bad = Settings.from_env(
+        {"PTE_GPU_HOURLY_PRICE": "inf", "PTE_CALIBRATION": str(tmp_path / "missing.json")}
+    )
     assert (bad.gpu_hourly_price, bad.calibration) == (None, "online") and len(bad.errors) == 2
     assert sorted(e.split("=")[0] for e in bad.errors) == ["PTE_CALIBRATION", "PTE_GPU_HOURLY_PRICE"]

@@ -49,7 +49,9 @@ def test_a_full_queue_drops_and_the_reporter_counts_it(tmp_path, monkeypatch):
     for _ in range(100):
         reporter.send([])
         while not inbox.empty():
-            reported += sum(m.counts.get("engine_transport", 0) for m in inbox.get() if isinstance(m, EngineFaults))
+            reported += sum(
+                m.counts.get("engine_transport", 0) for m in inbox.get() if isinstance(m, EngineFaults)
+            )
         if reported == faults.counts["engine_transport"]:
             break
         time.sleep(0.05)

@@ -192,7 +192,9 @@ def bootstrap_mean(x: np.ndarray, n_boot: int, seed: int, level: float = 0.95) -
     return interval_bounds(np.concatenate(means), level)
 
 
-def score_model(name: str, pred: np.ndarray, subset: str, dt: np.ndarray, n_boot: int, seed: int) -> ModelScore:
+def score_model(
+    name: str, pred: np.ndarray, subset: str, dt: np.ndarray, n_boot: int, seed: int
+) -> ModelScore:
     """Predicted step times against the measured ``dt`` (steps without a prediction left out)."""
     ok = np.isfinite(pred)
     pred, dt = pred[ok], dt[ok]

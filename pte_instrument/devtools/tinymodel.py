@@ -129,14 +129,19 @@ def build_lora_adapter(out_dir: str | Path, base_dir: str | Path, rank: int = 8,
     out = Path(out_dir)
     config = json.loads((Path(base_dir) / "config.json").read_text())
     hidden, head_dim = config["hidden_size"], config["head_dim"]
-    outputs = {"q_proj": config["num_attention_heads"] * head_dim, "v_proj": config["num_key_value_heads"] * head_dim}
+    outputs = {
+        "q_proj": config["num_attention_heads"] * head_dim,
+        "v_proj": config["num_key_value_heads"] * head_dim,
+    }
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(config["num_hidden_layers"]):
         for target in LORA_TARGETS:
             prefix = f"base_model.model.model.layers.{layer}.self_attn.{target}"
             tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, hidden, generator=generator) * 0.02
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(outputs[target], rank, generator=generator) * 0.02
+            tensors[f"{prefix}.lora_B.weight"] = (
+                torch.randn(outputs[target], rank, generator=generator) * 0.02
+            )
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, out / "adapter_model.safetensors")
     adapter_config = {

@@ -57,7 +57,18 @@ class CompletedSteps:
     (row, count): draft tokens scheduled and drafts rejected. ``prompts``: the prompt length
     of requests scheduled for the first time here."""
 
-    __slots__ = ("c", "done_at", "drafts", "hook_s", "n", "prompts", "rejected", "rids", "scheduled_at", "sizes")
+    __slots__ = (
+        "c",
+        "done_at",
+        "drafts",
+        "hook_s",
+        "n",
+        "prompts",
+        "rejected",
+        "rids",
+        "scheduled_at",
+        "sizes",
+    )
 
     def __init__(self) -> None:
         self.rids: list[str] = []
@@ -284,7 +295,9 @@ class EngineAccounting:
         self._attribute(packed, batch, first_step)
         self._release_scratch()
 
-    def _price_rejected(self, slot: np.ndarray, valid_end: np.ndarray, rows: np.ndarray, k: np.ndarray) -> None:
+    def _price_rejected(
+        self, slot: np.ndarray, valid_end: np.ndarray, rows: np.ndarray, k: np.ndarray
+    ) -> None:
         """Each rejected draft position p ∈ [valid end, end) read min(p + 1, W) KV entries per
         group: wasted work, priced on its own (it is in the served PTE already)."""
         first = valid_end[rows] + 1

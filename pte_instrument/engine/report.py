@@ -59,7 +59,9 @@ class EngineReporter:
             else:  # counted now, reported with a later batch that gets through
                 self.faults.record(
                     "engine_transport",
-                    TransportDropped(f"{len(batch)} messages to API server {api_server} dropped: its queue is full"),
+                    TransportDropped(
+                        f"{len(batch)} messages to API server {api_server} dropped: its queue is full"
+                    ),
                 )
         if not new:
             self._faults_sent = counts

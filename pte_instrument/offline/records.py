@@ -353,7 +353,9 @@ def load_records(paths: str | Path | Sequence[str | Path], strict: bool = False)
     )
     records, more = check_consistency(records)
     problems += more
-    refuse_bad_load(problems, strict, bool(records), "record", "evaluation records", ", ".join(map(str, paths)))
+    refuse_bad_load(
+        problems, strict, bool(records), "record", "evaluation records", ", ".join(map(str, paths))
+    )
     return LoadResult(records, problems, rows_read, [str(p) for p in paths])
 
 
@@ -381,7 +383,9 @@ def parse_rows(
     return parsed, problems, n
 
 
-def refuse_bad_load(problems: Sequence[Problem], strict: bool, found: bool, row: str, rows: str, where: str) -> None:
+def refuse_bad_load(
+    problems: Sequence[Problem], strict: bool, found: bool, row: str, rows: str, where: str
+) -> None:
     """A load fails when ``strict`` and any row was bad, or when no row was usable."""
     if strict and problems:
         raise RecordError(f"{len(problems)} bad {row}(s); first: {problems[0].describe(action=False)}")

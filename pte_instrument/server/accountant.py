@@ -64,7 +64,9 @@ class Accountant:
                 )
             if self.new_trace_id is not None:
                 request = replace(request, trace_id=trace_of(request.traceparent) or self.new_trace_id())
-            record = price_request(self.cost_model, request, request.finished_at or now, self.usd_per_gpu_second)
+            record = price_request(
+                self.cost_model, request, request.finished_at or now, self.usd_per_gpu_second
+            )
         except Exception as e:
             self.faults.record("accounting", e)
             return None

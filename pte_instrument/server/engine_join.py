@@ -254,7 +254,9 @@ class RequestJoin:
                             f"engine {request.engine}'s step hook has not reached this API server: its requests "
                             "are priced without engine totals (on another node, start it with "
                             "PTE_ENGINE_TRANSPORT=tcp; docs/deployment.md)"))  # fmt: skip
-                        _count(self._priced_without_engine, request.request_id)  # its late totals: no 2nd entry
+                        _count(
+                            self._priced_without_engine, request.request_id
+                        )  # its late totals: no 2nd entry
                     if totals is not None:
                         request = with_engine_totals(request, totals)
                 except Exception as e:
@@ -266,7 +268,9 @@ class RequestJoin:
                         continue  # already priced: one entry per request
                     _count(self._priced_from_engine, totals.external_id)
                     request = self.tag(orphan_request(totals, self.model))
-                    ready.append(replace(request, request_id=child_request_id(totals.external_id, totals.child_index)))
+                    ready.append(
+                        replace(request, request_id=child_request_id(totals.external_id, totals.child_index))
+                    )
                 except Exception as e:
                     self.faults.record("engine_join", e)
             ready.sort(key=lambda r: r.arrived_at)

@@ -84,7 +84,9 @@ class Runtime:
         self.api_server = 0  # this process's index among the API servers
         self.otel = self._otel("otel", "OtelExporter") if settings.otel else None
         self.otel_logs = self._otel("otel_logs", "OtelLogExporter") if settings.otel_logs else None
-        self.otel_metrics = self._otel("otel_metrics", "OtelMetricsExporter") if settings.otel_metrics else None
+        self.otel_metrics = (
+            self._otel("otel_metrics", "OtelMetricsExporter") if settings.otel_metrics else None
+        )
 
     @property
     def takes_traces(self) -> bool:
@@ -240,12 +242,14 @@ class Runtime:
                 "pending_requests": len(self.pending),
                 "pending_dropped": self.pending.dropped,
             },
-            "engine_hook": {**self.inbox.summary(), "requests_waiting": sum(len(j.waiting) for j in self.joins)},
+            "engine_hook": {
+                **self.inbox.summary(),
+                "requests_waiting": sum(len(j.waiting) for j in self.joins),
+            },
             "request_log": None if self.request_log is None else self.request_log.stats(),
             "efficiency": self.efficiency.snapshot(),
             "faults": dict(self.faults.counts),
         }
-
 
     def _host_sessions(self) -> dict[str, Any]:
         st = self.sessions.host_stats()

@@ -204,9 +204,13 @@ class SessionLedger:
     def observe(self, request_id: str, session_id: str | None, model: str, benchmark: str,
                 output_tokens: int, truncated: bool) -> None:  # fmt: skip
         """Queue a finished request for the feedback window and its cell's counts."""
-        self._queue_record(("observe", (request_id, session_id, model, benchmark, output_tokens, int(truncated))))
+        self._queue_record(
+            ("observe", (request_id, session_id, model, benchmark, output_tokens, int(truncated)))
+        )
 
-    def label(self, correct: bool, request_ids: list[str], session_id: str | None) -> dict[str, Any] | list | None:
+    def label(
+        self, correct: bool, request_ids: list[str], session_id: str | None
+    ) -> dict[str, Any] | list | None:
         """Label the first of ``request_ids`` in the window, or all of ``session_id``'s
         requests in it, as one instance: its outcome; None if none is in the window; [] if
         already labeled. One transaction, so two API servers cannot label one instance twice."""
@@ -214,7 +218,9 @@ class SessionLedger:
         with self._reader_lock, self._reader as db:
             db.execute("BEGIN IMMEDIATE")
             if request_ids:  # spellings of one id: the first the window holds
-                found = (db.execute(_RECENT + " WHERE request_id = ?", (rid,)).fetchall() for rid in request_ids)
+                found = (
+                    db.execute(_RECENT + " WHERE request_id = ?", (rid,)).fetchall() for rid in request_ids
+                )
                 rows = next((r for r in found if r), [])
             else:
                 rows = db.execute(_RECENT + " WHERE session_id = ? ORDER BY seq", (session_id,)).fetchall()
@@ -240,7 +246,9 @@ class SessionLedger:
         """The live efficiency's counts per (model, benchmark), host-wide."""
         self.flush()
         with self._reader_lock:
-            rows = self._reader.execute(f"SELECT model, benchmark, {', '.join(OUTCOME_COUNTS)} FROM outcomes").fetchall()
+            rows = self._reader.execute(
+                f"SELECT model, benchmark, {', '.join(OUTCOME_COUNTS)} FROM outcomes"
+            ).fetchall()
         return {(r[0], r[1]): dict(zip(OUTCOME_COUNTS, r[2:], strict=True)) for r in rows}
 
     def expire(self) -> None:
@@ -288,7 +296,9 @@ class SessionLedger:
             ).fetchall()
         return {**_summary(row), "turn_rows": [json.loads(t[0]) for t in turns]}
 
-    def top(self, limit: int = 50, offset: int = 0, key: str = "pte_served") -> tuple[int, list[dict[str, Any]]]:
+    def top(
+        self, limit: int = 50, offset: int = 0, key: str = "pte_served"
+    ) -> tuple[int, list[dict[str, Any]]]:
         """Live sessions by descending ``key`` (a summed field), paginated; also the total count."""
         if key not in SUMMED:
             raise ValueError(f"cannot sort sessions by {key!r}")
@@ -305,14 +315,18 @@ class SessionLedger:
         """Per-model sums over every request the host priced (``MODEL_TOTALS``)."""
         self.flush()
         with self._reader_lock:
-            rows = self._reader.execute(f"SELECT model, {', '.join(MODEL_TOTALS)} FROM model_totals").fetchall()
+            rows = self._reader.execute(
+                f"SELECT model, {', '.join(MODEL_TOTALS)} FROM model_totals"
+            ).fetchall()
         return {row[0]: dict(zip(MODEL_TOTALS, row[1:], strict=True)) for row in rows}
 
     def tenant_totals(self) -> dict[str, dict[str, float]]:
         """Per-tenant sums (``MODEL_TOTALS``) over every request the host priced with tenants on."""
         self.flush()
         with self._reader_lock:
-            rows = self._reader.execute(f"SELECT tenant, {', '.join(MODEL_TOTALS)} FROM tenant_totals").fetchall()
+            rows = self._reader.execute(
+                f"SELECT tenant, {', '.join(MODEL_TOTALS)} FROM tenant_totals"
+            ).fetchall()
         return {row[0]: dict(zip(MODEL_TOTALS, row[1:], strict=True)) for row in rows}
 
     def lora_totals(self) -> dict[str, dict[str, Any]]:
@@ -410,7 +424,11 @@ class SessionLedger:
             del first, batch, closed
 
     def _commit(
-        self, db: sqlite3.Connection | None, adds: list[tuple[Any, ...]], now: float, expire: bool,
+        self,
+        db: sqlite3.Connection | None,
+        adds: list[tuple[Any, ...]],
+        now: float,
+        expire: bool,
         observed: list[tuple[Any, ...]],
     ) -> list[tuple[dict[str, Any], str]]:
         if not (adds or expire or observed):
@@ -483,7 +501,9 @@ def _connect(path: Path) -> sqlite3.Connection:
         raise StoreError(f"cannot open the session store {path}: {e}") from None
     if version != SCHEMA_VERSION:
         db.close()
-        raise StoreError(f"the session store {path} has schema {version!r}, this version reads {SCHEMA_VERSION}")
+        raise StoreError(
+            f"the session store {path} has schema {version!r}, this version reads {SCHEMA_VERSION}"
+        )
     return db
 
 
@@ -556,7 +576,17 @@ class _Batch:
         sums = [getattr(r, k) or 0.0 for k in SUMMED]
         seq = self.db.execute(
             _UPSERT,
-            (r.session_id, r.model, now, now, self.touched, r.prompt_tokens, r.output_tokens, r.finished_at, *sums),
+            (
+                r.session_id,
+                r.model,
+                now,
+                now,
+                self.touched,
+                r.prompt_tokens,
+                r.output_tokens,
+                r.finished_at,
+                *sums,
+            ),
         ).fetchone()[0]
         row = _TURN_ROW.encode({k: getattr(r, k) for k in TURN_FIELDS})
         self.db.execute("INSERT OR REPLACE INTO turns VALUES (?, ?, ?)", (r.session_id, seq, row))

@@ -56,7 +56,9 @@ def build_scheduler(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
         enable_chunked_prefill=True, is_encoder_decoder=False,
     )  # fmt: skip
-    cache_config = CacheConfig(block_size=BLOCK_SIZE, cache_dtype="auto", enable_prefix_caching=prefix_caching)
+    cache_config = CacheConfig(
+        block_size=BLOCK_SIZE, cache_dtype="auto", enable_prefix_caching=prefix_caching
+    )
     cache_config.num_gpu_blocks = num_blocks
     speculative = None
     if num_spec_tokens:
@@ -180,7 +182,9 @@ class Driver:
         spec = out.scheduled_spec_decode_tokens
         new = [Row(d.req_id, d.num_computed_tokens, 0, 0) for d in out.scheduled_new_reqs]
         cached = out.scheduled_cached_reqs
-        rows = new + [Row(r, c, 0, 0) for r, c in zip(cached.req_ids, cached.num_computed_tokens, strict=True)]
+        rows = new + [
+            Row(r, c, 0, 0) for r, c in zip(cached.req_ids, cached.num_computed_tokens, strict=True)
+        ]
         for row in rows:
             row.n = out.num_scheduled_tokens[row.rid]
             row.drafts = len(spec.get(row.rid, ()))

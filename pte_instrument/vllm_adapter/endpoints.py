@@ -49,8 +49,18 @@ OPERATIONS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completio
 GENERATION_PATHS = tuple(OPERATIONS)
 MAX_PAGE = 1000
 MAX_BODY_BYTES = 64 * 1024  # a feedback body is a few ids: anything larger is refused unread
-MAX_MODEL_NAME_LEN = 256  # a longer "model" is kept for no adapter (its request is accounted to the base model)
-SORT_KEYS = ("pte_served", "pte_eviction_tax", "pte_reference", "prompt_tokens", "output_tokens", "gpu_seconds", "cost_usd")
+MAX_MODEL_NAME_LEN = (
+    256  # a longer "model" is kept for no adapter (its request is accounted to the base model)
+)
+SORT_KEYS = (
+    "pte_served",
+    "pte_eviction_tax",
+    "pte_reference",
+    "prompt_tokens",
+    "output_tokens",
+    "gpu_seconds",
+    "cost_usd",
+)
 
 
 class SessionMiddleware:

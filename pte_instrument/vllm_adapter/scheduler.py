@@ -172,7 +172,9 @@ class _PteHook:
             if spec and step is not None:  # what vLLM rolls back is what it rejected
                 step[_DRAFTS] = {rid: len(tokens) for rid, tokens in spec.items()}
                 requests = self.requests  # type: ignore[attr-defined]
-                drafts = [(rid, r, r.num_computed_tokens) for rid in spec if (r := requests.get(rid)) is not None]
+                drafts = [
+                    (rid, r, r.num_computed_tokens) for rid in spec if (r := requests.get(rid)) is not None
+                ]
         except Exception as e:
             self._pte_fault("step", e)
         t1 = clock()
@@ -279,7 +281,9 @@ class _PteHook:
         if done:
             pte.price(_completed_steps(done))
         inflight = self._pte_inflight
-        pte.flush((lambda rid: any(rid in s[_OUT].num_scheduled_tokens for s in inflight)) if inflight else None)
+        pte.flush(
+            (lambda rid: any(rid in s[_OUT].num_scheduled_tokens for s in inflight)) if inflight else None
+        )
         if not pte.finished:
             self._pte_finished_at = None
 
@@ -302,7 +306,9 @@ def _completed_steps(done: list[list[Any]]) -> CompletedSteps:
             rids, c = cached.req_ids, cached.num_computed_tokens
         if back:
             c = [k - back.get(rid, 0) for rid, k in zip(rids, c, strict=True)]
-        batch.add(rids, c, list(map(counts.__getitem__, rids)), scheduled_at, done_at, hook_s, drafts, rejected)
+        batch.add(
+            rids, c, list(map(counts.__getitem__, rids)), scheduled_at, done_at, hook_s, drafts, rejected
+        )
     return batch
 
 

@@ -85,7 +85,9 @@ class PteStatLogger(AggregateStatLoggerBase):
         try:
             cost_model = compat.cost_model_from_vllm(vllm_config, settings)
             price = settings.gpu_hourly_price  # USD per GPU-hour; an engine runs on TP × PP GPUs
-            usd_per_engine_second = None if price is None else price * compat.gpus_per_engine(vllm_config) / 3600
+            usd_per_engine_second = (
+                None if price is None else price * compat.gpus_per_engine(vllm_config) / 3600
+            )
             if cost_model.shape.assumed:  # priced, but on a guess: one line naming it
                 log.warning(
                     "pte-instrument cost model for %r: %s", self.model, "; ".join(cost_model.shape.assumed)
@@ -106,7 +108,8 @@ class PteStatLogger(AggregateStatLoggerBase):
             log.error("pte-instrument could not build its cost model and is inactive: %s", e)
             return
         self.runtime.listen(
-            compat.api_server_index(vllm_config), compat.engine_transport(vllm_config, os.environ.get(ADDRESS_ENV))
+            compat.api_server_index(vllm_config),
+            compat.engine_transport(vllm_config, os.environ.get(ADDRESS_ENV)),
         )
         self.runtime.joins.append(self.join)
         self.join.start_timer()
@@ -139,7 +142,9 @@ class PteStatLogger(AggregateStatLoggerBase):
                 self.runtime.faults.record("sessions", e)
 
     def _tagged(self, request: FinishedRequest) -> FinishedRequest:
-        return self.runtime.tagged(request, self.runtime.pending.claim(*compat.request_keys(request.request_id)))
+        return self.runtime.tagged(
+            request, self.runtime.pending.claim(*compat.request_keys(request.request_id))
+        )
 
     def _price(self, request: FinishedRequest) -> None:
         accountant = self.accountants.get(request.engine)

@@ -55,7 +55,16 @@ def test_import_graph_has_no_cycle() -> None:
 
 def test_every_subcommand_is_registered() -> None:
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    assert set(sub.choices) == {"gamma", "devices", "tenant-hash", "demo", "efficiency", "report", "bench", "calibrate"}
+    assert set(sub.choices) == {
+        "gamma",
+        "devices",
+        "tenant-hash",
+        "demo",
+        "efficiency",
+        "report",
+        "bench",
+        "calibrate",
+    }
 
 
 def test_broken_subcommand_module_fails_loudly() -> None:

@@ -49,9 +49,7 @@ def test_gpu_seconds_add_up_to_the_engines_busy_time(timed):
     with ThreadPoolExecutor(6) as pool:
         ids = {i for batch in pool.map(agent, sessions) for i in batch}
     log = work / "requests.jsonl"
-    assert wait(
-        lambda: len([e for e in jsonl(log) if e["request_id"].rpartition("-")[0] in ids]) == len(ids)
-    )
+    assert wait(lambda: len([e for e in jsonl(log) if e["request_id"].rpartition("-")[0] in ids]) == len(ids))
 
     def quiet() -> bool:
         hook = client.get("/pte/summary").json()["engine_hook"]

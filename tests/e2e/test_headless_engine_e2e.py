@@ -39,7 +39,10 @@ def two_nodes(tiny_model, tmp_path_factory):
                "--gpu-memory-utilization", "0.2", "--max-model-len", "4096"]  # fmt: skip
     headless = subprocess.Popen(
         command,
-        cwd=other, env=node_env, stdout=(other / "engine.log").open("wb"), stderr=subprocess.STDOUT,
+        cwd=other,
+        env=node_env,
+        stdout=(other / "engine.log").open("wb"),
+        stderr=subprocess.STDOUT,
         start_new_session=True,
     )
     log = work / "requests.jsonl"

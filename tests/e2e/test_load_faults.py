@@ -83,7 +83,9 @@ def test_faults_at_every_stage_do_not_stop_serving(tiny_model, tmp_path):
         outcomes = run_streaming_sessions(vllm.url, vllm.served_name, sessions=48, turns=2, disconnect_p=0.0)
         assert all(o.status == 200 for o in outcomes)  # serving continued
         ids = {o.request_id for o in outcomes}
-        assert wait(lambda: ids <= set(entries(log)), timeout_s=40), "the request log still gets every request"
+        assert wait(lambda: ids <= set(entries(log)), timeout_s=40), (
+            "the request log still gets every request"
+        )
         client = httpx.Client(base_url=vllm.url, timeout=30)
         routes = [client.get("/pte/summary").status_code for _ in range(20)]
         assert set(routes) <= {200, 500} and 500 in routes and 200 in routes

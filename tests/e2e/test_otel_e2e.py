@@ -114,7 +114,10 @@ def test_ttft_and_tpot_are_what_a_streaming_client_sees(server):
     assert rec["output_tokens"] == 64
     # vLLM's arrival follows the HTTP exchange and tokenisation the client's clock includes
     assert 0.5 * client_ttft <= rec["ttft_s"] <= client_ttft + 0.01, (rec["ttft_s"], client_ttft)
-    assert 0.5 * client_decode <= rec["tpot_s"] * 63 <= 1.5 * client_decode + 0.05, (rec["tpot_s"], client_decode)
+    assert 0.5 * client_decode <= rec["tpot_s"] * 63 <= 1.5 * client_decode + 0.05, (
+        rec["tpot_s"],
+        client_decode,
+    )
 
 
 def _wait_for_count(otlp, name: str, attrs: dict, count: int, timeout_s: float = 15.0) -> dict | None:
@@ -147,8 +150,12 @@ def test_genai_server_metrics_and_pte_metrics_over_otlp(server):
              "gen_ai.server.time_per_output_token")  # fmt: skip
     chat(server, "so that a point exists")  # a chat point: every metric has been exported once
     before = {n: _settled(otlp, n, op) for n in names}
-    served_before = {ph: _settled(otlp, "pte.served", {**model, "pte.phase": ph}) for ph in ("prefill", "decode")}
-    reference_before = {ph: _settled(otlp, "pte.reference", {**model, "pte.phase": ph}) for ph in ("prefill", "decode")}
+    served_before = {
+        ph: _settled(otlp, "pte.served", {**model, "pte.phase": ph}) for ph in ("prefill", "decode")
+    }
+    reference_before = {
+        ph: _settled(otlp, "pte.reference", {**model, "pte.phase": ph}) for ph in ("prefill", "decode")
+    }
     ids = [completion(server, words(40 * (i + 1)), max_tokens=3 + 4 * i)["id"] for i in range(3)]
     recs = [v[0] for v in server.log_records(set(ids)).values()]
     assert len(recs) == 3
@@ -210,7 +217,9 @@ def test_prometheus_exemplar_names_the_requests_trace(server):
     assert len(found) == 1, exemplars(r.text, "pte_request_served_pte")
     le, _, value = found[0]
     assert value == pytest.approx(rec["pte_served"], rel=1e-9)
-    bounds = {float(b) for b in re.findall(r'^pte_request_served_pte_bucket\{[^}]*le="([^"]+)"', r.text, re.M)}
+    bounds = {
+        float(b) for b in re.findall(r'^pte_request_served_pte_bucket\{[^}]*le="([^"]+)"', r.text, re.M)
+    }
     assert float(le) == min(b for b in bounds if b >= value)  # on the bucket it fell in
     # the same registry as /metrics: vLLM's own series are there too
     assert "vllm:num_requests_running" in r.text and "pte_requests_total" in r.text

@@ -39,7 +39,15 @@ def served(tiny_model, tmp_path_factory):
     # context long enough that the slot's holder (below) cannot finish before it is let go.
     long = ["--max-model-len", str(HOLD_TOKENS + 1024), "--hf-overrides",
             json.dumps({"max_position_embeddings": HOLD_TOKENS + 1024})]  # fmt: skip
-    args = [*HOOK, "--max-num-seqs", "1", "--enable-chunked-prefill", "--max-num-batched-tokens", str(CHUNK), *long]
+    args = [
+        *HOOK,
+        "--max-num-seqs",
+        "1",
+        "--enable-chunked-prefill",
+        "--max-num-batched-tokens",
+        str(CHUNK),
+        *long,
+    ]
     with serving(tiny_model, work, env, args) as (vllm, client):
         yield vllm, log, client
 

@@ -113,7 +113,9 @@ class Prometheus:
         return float(result[0]["value"][1]) if result else float("nan")
 
     def query_range(self, expr: str, start: float, end: float, step_s: float) -> list[dict]:
-        r = self.client.get("/api/v1/query_range", params={"query": expr, "start": start, "end": end, "step": step_s})
+        r = self.client.get(
+            "/api/v1/query_range", params={"query": expr, "start": start, "end": end, "step": step_s}
+        )
         body = r.json()
         assert r.status_code == 200 and body["status"] == "success", f"{expr!r}: {body}"
         return body["data"]["result"]
@@ -151,7 +153,9 @@ def stack(tiny_model, tmp_path_factory) -> Iterator[Stack]:
         "PTE_SESSION_IDLE_TTL_S": str(IDLE_TTL_S),
     }
     # with the step hook: the dashboard's engine panels (seconds, γ measured) get data too
-    vllm = start_server(tiny_model, work, env, ["--scheduler-cls", "pte_instrument.vllm_adapter.scheduler.PteScheduler"])
+    vllm = start_server(
+        tiny_model, work, env, ["--scheduler-cls", "pte_instrument.vllm_adapter.scheduler.PteScheduler"]
+    )
     prom = None
     try:
         prom = Prometheus(work, f"127.0.0.1:{vllm.port}")
@@ -261,7 +265,9 @@ def test_template_variables_list_the_server(scraped: Stack):
 )
 def test_dashboard_query_returns_data(scraped: Stack, title: str, expr: str, optional: bool):
     window_s = int(time.time() - scraped.prom.started) + 10
-    data = scraped.prom.query(substitute(expr, dashboard_variables(scraped), window_s))  # parses and evaluates
+    data = scraped.prom.query(
+        substitute(expr, dashboard_variables(scraped), window_s)
+    )  # parses and evaluates
     result = data["result"]
     if optional:
         return  # valid PromQL over a metric that does not exist yet: empty is expected
@@ -319,7 +325,9 @@ POSITIVE_HERE = {
 def test_the_rule_file_loads_and_every_rule_evaluates(scraped: Stack):
     groups = scraped.prom.client.get("/api/v1/rules").json()["data"]["groups"]  # sorted by name
     loaded = {g["name"]: [r["name"] for r in g["rules"]] for g in groups}
-    assert loaded == {g.name: [r.record if isinstance(r, Recording) else r.alert for r in g.rules] for g in GROUPS}
+    assert loaded == {
+        g.name: [r.record if isinstance(r, Recording) else r.alert for r in g.rules] for g in GROUPS
+    }
     rules = [r for g in groups for r in g["rules"]]
     assert len(rules) == len(RECORDING) + len(ALERTS)
     for r in rules:

@@ -54,7 +54,9 @@ def from_each_api_server(url: str, path: str) -> dict[int, dict]:
     seen: dict[int, dict] = {}
     for _ in range(200):
         r = httpx.get(f"{url}{path}", timeout=10)
-        seen[int(r.headers["X-PTE-API-Server"])] = r.json() if r.status_code == 200 else {"status": r.status_code}
+        seen[int(r.headers["X-PTE-API-Server"])] = (
+            r.json() if r.status_code == 200 else {"status": r.status_code}
+        )
         if len(seen) == 2:
             break
     return seen
@@ -190,7 +192,9 @@ def test_sessions_on_fresh_connections_are_one_session_from_either_api_server(sc
     answered_by = set()
     for k in range(8):
         for expected in (200, 409):
-            r = httpx.post(f"{vllm.url}/pte/feedback", json={"session_id": f"fresh-{k}", "correct": True}, timeout=10)
+            r = httpx.post(
+                f"{vllm.url}/pte/feedback", json={"session_id": f"fresh-{k}", "correct": True}, timeout=10
+            )
             assert r.status_code == expected, r.text
             answered_by.add(r.headers["X-PTE-API-Server"])
     assert answered_by == {"0", "1"}

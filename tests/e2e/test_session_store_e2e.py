@@ -107,7 +107,9 @@ def test_sigkill_under_load_leaves_the_store_whole(tiny_model, tmp_path):
         assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         rows = db.execute("SELECT id, n_turns, turns_dropped, pte_served FROM sessions").fetchall()
         for sid, n_turns, dropped, served in rows:
-            seqs = [r[0] for r in db.execute("SELECT seq FROM turns WHERE session_id = ? ORDER BY seq", (sid,))]
+            seqs = [
+                r[0] for r in db.execute("SELECT seq FROM turns WHERE session_id = ? ORDER BY seq", (sid,))
+            ]
             assert seqs == list(range(dropped + 1, n_turns + 1))  # every committed turn whole
             row_served = db.execute("SELECT row ->> '$.pte_served' FROM turns WHERE session_id = ?", (sid,))
             if not dropped:

@@ -162,7 +162,9 @@ def test_feedback_labels_feed_live_efficiency(server):
     after = server.metrics()
 
     def delta(name):
-        return metric_sum(after, name, model_name=server.model) - metric_sum(before, name, model_name=server.model)
+        return metric_sum(after, name, model_name=server.model) - metric_sum(
+            before, name, model_name=server.model
+        )
 
     assert delta("pte_eval_labeled_total") == 2
     assert delta("pte_correct_answers_total") == 0

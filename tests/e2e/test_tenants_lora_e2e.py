@@ -79,7 +79,9 @@ def test_hundreds_of_tenants_leave_the_allow_list_plus_other(lora_server):
     # i % 20 == 0 alternates team-a and team-b (20 requests), i % 20 == 1 is team C's key (20)
     assert expected["team-a"] == expected["team-b"] == 10 and expected[HASH_C] == 20
     records = logged(work, set(ids))
-    assert {rid: records[rid]["tenant"] for rid in ids} == {rid: want for rid, (_, want) in zip(ids, sent, strict=True)}
+    assert {rid: records[rid]["tenant"] for rid in ids} == {
+        rid: want for rid, (_, want) in zip(ids, sent, strict=True)
+    }
 
     m = samples(client.get("/metrics").text)
     tenant_values = {dict(labels).get("tenant") for (_, labels) in m if "tenant" in dict(labels)}
@@ -109,9 +111,13 @@ def test_an_adapters_requests_are_accounted_under_its_name_at_the_base_models_ga
     _, work, client = lora_server
     before = client.get("/pte/summary").json()["lora_adapters"]
     base = [complete(client, "tiny", {"X-Tenant-Id": "team-a"}, f"base turn {i}") for i in range(3)]
-    adapter = [complete(client, "tiny-lora", {"X-Tenant-Id": "team-b"}, f"adapter turn {i}") for i in range(3)]
+    adapter = [
+        complete(client, "tiny-lora", {"X-Tenant-Id": "team-b"}, f"adapter turn {i}") for i in range(3)
+    ]
     second = [complete(client, "tiny-lora-2", {}, f"second adapter turn {i}") for i in range(2)]
-    missing = client.post("/v1/completions", json={"model": "no-such-adapter", "prompt": "x", "max_tokens": 1})
+    missing = client.post(
+        "/v1/completions", json={"model": "no-such-adapter", "prompt": "x", "max_tokens": 1}
+    )
     assert missing.status_code == 404
     records = logged(work, {*base, *adapter, *second})
     assert {records[r]["lora_name"] for r in base} == {None}

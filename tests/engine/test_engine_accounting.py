@@ -32,7 +32,6 @@ def collect(into: list):
     return lambda messages: into.extend(map(flat, messages))
 
 
-
 def completed(steps, prompts=None, t0: float = 0.0, dt: float = 0.001) -> CompletedSteps:
     """Steps of rows (rid, c, n[, drafts, rejected]), each scheduled at t0 + 2k·dt and back
     dt later; ``prompts``: prompt length of requests first seen here."""
@@ -195,7 +194,9 @@ class PerStepOracle:
                     col[ref.CTX0 + g] += min(P, w or P)
             col[ref.SPEC_TOKENS], col[ref.REJECTED_TOKENS] = spec, rej
             for p in range(end - rej, end):  # rejected draft positions: wasted reads
-                r["wasted"] += sum(g * min(p + 1, w or p + 1) for g, w in zip(self.gammas, self.windows, strict=True))
+                r["wasted"] += sum(
+                    g * min(p + 1, w or p + 1) for g, w in zip(self.gammas, self.windows, strict=True)
+                )
             r["h"] = max(h, end - rej)
             contrib.append(col)
         contrib = np.array(contrib).T
@@ -242,7 +243,9 @@ def random_traffic(rng: np.random.Generator, n_requests: int, max_batch: int) ->
     for i in range(n_requests):
         prompt = int(rng.integers(1, 40))
         hit = int(rng.integers(0, prompt)) if rng.random() < 0.3 else 0
-        waiting.append({"rid": f"q{i}", "P": prompt, "D": int(rng.integers(1, 12)), "c": hit, "out": 0, "seen": False})
+        waiting.append(
+            {"rid": f"q{i}", "P": prompt, "D": int(rng.integers(1, 12)), "c": hit, "out": 0, "seen": False}
+        )
     running: list[dict] = []
     while waiting or running:
         while waiting and len(running) < max_batch and rng.random() < 0.5:
@@ -321,7 +324,9 @@ def test_batches_of_steps_equal_per_step_accounting(tmp_path, seed, cost, backen
         lines = [json.loads(x) for x in log.read_text().splitlines()][1:]
         assert len(lines) == len(oracle.lines), msg
         for got, want in zip(lines, oracle.lines, strict=True):
-            assert list(got) == [*list(want)[:2], "t", *list(want)[2:], "hook_s", "dt_s", "model_s"], msg  # field order
+            assert list(got) == [*list(want)[:2], "t", *list(want)[2:], "hook_s", "dt_s", "model_s"], (
+                msg
+            )  # field order
             assert all(got[k] >= 0 for k in TIMINGS), msg
             assert same({k: v for k, v in got.items() if k not in TIMINGS}, want), f"{msg} {want}"
         requests, per_update = ea.conservation()
@@ -356,7 +361,9 @@ def test_every_steps_time_is_charged_and_the_model_is_reported(tmp_path):
     assert all(m["gpu_prefill_s"] == 0 and m["gpu_weights_s"] == 0 and m["gpu_kv_s"] > 0 for m in sent)
     ea.close()
     lines = [json.loads(x) for x in log.read_text().splitlines()][1:]
-    assert [x["dt_s"] for x in lines] == pytest.approx([0.001] * 10) and [x["step"] for x in lines] == list(range(10))
+    assert [x["dt_s"] for x in lines] == pytest.approx([0.001] * 10) and [x["step"] for x in lines] == list(
+        range(10)
+    )
     c = ea.calibration()
     assert (c.source, c.r2, c.steps) == ("theory", None, 0)  # off: theory, never refitted
     assert [c.a, c.b, c.w, c.o] == theory(COST, 2.0).coefficients().tolist()

@@ -33,7 +33,9 @@ def test_a_step_is_split_by_the_model_and_sums_to_its_measured_time():
         assert r[LATENCY_S] == pytest.approx(0.040)
     assert a[:4].sum() + b[:4].sum() == pytest.approx(0.040) and t.busy_s == pytest.approx(0.040)
     # alone: slot 0 compute-bound (no weight term), slot 1 memory-bound
-    assert a[PREDICTED_S] == pytest.approx(0.010 + 0.002) and b[PREDICTED_S] == pytest.approx(0.010 + 0.005 + 0.002)
+    assert a[PREDICTED_S] == pytest.approx(0.010 + 0.002) and b[PREDICTED_S] == pytest.approx(
+        0.010 + 0.005 + 0.002
+    )
     assert t.read(0).sum() == 0  # read zeroes the slot
 
 

@@ -164,7 +164,9 @@ def test_the_exporter_enabled_gauge_goes_to_0_when_the_runtime_hears_of_a_switch
         stages = [stage for stage, _ in runtime.exporters_for("m", 1, cost)]
 
         def enabled(stage: str) -> float | None:
-            return registry.get_sample_value("pte_exporter_enabled", {"model_name": "m", "engine": "1", "stage": stage})
+            return registry.get_sample_value(
+                "pte_exporter_enabled", {"model_name": "m", "engine": "1", "stage": stage}
+            )
 
         assert stages == ["prometheus", "efficiency", "request_log"]
         assert [enabled(s) for s in stages] == [1, 1, 1]

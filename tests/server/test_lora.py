@@ -53,6 +53,7 @@ async def post_all(runtime: Runtime, bodies: list[bytes]) -> list[bytes]:
         await send({"type": "http.response.body", "body": b"{}"})
 
     for i, body in enumerate(bodies):
+
         async def receive(body=body):
             return {"type": "http.request", "body": body, "more_body": False}
 
@@ -82,7 +83,9 @@ def runtime(registry):
 
 def test_ten_thousand_model_names_leave_the_served_adapters_up_to_the_cap(runtime, registry):
     n = 10_000
-    models = [f"adapter-{i % 100}" if i % 3 == 0 else ("base" if i % 3 == 1 else f"no-such-{i}") for i in range(n)]
+    models = [
+        f"adapter-{i % 100}" if i % 3 == 0 else ("base" if i % 3 == 1 else f"no-such-{i}") for i in range(n)
+    ]
     bodies = [b'{"prompt": "hi", "model": "%s", "max_tokens": 2}' % m.encode() for m in models]
     assert asyncio.run(post_all(runtime, bodies)) == bodies  # every body reaches the server whole
     accountant = Accountant(COST, runtime.exporters_for("base", 0, COST), runtime.faults, runtime.sessions)

@@ -78,7 +78,6 @@ EXPECTED = {name: kind_labels for kind_labels, names in BY_TYPE_AND_LABELS.items
 LEDGER = {"sessions_live", "sessions_opened", "turn_rows_dropped", "tags_dropped"}
 
 
-
 def exposed_name(spec: FamilySpec) -> str:
     return spec.name + "_total" if spec.kind == "counter" else spec.name
 
@@ -253,5 +252,9 @@ def test_cost_appears_only_once_a_request_is_priced():
     assert "pte_gpu_seconds_total{" in text
     assert not [line for line in text.splitlines() if line.startswith("pte_cost_usd_total")]
     exporter.export(record(**seconds, cost_usd=0.002))
-    priced = [line for line in generate_latest(registry).decode().splitlines() if line.startswith("pte_cost_usd_total")]
+    priced = [
+        line
+        for line in generate_latest(registry).decode().splitlines()
+        if line.startswith("pte_cost_usd_total")
+    ]
     assert len(priced) == 1 and float(priced[0].rsplit(" ", 1)[1]) == pytest.approx(0.002)

@@ -53,7 +53,10 @@ def spans():
 def test_span_name_and_operation_follow_the_route(spans):
     chat, text, unknown = spans(record(operation="chat"), record(operation="text_completion"), record())
     assert (chat.name, chat.attributes["gen_ai.operation.name"]) == ("chat tiny", "chat")
-    assert (text.name, text.attributes["gen_ai.operation.name"]) == ("text_completion tiny", "text_completion")
+    assert (text.name, text.attributes["gen_ai.operation.name"]) == (
+        "text_completion tiny",
+        "text_completion",
+    )
     assert (unknown.name, unknown.attributes["gen_ai.operation.name"]) == ("chat tiny", "chat")  # the default
     for s in (chat, text, unknown):
         assert s.attributes["gen_ai.response.model"] == s.attributes["gen_ai.request.model"] == "tiny"
@@ -114,7 +117,9 @@ def test_the_accountant_gives_each_request_its_trace(tmp_path):
     assert joined.trace_id == TRACE and joined.traceparent == f"00-{TRACE}-{PARENT}-01"
     assert acc.on_finished(req).trace_id == "2" * 32
     untraced = Accountant(acc.cost_model, [], FaultTracker())  # tracing off: no trace, even the caller's
-    assert untraced.on_finished(dataclasses.replace(req, traceparent=f"00-{TRACE}-{PARENT}-01")).trace_id is None
+    assert (
+        untraced.on_finished(dataclasses.replace(req, traceparent=f"00-{TRACE}-{PARENT}-01")).trace_id is None
+    )
 
 
 # --- metrics ------------------------------------------------------------------------------
@@ -163,7 +168,7 @@ def test_a_failed_request_has_an_error_type_and_no_ttft_or_tpot():
     by_error = {attrs.get("error.type"): p for attrs, p in m["gen_ai.server.request.duration"]["points"]}
     assert {k: p.count for k, p in by_error.items()} == {"abort": 1, "error": 1, None: 1}
     for name in ("gen_ai.server.time_to_first_token", "gen_ai.server.time_per_output_token"):
-        (attrs, p), = m[name]["points"]
+        ((attrs, p),) = m[name]["points"]
         assert p.count == 1 and "error.type" not in attrs, name
 
 
@@ -222,9 +227,13 @@ def test_otel_metrics_are_on_where_metrics_have_somewhere_to_go():
     assert not Settings.from_env({}).otel_metrics
     assert Settings.from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}).otel_metrics
     assert Settings.from_env({"OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": "http://c:4318/v1/metrics"}).otel_metrics
-    assert not Settings.from_env({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://c:4318/v1/traces"}).otel_metrics
+    assert not Settings.from_env(
+        {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://c:4318/v1/traces"}
+    ).otel_metrics
     assert Settings.from_env({"PTE_OTEL_METRICS": "1"}).otel_metrics
-    assert not Settings.from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318", "PTE_OTEL_METRICS": "0"}).otel_metrics
+    assert not Settings.from_env(
+        {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318", "PTE_OTEL_METRICS": "0"}
+    ).otel_metrics
     assert not Settings.from_env({"PTE_OTEL_METRICS": "1", "OTEL_SDK_DISABLED": "true"}).otel_metrics
     bad = Settings.from_env({"PTE_OTEL_METRICS": "sometimes"})
     assert not bad.otel_metrics and any("PTE_OTEL_METRICS='sometimes'" in e for e in bad.errors)

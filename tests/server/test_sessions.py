@@ -132,7 +132,10 @@ def test_cap_and_ttl_close_sessions_with_a_reason(ledgers):
     clock = Clock()
     closed = []
     ledger = ledgers(
-        max_sessions=2, idle_ttl_s=60, clock=clock, on_close=lambda s, why: closed.append((s["session_id"], why))
+        max_sessions=2,
+        idle_ttl_s=60,
+        clock=clock,
+        on_close=lambda s, why: closed.append((s["session_id"], why)),
     )
     for sid in ("a", "b", "c"):
         turn(ledger, sid, 10, 1, 0, clock.t)

@@ -146,6 +146,8 @@ def test_a_store_written_before_tenants_gains_their_tables(tmp_path):
     ledger = SessionLedger(path)
     try:
         ledger.add(record(tenant="team-a", lora_name="ad"))
-        assert ledger.tenant_totals()["team-a"]["requests"] == 1 and ledger.lora_totals()["ad"]["requests"] == 1
+        assert (
+            ledger.tenant_totals()["team-a"]["requests"] == 1 and ledger.lora_totals()["ad"]["requests"] == 1
+        )
     finally:
         ledger.close()

@@ -95,7 +95,9 @@ def test_off_when_no_source_is_configured():
 
 
 def test_policy_from_settings():
-    s = Settings.from_env({"PTE_TENANT_HEADER": "X-Team", "PTE_TENANT_FROM_API_KEY": "1", "PTE_TENANTS": "a,b"})
+    s = Settings.from_env(
+        {"PTE_TENANT_HEADER": "X-Team", "PTE_TENANT_FROM_API_KEY": "1", "PTE_TENANTS": "a,b"}
+    )
     p = TenantPolicy.from_settings(s)
     assert (p.header, p.from_api_key, p.allowed) == (b"x-team", True, frozenset({"a", "b"}))
     assert s.errors == ()
@@ -106,7 +108,12 @@ def test_policy_from_settings():
 
 def test_tenant_settings_default_to_off():
     s = Settings.from_env({})
-    assert (s.tenant_header, s.tenant_from_api_key, s.tenants, s.max_lora_names) == (None, False, frozenset(), 64)
+    assert (s.tenant_header, s.tenant_from_api_key, s.tenants, s.max_lora_names) == (
+        None,
+        False,
+        frozenset(),
+        64,
+    )
 
 
 def test_unusable_allow_list_entries_are_named_and_left_out():
@@ -133,8 +140,14 @@ def test_the_allow_list_is_capped():
     [
         ({"PTE_TENANTS": "a"}, "neither PTE_TENANT_HEADER nor PTE_TENANT_FROM_API_KEY"),
         ({"PTE_TENANT_HEADER": "X-Tenant-Id"}, "every request is accounted to tenant 'other'"),
-        ({"PTE_TENANT_FROM_API_KEY": "1", "PTE_TENANTS": " , "}, "every request is accounted to tenant 'other'"),
-        ({"PTE_TENANT_HEADER": "X Tenant", "PTE_TENANTS": "a"}, "PTE_TENANT_HEADER='X Tenant' is not a valid"),
+        (
+            {"PTE_TENANT_FROM_API_KEY": "1", "PTE_TENANTS": " , "},
+            "every request is accounted to tenant 'other'",
+        ),
+        (
+            {"PTE_TENANT_HEADER": "X Tenant", "PTE_TENANTS": "a"},
+            "PTE_TENANT_HEADER='X Tenant' is not a valid",
+        ),
         ({"PTE_TENANT_FROM_API_KEY": "maybe"}, "PTE_TENANT_FROM_API_KEY='maybe' is not a boolean"),
     ],
 )
@@ -159,6 +172,7 @@ async def generation_app(scope, receive, send):
 
 async def post_all(app, requests: list[list[tuple[bytes, bytes]]]) -> None:
     for headers in requests:
+
         async def receive():
             return {"type": "http.request", "body": b'{"model": "m"}', "more_body": False}
 
@@ -171,7 +185,9 @@ async def post_all(app, requests: list[list[tuple[bytes, bytes]]]) -> None:
 
 
 def tenant_label_values(text: str) -> set[str]:
-    return {dict(labels).get("tenant") for (name, labels) in exposition.samples(text) if "tenant" in dict(labels)}
+    return {
+        dict(labels).get("tenant") for (name, labels) in exposition.samples(text) if "tenant" in dict(labels)
+    }
 
 
 @pytest.fixture

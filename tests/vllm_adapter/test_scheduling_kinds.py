@@ -21,7 +21,9 @@ from pte_instrument.vllm_adapter.scheduler import PteAsyncScheduler, PteSchedule
 from tests.conftest import ROOT
 
 MODEL = ROOT / "models" / "tiny"
-pytestmark = pytest.mark.skipif(not (MODEL / "config.json").exists(), reason="needs the tiny model (make test)")
+pytestmark = pytest.mark.skipif(
+    not (MODEL / "config.json").exists(), reason="needs the tiny model (make test)"
+)
 
 
 def mixed_stream(seed: int, n: int = 40) -> list[Arrival]:
@@ -32,7 +34,9 @@ def mixed_stream(seed: int, n: int = 40) -> list[Arrival]:
     shared = tuple(int(x) for x in rng.integers(100, 1000, 64))
     out: list[Arrival] = []
     for i in range(n):
-        prompt = (shared if i % 3 == 0 else ()) + tuple(int(x) for x in rng.integers(100, 1000, int(rng.integers(5, 600))))
+        prompt = (shared if i % 3 == 0 else ()) + tuple(
+            int(x) for x in rng.integers(100, 1000, int(rng.integers(5, 600)))
+        )
         stop = int(rng.integers(0, 30)) if i % 2 else None
         step, max_tokens = i // 2, int(rng.integers(1, 40))
         abort = {3: step, 5: step + 1, 7: step + 6}.get(i % 10)  # waiting, mid-prefill, mid-decode
@@ -47,8 +51,18 @@ STREAMS = {
     "mixed": {"stream": mixed_stream(1), "num_blocks": 4096, "num_spec_tokens": 0, "prefix_caching": True},
     # a KV pool of 48 blocks of 16 tokens for 40 requests of up to 650: preemptions, which
     # recompute without the prefix cache (with it, a resumed request finds its blocks)
-    "preemption": {"stream": mixed_stream(2), "num_blocks": 48, "num_spec_tokens": 0, "prefix_caching": False},
-    "speculative": {"stream": mixed_stream(3), "num_blocks": 4096, "num_spec_tokens": 3, "prefix_caching": True},
+    "preemption": {
+        "stream": mixed_stream(2),
+        "num_blocks": 48,
+        "num_spec_tokens": 0,
+        "prefix_caching": False,
+    },
+    "speculative": {
+        "stream": mixed_stream(3),
+        "num_blocks": 4096,
+        "num_spec_tokens": 3,
+        "prefix_caching": True,
+    },
 }
 
 
@@ -112,7 +126,9 @@ def runs() -> dict:
     out = {}
     for name, case in STREAMS.items():
         for asynchronous in (False, True):
-            out[name, asynchronous, "vllm"] = drive(AsyncScheduler if asynchronous else Scheduler, asynchronous, case)
+            out[name, asynchronous, "vllm"] = drive(
+                AsyncScheduler if asynchronous else Scheduler, asynchronous, case
+            )
             out[name, asynchronous, "pte"] = drive(PteScheduler, asynchronous, case)
     return out
 
@@ -199,7 +215,9 @@ def test_the_documented_class_becomes_vllms_async_scheduler_only_under_async_sch
         mine = build_scheduler(Subclassed, MODEL, async_scheduling=True, num_blocks=64)
     assert type(mine) is Subclassed
     lines = [r.getMessage() for r in caplog.records if "async scheduling is on" in r.getMessage()]
-    assert len(lines) == 1 and "--scheduler-cls pte_instrument.vllm_adapter.scheduler.PteScheduler" in lines[0]
+    assert (
+        len(lines) == 1 and "--scheduler-cls pte_instrument.vllm_adapter.scheduler.PteScheduler" in lines[0]
+    )
 
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
@@ -215,5 +233,7 @@ def test_a_lost_step_is_counted_and_the_rest_stays_exact(monkeypatch, asynchrono
     assert sorted(m.request_id for m in sent) == sorted(d.arrivals)
     got, full = hook_totals(sent), independent_totals(d)
     assert all(got[r]["prefill"] <= full[r]["prefill"] for r in got)
-    assert sum(t["prefill"] + t["decode"] for t in got.values()) < sum(t["prefill"] + t["decode"] for t in full.values())
+    assert sum(t["prefill"] + t["decode"] for t in got.values()) < sum(
+        t["prefill"] + t["decode"] for t in full.values()
+    )
     assert d.s._pte.live == 0

@@ -191,7 +191,12 @@ class _RequestSeries:
 
     @classmethod
     def bind(cls, m: PteMetrics, lab: Labels) -> _RequestSeries:
-        return cls(m.ideal.labels(*lab), m.recompute.labels(*lab), m.eviction.labels(*lab), m.request_pte.labels(*lab))
+        return cls(
+            m.ideal.labels(*lab),
+            m.recompute.labels(*lab),
+            m.eviction.labels(*lab),
+            m.request_pte.labels(*lab),
+        )
 
 
 @dataclass(frozen=True)
@@ -362,7 +367,10 @@ class PrometheusExporter:
 
     def export(self, r: RequestRecord) -> None:
         failpoint("prometheus")
-        by = (r.tenant or "", r.lora_name or "")  # empty: tenants off, the base model (no label in Prometheus)
+        by = (
+            r.tenant or "",
+            r.lora_name or "",
+        )  # empty: tenants off, the base model (no label in Prometheus)
         self._requests[(*by, r.finish_reason)].inc()
         u = self._usage[by]
         u.served_prefill.inc(r.pte_prefill)
