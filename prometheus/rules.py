@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pte_instrument.server.accountant import MAX_CONSECUTIVE_FAULTS
+from pte_instrument.server.accountant import MAX_CONSECUTIVE_FAULTS, MAX_RETRY_S
 
 WINDOW = "5m"  # 20 scrapes at the usual 15 s, 5 at 1 min
 
@@ -164,15 +164,16 @@ ALERTS: tuple[Alert, ...] = (
         "log names the first fault with its traceback ('pte-instrument: fault in stage …').",
     ),
     Alert(
-        "PteInstrumentExporterSwitchedOff",
+        "PteInstrumentExporterSuspended",
         "pte_exporter_enabled == 0",
         "1m",
         "critical",
-        "pte-instrument switched its {{ $labels.stage }} exporter off on {{ $labels.instance }}",
+        "pte-instrument suspended its {{ $labels.stage }} exporter on {{ $labels.instance }}",
         "The {{ $labels.stage }} exporter of {{ $labels.model_name }} (engine {{ $labels.engine }}) failed "
-        f"{MAX_CONSECUTIVE_FAULTS} times in a row and gets no records until the server restarts; the other exporters "
-        "continue. Fix the cause (the log line '… is switched off until restart' and the faults of "
-        "that stage), then restart the server.",
+        f"{MAX_CONSECUTIVE_FAULTS} times in a row. It is retried with a back-off of up to {MAX_RETRY_S:g} s and "
+        "resumes by itself once a retry succeeds; every record it misses is counted in "
+        "pte_exporter_records_lost_total, and the other exporters continue. Fix the cause (the log line "
+        "'… is suspended' and the faults of that stage).",
     ),
     Alert(
         "PteInstrumentInactive",

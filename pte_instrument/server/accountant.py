@@ -1,15 +1,22 @@
 """Prices finished requests, files them under their session, and fans the records out to
 the exporters, each isolated: a failing stage is counted as a fault and the others still
-receive the record. An exporter that fails ``MAX_CONSECUTIVE_FAULTS`` times in a row is
-switched off, with one log line, instead of failing (and logging) forever, and
-``on_switch_off`` is told (the ``pte_exporter_enabled`` gauge an alert reads)."""
+receive the record. Every record an exporter does not take is counted lost for it
+(``on_lost``), so that delivered + lost = priced for each exporter, whatever happens.
+
+An exporter that fails ``MAX_CONSECUTIVE_FAULTS`` times in a row is suspended, with one log
+line, instead of failing (and logging) on every record: it is skipped, each record it misses
+counted lost, and tried again with the next record after a back-off (1 s, doubling to
+``MAX_RETRY_S``), so a transient fault (a full disk, a collector away) ends by itself.
+``on_state`` is told of each suspension and resumption (the ``pte_exporter_enabled`` gauge
+an alert reads)."""
 
 from __future__ import annotations
 
 import contextlib
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from pte_instrument.cost.model import CostModel
@@ -18,6 +25,8 @@ from pte_instrument.server.ledger import FinishedRequest, RequestRecord, price_r
 from pte_instrument.server.sessions import SessionLedger
 
 MAX_CONSECUTIVE_FAULTS = 100
+FIRST_RETRY_S = 1.0
+MAX_RETRY_S = 60.0
 
 
 def trace_of(traceparent: str | None) -> str | None:
@@ -29,6 +38,12 @@ class Exporter(Protocol):
     def export(self, record: RequestRecord) -> None: ...
 
 
+@dataclass
+class _Suspension:
+    retry_at: float
+    retries: int = 0  # failed retries so far: the back-off doubles with each
+
+
 class Accountant:
     def __init__(
         self,
@@ -38,8 +53,10 @@ class Accountant:
         sessions: SessionLedger | None = None,
         clock: Callable[[], float] = time.time,
         usd_per_gpu_second: float | None = None,  # the engine's price per second, all its GPUs
-        on_switch_off: Callable[[str], None] | None = None,  # given the stage of a switched-off exporter
+        on_state: Callable[[str, bool], None] | None = None,  # (stage, on): suspended (False) or resumed
+        on_lost: Callable[[str], None] | None = None,  # a record the exporter of the stage did not take
         new_trace_id: Callable[[], str] | None = None,  # tracing on: a trace id for a request without one
+        monotonic: Callable[[], float] = time.monotonic,  # the back-off's clock
     ) -> None:
         self.cost_model = cost_model
         self.new_trace_id = new_trace_id
@@ -48,9 +65,17 @@ class Accountant:
         self.faults = faults
         self.sessions = sessions
         self.clock = clock
-        self.on_switch_off = on_switch_off
-        self.disabled: list[str] = []
-        self._streak: dict[str, int] = {}
+        self.on_state = on_state
+        self.on_lost = on_lost
+        self.monotonic = monotonic
+        self.delivered: Counter[str] = Counter()
+        self.lost: Counter[str] = Counter()
+        self._streak: Counter[str] = Counter()
+        self._suspended: dict[str, _Suspension] = {}
+
+    @property
+    def suspended(self) -> list[str]:
+        return list(self._suspended)
 
     def on_finished(self, request: FinishedRequest) -> RequestRecord | None:
         now = self.clock()
@@ -76,27 +101,60 @@ class Accountant:
             except Exception as e:
                 self.faults.record("sessions", e)
         for stage, exporter in self.exporters:
-            try:
-                exporter.export(record)
-            except Exception as e:
-                self.faults.record(stage, e)
-                self._streak[stage] = self._streak.get(stage, 0) + 1
-                if self._streak[stage] >= MAX_CONSECUTIVE_FAULTS:
-                    self._switch_off(stage)
-            else:
-                if self._streak.get(stage):
-                    self._streak[stage] = 0
+            self._export(stage, exporter, record)
         return record
 
-    def _switch_off(self, stage: str) -> None:
-        self.exporters = [(s, e) for s, e in self.exporters if s != stage]
-        self.disabled.append(stage)
+    def _export(self, stage: str, exporter: Exporter, record: RequestRecord) -> None:
+        suspension = self._suspended.get(stage)
+        if suspension is not None and self.monotonic() < suspension.retry_at:
+            self._lose(stage)
+            return
+        try:
+            exporter.export(record)
+        except Exception as e:
+            self.faults.record(
+                stage, e, logged=suspension is not None
+            )  # a retry: the suspension line said it
+            self._lose(stage)
+            self._streak[stage] += 1
+            if suspension is not None:
+                suspension.retries += 1
+                suspension.retry_at = self.monotonic() + self._next_wait(suspension.retries)
+            elif self._streak[stage] >= MAX_CONSECUTIVE_FAULTS:
+                self._suspend(stage, e)
+            return
+        self.delivered[stage] += 1
+        self._streak[stage] = 0
+        if suspension is not None:
+            del self._suspended[stage]
+            log.warning("pte-instrument: exporter %r resumed; it receives every record again", stage)
+            self._tell(self.on_state, stage, True)
+
+    @staticmethod
+    def _next_wait(retries: int) -> float:
+        """The back-off before the next retry, after ``retries`` failed ones."""
+        return min(FIRST_RETRY_S * 2.0 ** min(retries, 30), MAX_RETRY_S)
+
+    def _suspend(self, stage: str, error: Exception) -> None:
+        self._suspended[stage] = _Suspension(self.monotonic() + self._next_wait(0))
         log.error(
-            "pte-instrument: exporter %r failed %d times in a row and is switched off until restart; "
-            "the other exporters continue",
+            "pte-instrument: exporter %r failed %d times in a row (latest: %s) and is suspended; it is "
+            "tried again after %g s, then with a back-off up to %g s, and every record it misses is counted "
+            "in pte_exporter_records_lost_total; the other exporters continue",
             stage,
             MAX_CONSECUTIVE_FAULTS,
+            error,
+            FIRST_RETRY_S,
+            MAX_RETRY_S,
         )
-        if self.on_switch_off is not None:
-            with contextlib.suppress(Exception):  # reporting the switch-off must not raise either
-                self.on_switch_off(stage)
+        self._tell(self.on_state, stage, False)
+
+    def _lose(self, stage: str) -> None:
+        self.lost[stage] += 1
+        self._tell(self.on_lost, stage)
+
+    @staticmethod
+    def _tell(callback: Callable[..., None] | None, *args: object) -> None:
+        if callback is not None:
+            with contextlib.suppress(Exception):  # reporting must not raise either
+                callback(*args)

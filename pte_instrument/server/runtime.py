@@ -9,8 +9,10 @@ from __future__ import annotations
 import atexit
 import os
 import threading
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry
@@ -71,6 +73,7 @@ class Runtime:
         self.efficiency = LiveEfficiency(store=self.sessions)
         self.cost_models: dict[tuple[str, int], CostModel] = {}
         self.api_keys: list[str] = []
+        self.records_lost: Counter[str] = Counter()  # by exporter stage, this process's accountants
         self.request_log = RequestLogWriter(settings.request_log) if settings.request_log else None
         if self.request_log is not None and settings.enabled:
             self._check_request_log(self.request_log)
@@ -102,7 +105,7 @@ class Runtime:
         try:
             from pte_instrument.server.exporters import otel
 
-            return getattr(otel, exporter)()
+            return getattr(otel, exporter)(on_failed=partial(self._otel_batch_failed, stage))
         except Exception as e:  # missing package, bad OTEL_* values
             self.faults.record(stage, e)
             return None
@@ -116,7 +119,8 @@ class Runtime:
             log.error(
                 "pte-instrument: request log PTE_REQUEST_LOG=%r is not writable (%s); serving continues, "
                 "every entry that cannot be written is lost and counted in "
-                'pte_plugin_faults_total{stage="request_log"}, and the path is tried again at each request',
+                'pte_exporter_records_lost_total{stage="request_log"}, and the path is tried again, '
+                "with a back-off once it failed 100 times in a row",
                 str(writer.path),
                 error,
             )
@@ -211,16 +215,31 @@ class Runtime:
             exporters.append(("otel_logs", self.otel_logs))
         if self.otel_metrics is not None:
             exporters.append(("otel_metrics", self.otel_metrics))
-        for stage, _ in exporters:  # at 1 from the start, so an alert sees the switch to 0
+        for stage, _ in exporters:  # at 1 and 0 from the start, so an alert sees the change
             self.metrics.exporter_enabled.labels(model, str(engine), stage).set(1)
+            self.metrics.exporter_records_lost.labels(model, str(engine), stage)
         return exporters
 
-    def exporter_switched_off(self, model: str, engine: int, stage: str) -> None:
-        """An accountant of (model, engine) switched its exporter ``stage`` off until restart."""
+    def exporter_state(self, model: str, engine: int, stage: str, on: bool) -> None:
+        """An accountant of (model, engine) suspended (``on`` False) or resumed its exporter ``stage``."""
         try:
-            self.metrics.exporter_enabled.labels(model, str(engine), stage).set(0)
+            self.metrics.exporter_enabled.labels(model, str(engine), stage).set(int(on))
         except Exception as e:
             self.faults.record("prometheus", e)
+
+    def exporter_lost(self, model: str, engine: int, stage: str, n: int = 1) -> None:
+        """``n`` priced records of (model, engine) that the exporter ``stage`` did not deliver."""
+        self.records_lost[stage] += n
+        try:
+            self.metrics.exporter_records_lost.labels(model, str(engine), stage).inc(n)
+        except Exception as e:
+            self.faults.record("prometheus", e)
+
+    def _otel_batch_failed(self, stage: str, error: Exception, records: Counter[tuple[str, int]]) -> None:
+        """An OTLP batch not delivered: a fault of its stage, and its records lost."""
+        self.faults.record(stage, error)
+        for (model, engine), n in records.items():
+            self.exporter_lost(model, engine, stage, n)
 
     def summary(self) -> dict[str, Any]:
         s = self.sessions
@@ -246,7 +265,10 @@ class Runtime:
                 **self.inbox.summary(),
                 "requests_waiting": sum(len(j.waiting) for j in self.joins),
             },
-            "request_log": None if self.request_log is None else self.request_log.stats(),
+            "request_log": None
+            if self.request_log is None
+            else {**self.request_log.stats(), "lost": self.records_lost["request_log"]},
+            "records_lost": dict(self.records_lost),
             "efficiency": self.efficiency.snapshot(),
             "faults": dict(self.faults.counts),
         }

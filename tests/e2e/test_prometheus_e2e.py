@@ -362,7 +362,7 @@ def test_no_alert_is_pending_or_firing_on_a_healthy_server(scraped: Stack):
 
 
 def test_every_exporter_is_on_and_says_so(scraped: Stack):
-    """The series PteInstrumentExporterSwitchedOff reads: 1 for each exporter this server has."""
+    """The series PteInstrumentExporterSuspended reads: 1 for each exporter this server has."""
     result = scraped.prom.query("pte_exporter_enabled")["result"]
     assert {r["metric"]["stage"]: float(r["value"][1]) for r in result} == {
         "prometheus": 1.0, "efficiency": 1.0, "request_log": 1.0,

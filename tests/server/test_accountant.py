@@ -9,7 +9,7 @@ from pte_instrument.cost.architecture import load_config, parse_shape
 from pte_instrument.cost.devices import PROFILES
 from pte_instrument.cost.model import CostModel
 from pte_instrument.faults import FaultTracker
-from pte_instrument.server.accountant import MAX_CONSECUTIVE_FAULTS, Accountant
+from pte_instrument.server.accountant import FIRST_RETRY_S, MAX_CONSECUTIVE_FAULTS, MAX_RETRY_S, Accountant
 from pte_instrument.server.exporters.prometheus import PrometheusExporter, metrics_for
 from pte_instrument.server.exporters.request_log import RequestLogWriter
 from pte_instrument.server.ledger import FinishedRequest
@@ -89,7 +89,15 @@ def test_fault_log_is_rate_limited(caplog):
     assert len(caplog.records) == 1
 
 
-def test_an_exporter_that_keeps_failing_is_switched_off_once(tmp_path, caplog):
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_an_exporter_that_keeps_failing_is_suspended_once_and_its_records_counted_lost(tmp_path, caplog):
     calls = []
 
     class Flaky:
@@ -98,14 +106,68 @@ def test_an_exporter_that_keeps_failing_is_switched_off_once(tmp_path, caplog):
             raise RuntimeError("still down")
 
     acc, registry, log = make(tmp_path, extra=[("flaky", Flaky())])
+    acc.monotonic = Clock()
     with caplog.at_level("ERROR", logger="pte_instrument"):
         for i in range(MAX_CONSECUTIVE_FAULTS + 50):
             acc.on_finished(req(i))
-    assert len(calls) == MAX_CONSECUTIVE_FAULTS  # not called after the switch-off
-    assert acc.disabled == ["flaky"]
-    assert sum("switched off" in r.getMessage() for r in caplog.records) == 1
+    assert len(calls) == MAX_CONSECUTIVE_FAULTS  # not called while suspended (the clock stood still)
+    assert acc.suspended == ["flaky"]
+    assert sum("suspended" in r.getMessage() for r in caplog.records) == 1
     assert len(log.read_text().splitlines()) == MAX_CONSECUTIVE_FAULTS + 50  # others kept going
     assert registry.get_sample_value("pte_plugin_faults_total", {"stage": "flaky"}) == MAX_CONSECUTIVE_FAULTS
+    assert acc.lost["flaky"] == MAX_CONSECUTIVE_FAULTS + 50  # every record it did not get
+    assert acc.delivered["flaky"] == 0 and acc.delivered["request_log"] == MAX_CONSECUTIVE_FAULTS + 50
+
+
+def test_a_suspended_exporter_is_retried_with_back_off_and_resumes_when_it_recovers(tmp_path, caplog):
+    state = {"down": True, "calls": 0}
+
+    class Transient:
+        def export(self, record):
+            state["calls"] += 1
+            if state["down"]:
+                raise OSError(28, "No space left on device")
+
+    acc, *_ = make(tmp_path, extra=[("transient", Transient())])
+    clock = acc.monotonic = Clock()
+    events: list[tuple[str, bool]] = []
+    acc.on_state = lambda stage, on: events.append((stage, on))
+    priced = 0
+
+    def finish(n: int) -> None:
+        nonlocal priced
+        for _ in range(n):
+            assert acc.on_finished(req(priced)) is not None
+            priced += 1
+
+    finish(MAX_CONSECUTIVE_FAULTS)
+    assert events == [("transient", False)] and state["calls"] == MAX_CONSECUTIVE_FAULTS
+    clock.t += FIRST_RETRY_S - 0.01
+    finish(5)
+    assert state["calls"] == MAX_CONSECUTIVE_FAULTS  # not yet due
+    clock.t += 0.02
+    finish(3)  # one retry, failed: the next in twice the time
+    assert state["calls"] == MAX_CONSECUTIVE_FAULTS + 1
+    clock.t += 2 * FIRST_RETRY_S - 0.01
+    finish(2)
+    assert state["calls"] == MAX_CONSECUTIVE_FAULTS + 1
+    state["down"] = False
+    clock.t += 0.02
+    with caplog.at_level("INFO", logger="pte_instrument"):
+        finish(10)
+    assert state["calls"] == MAX_CONSECUTIVE_FAULTS + 1 + 10  # resumed: every record again
+    assert events == [("transient", False), ("transient", True)]
+    assert acc.suspended == []
+    assert sum("resumed" in r.getMessage() for r in caplog.records) == 1
+    assert acc.delivered["transient"] == 10
+    assert acc.delivered["transient"] + acc.lost["transient"] == priced
+
+
+def test_the_back_off_doubles_up_to_its_cap():
+    acc = Accountant(None, [], FaultTracker())  # type: ignore[arg-type]
+    waits = [acc._next_wait(n) for n in range(12)]
+    assert waits[:3] == [FIRST_RETRY_S, 2 * FIRST_RETRY_S, 4 * FIRST_RETRY_S]
+    assert max(waits) == MAX_RETRY_S and waits[-1] == MAX_RETRY_S
 
 
 def test_a_recovering_exporter_stays_on(tmp_path):
@@ -120,39 +182,42 @@ def test_a_recovering_exporter_stays_on(tmp_path):
     acc, *_ = make(tmp_path, extra=[("sometimes", Sometimes())])
     for i in range(3 * MAX_CONSECUTIVE_FAULTS):
         acc.on_finished(req(i))
-    assert acc.disabled == []
+    assert acc.suspended == []
 
 
-def test_the_switch_off_is_reported_once_with_its_stage(tmp_path):
-    switched: list[str] = []
+def test_the_suspension_is_reported_once_with_its_stage(tmp_path):
+    switched: list[tuple[str, bool]] = []
 
     class Down:
         def export(self, record):
             raise RuntimeError("down")
 
     acc, *_ = make(tmp_path, extra=[("down", Down())])
-    acc.on_switch_off = switched.append
+    acc.monotonic = Clock()
+    acc.on_state = lambda stage, on: switched.append((stage, on))
     for i in range(MAX_CONSECUTIVE_FAULTS - 1):
         acc.on_finished(req(i))
-    assert switched == []  # one fault short of the switch-off
+    assert switched == []  # one fault short of the suspension
     for i in range(MAX_CONSECUTIVE_FAULTS, MAX_CONSECUTIVE_FAULTS + 20):
         acc.on_finished(req(i))
-    assert switched == ["down"]
+    assert switched == [("down", False)]
 
 
-def test_a_failing_switch_off_callback_does_not_stop_the_other_exporters(tmp_path):
-    def broken(stage: str) -> None:
+def test_failing_callbacks_do_not_stop_the_other_exporters(tmp_path):
+    def broken(*args) -> None:
         raise RuntimeError("callback down")
 
     acc, _, log = make(tmp_path, extra=[("boom", Boom())])
-    acc.on_switch_off = broken
+    acc.on_state = broken
+    acc.on_lost = broken
     for i in range(MAX_CONSECUTIVE_FAULTS + 5):
         assert acc.on_finished(req(i)) is not None
-    assert acc.disabled == ["boom"]
+    assert acc.suspended == ["boom"]
     assert len(log.read_text().splitlines()) == MAX_CONSECUTIVE_FAULTS + 5
+    assert acc.lost["boom"] == MAX_CONSECUTIVE_FAULTS + 5
 
 
-def test_the_exporter_enabled_gauge_goes_to_0_when_the_runtime_hears_of_a_switch_off(tmp_path):
+def test_the_exporter_gauges_follow_what_the_runtime_hears(tmp_path):
     from pte_instrument.server.runtime import Runtime
     from pte_instrument.settings import Settings
 
@@ -170,15 +235,23 @@ def test_the_exporter_enabled_gauge_goes_to_0_when_the_runtime_hears_of_a_switch
 
         assert stages == ["prometheus", "efficiency", "request_log"]
         assert [enabled(s) for s in stages] == [1, 1, 1]
-        runtime.exporter_switched_off("m", 1, "request_log")
+        runtime.exporter_state("m", 1, "request_log", False)
         assert [enabled(s) for s in stages] == [1, 1, 0]
+        runtime.exporter_state("m", 1, "request_log", True)
+        assert [enabled(s) for s in stages] == [1, 1, 1]
+        runtime.exporter_lost("m", 1, "request_log")
+        runtime.exporter_lost("m", 1, "request_log")
+        lost = {"model_name": "m", "engine": "1", "stage": "request_log"}
+        assert registry.get_sample_value("pte_exporter_records_lost_total", lost) == 2
+        assert runtime.summary()["request_log"]["lost"] == 2
         assert enabled("otel") is None  # not configured: no series
     finally:
         runtime.sessions.close()
 
 
-def test_the_gauge_help_states_the_switch_off_threshold():
+def test_the_gauge_help_states_the_suspension_threshold_and_back_off():
     from pte_instrument.server.exporters.families import FAMILIES
 
     spec = next(s for s in FAMILIES if s.name == "pte_exporter_enabled")
     assert f"failed {MAX_CONSECUTIVE_FAULTS} times in a row" in spec.help
+    assert f"{MAX_RETRY_S:g} s" in spec.help

@@ -37,6 +37,7 @@ BY_TYPE_AND_LABELS: dict[tuple[str, tuple[str, ...]], tuple[str, ...]] = {
     ("gauge", (*M, "device")): ("pte_gamma", "pte_hardware_operational_intensity_flops_per_byte"),
     ("gauge", (*M, "term", "source")): ("pte_step_model_coefficient",),
     ("gauge", (*M, "stage")): ("pte_exporter_enabled",),
+    ("counter", (*M, "stage")): ("pte_exporter_records_lost_total",),
     ("gauge", M): (
         "pte_active_parameters", "pte_kv_cache_bytes_per_token", "pte_engine_busy_seconds",
         "pte_gpu_seconds_unattributed", "pte_gamma_measured", "pte_step_model_r2",
@@ -70,7 +71,7 @@ GAUGE_MODES = {
     ),
     "pte_engine_estimate_gap_pte": "sum",  # a running sum that may go negative
     "pte_sessions_live": "mostrecent",  # every API server reads the host's one store
-    "pte_exporter_enabled": "min",  # 0 when any API server has switched the exporter off
+    "pte_exporter_enabled": "min",  # 0 when any API server has suspended the exporter
 }
 # fmt: on
 # Exposed name -> (type, label names).

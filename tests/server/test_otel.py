@@ -237,3 +237,63 @@ def test_otel_metrics_are_on_where_metrics_have_somewhere_to_go():
     assert not Settings.from_env({"PTE_OTEL_METRICS": "1", "OTEL_SDK_DISABLED": "true"}).otel_metrics
     bad = Settings.from_env({"PTE_OTEL_METRICS": "sometimes"})
     assert not bad.otel_metrics and any("PTE_OTEL_METRICS='sometimes'" in e for e in bad.errors)
+
+
+class Flaky:
+    """An in-memory span or log exporter that reports its first ``down`` batches as failed."""
+
+    def __init__(self, result: type, down: int) -> None:
+        self.result, self.down, self.received = result, down, []
+
+    def export(self, batch, *args, **kwargs):
+        if self.down > 0:
+            self.down -= 1
+            return self.result.FAILURE
+        self.received.extend(batch)
+        return self.result.SUCCESS
+
+    def shutdown(self) -> None: ...
+
+    def force_flush(self, timeout_millis: int = 0) -> bool:
+        return True
+
+
+def test_failed_otlp_batches_are_faults_and_their_records_lost_until_the_collector_is_back():
+    from opentelemetry.sdk._logs.export import LogRecordExportResult
+    from opentelemetry.sdk.trace.export import SpanExportResult
+
+    from pte_instrument.server.exporters.otel import OtelLogExporter
+
+    for make_exporter, result in ((lambda e, cb: OtelExporter(span_exporter=e, on_failed=cb), SpanExportResult),
+                                  (lambda e, cb: OtelLogExporter(log_exporter=e, on_failed=cb), LogRecordExportResult)):  # fmt: skip
+        flaky = Flaky(result, down=2)
+        failures: list[tuple[Exception, dict]] = []
+        exporter = make_exporter(flaky, lambda e, lost, failures=failures: failures.append((e, dict(lost))))
+        priced = 0
+        for batch in range(4):  # one flushed batch each: two lost, two delivered
+            for i in range(batch + 1):
+                exporter.export(record(request_id=f"cmpl-{batch}-{i}", model="tiny", engine=1))
+                priced += 1
+            exporter.provider.force_flush()
+        exporter.shutdown()
+        lost = sum(n for _, by in failures for n in by.values())
+        assert len(failures) == 2 and all("not delivered" in str(e) for e, _ in failures)
+        assert [by for _, by in failures] == [{("tiny", 1): 1}, {("tiny", 1): 2}]
+        assert len(flaky.received) == 3 + 4
+        assert len(flaky.received) + lost == priced
+
+
+def test_an_otlp_exporter_that_raises_is_counted_and_the_sdk_still_sees_the_error():
+    from opentelemetry.sdk.trace.export import SpanExportResult
+
+    from pte_instrument.server.exporters.otel import count_failures
+
+    class Raises(Flaky):
+        def export(self, batch, *args, **kwargs):
+            raise ConnectionError("collector away")
+
+    failures: list[Exception] = []
+    exporter = count_failures(Raises(SpanExportResult, 0), lambda e, lost: failures.append(e), "spans")
+    with pytest.raises(ConnectionError):
+        exporter.export([])
+    assert [str(e) for e in failures] == ["collector away"]

@@ -219,12 +219,17 @@ FAMILIES: tuple[FamilySpec, ...] = (
                "Requests whose session id was unusable (served, not tracked), by reason.", ("reason",)),
     FamilySpec("faults", "pte_plugin_faults", "counter",
                "Faults inside pte-instrument, by stage; serving continued.", ("stage",)),
-    # An alert needs a series: the switch-off is otherwise one log line. "min": 0 when any
-    # API server has switched the exporter off.
+    # An alert needs a series: the suspension is otherwise one log line. "min": 0 when any
+    # API server has suspended the exporter.
     FamilySpec("exporter_enabled", "pte_exporter_enabled", "gauge",
-               "1 while the exporter (stage) receives every priced record; 0 once it failed 100 times in "
-               "a row and was switched off until restart (the other exporters continue).",
+               "1 while the exporter (stage) receives every priced record; 0 while it is suspended, after it "
+               "failed 100 times in a row: it is retried after 1 s, then with a back-off doubling up to 60 s, "
+               "and back to 1 once a retry succeeds (the other exporters continue).",
                (*REQ, "stage"), multiprocess_mode="min"),
+    FamilySpec("exporter_records_lost", "pte_exporter_records_lost", "counter",
+               "Priced records the exporter (stage) did not take: its export failed, or it was suspended. "
+               "Delivered + lost = pte_requests_total for each exporter.",
+               (*REQ, "stage")),
     # --- session-ledger state (no labels), published by LedgerMetrics ---
     # "mostrecent": every API server reads the one store of the host.
     FamilySpec("sessions_live", "pte_sessions_live", "gauge", "Agent sessions currently tracked (host-wide).",

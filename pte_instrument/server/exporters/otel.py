@@ -7,7 +7,10 @@ export interval)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from pte_instrument.server.ledger import GPU_SECONDS_TERMS, RequestRecord
@@ -42,6 +45,52 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 
 
+class ExportFailed(RuntimeError):
+    """A batch the OTLP exporter reported as not delivered (collector away, refused, timed out)."""
+
+
+# Told of each batch not delivered: why, and how many records it held by (model, engine)
+# (none for a metrics batch, which holds aggregates rather than records).
+OnFailedBatch = Callable[[Exception, Counter[tuple[str, int]]], None]
+
+
+def count_failures(exporter: Any, on_failed: OnFailedBatch | None, kind: str) -> Any:
+    """``exporter`` with its ``export`` reporting every failed batch to ``on_failed``: the
+    SDK's processors and readers only log what they drop."""
+    if on_failed is None:
+        return exporter
+    export = exporter.export
+
+    def counted(batch: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            result = export(batch, *args, **kwargs)
+        except Exception as e:
+            on_failed(e, _records_of(batch, kind))
+            raise
+        if getattr(result, "name", "SUCCESS") != "SUCCESS":
+            n = len(batch) if kind != "metrics" else 1
+            on_failed(ExportFailed(f"an OTLP {kind} batch ({n}) was not delivered"), _records_of(batch, kind))
+        return result
+
+    exporter.export = counted
+    return exporter
+
+
+def _records_of(batch: Any, kind: str) -> Counter[tuple[str, int]]:
+    """The priced records in a span or log batch, by (model, engine)."""
+    out: Counter[tuple[str, int]] = Counter()
+    if kind == "metrics":
+        return out
+    with contextlib.suppress(Exception):  # counting must not fail on an item of another shape
+        for item in batch:
+            attrs = getattr(item, "attributes", None) or getattr(
+                getattr(item, "log_record", None), "attributes", {}
+            )
+            model = attrs.get("gen_ai.request.model", attrs.get("model", ""))
+            out[(str(model), int(attrs.get("pte.engine", attrs.get("engine", 0)) or 0))] += 1
+    return out
+
+
 def _resource() -> Any:
     from opentelemetry.sdk.resources import Resource
 
@@ -51,7 +100,9 @@ def _resource() -> Any:
     return resource
 
 
-def build_tracer_provider(id_generator: Any = None, span_exporter: Any = None) -> Any:
+def build_tracer_provider(
+    id_generator: Any = None, span_exporter: Any = None, on_failed: OnFailedBatch | None = None
+) -> Any:
     """A provider of our own (vLLM's tracing, when on, keeps its own) exporting OTLP/HTTP."""
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -61,22 +112,27 @@ def build_tracer_provider(id_generator: Any = None, span_exporter: Any = None) -
 
         span_exporter = OTLPSpanExporter()
     provider = TracerProvider(resource=_resource(), id_generator=id_generator)
-    provider.add_span_processor(BatchSpanProcessor(span_exporter))
+    provider.add_span_processor(BatchSpanProcessor(count_failures(span_exporter, on_failed, "spans")))
     return provider
 
 
-def build_logger_provider() -> Any:
+def build_logger_provider(log_exporter: Any = None, on_failed: OnFailedBatch | None = None) -> Any:
     """A log provider of our own exporting OTLP/HTTP (``OTEL_EXPORTER_OTLP[_LOGS]_ENDPOINT``)."""
-    from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
     from opentelemetry.sdk._logs import LoggerProvider
     from opentelemetry.sdk._logs.export import BatchLogRecordProcessor
 
+    if log_exporter is None:
+        from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
+
+        log_exporter = OTLPLogExporter()
     provider = LoggerProvider(resource=_resource())
-    provider.add_log_record_processor(BatchLogRecordProcessor(OTLPLogExporter()))
+    provider.add_log_record_processor(
+        BatchLogRecordProcessor(count_failures(log_exporter, on_failed, "logs"))
+    )
     return provider
 
 
-def build_meter_provider(reader: Any = None) -> Any:
+def build_meter_provider(reader: Any = None, on_failed: OnFailedBatch | None = None) -> Any:
     """A meter provider of our own exporting OTLP/HTTP every ``OTEL_METRIC_EXPORT_INTERVAL``
     (``OTEL_EXPORTER_OTLP[_METRICS]_ENDPOINT``; temporality from the exporter's variable)."""
     from opentelemetry.sdk.metrics import MeterProvider
@@ -85,7 +141,7 @@ def build_meter_provider(reader: Any = None) -> Any:
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
         from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
-        reader = PeriodicExportingMetricReader(OTLPMetricExporter())
+        reader = PeriodicExportingMetricReader(count_failures(OTLPMetricExporter(), on_failed, "metrics"))
     return MeterProvider(metric_readers=[reader], resource=_resource())
 
 
@@ -189,9 +245,9 @@ def parent_context(traceparent: str | None) -> Any:
 
 
 class OtelExporter:
-    def __init__(self, span_exporter: Any = None) -> None:
+    def __init__(self, span_exporter: Any = None, on_failed: OnFailedBatch | None = None) -> None:
         self.ids = RecordTraceIds()
-        self.provider = build_tracer_provider(self.ids, span_exporter)
+        self.provider = build_tracer_provider(self.ids, span_exporter, on_failed)
         self.tracer = self.provider.get_tracer("pte_instrument")
         self.new_trace_id = self.ids.new_trace_id  # for a request that brings no trace of its own
 
@@ -229,8 +285,8 @@ def log_attributes(r: RequestRecord) -> dict[str, Any]:
 class OtelLogExporter:
     """One OTLP log record per priced request: the request log, for a collector."""
 
-    def __init__(self, provider: Any | None = None) -> None:
-        self.provider = provider or build_logger_provider()
+    def __init__(self, log_exporter: Any = None, on_failed: OnFailedBatch | None = None) -> None:
+        self.provider = build_logger_provider(log_exporter, on_failed)
         self.logger = self.provider.get_logger("pte_instrument")
 
     def export(self, r: RequestRecord) -> None:
@@ -260,8 +316,8 @@ class OtelMetricsExporter:
     served and reference PTE by phase, GPU time by term (with the step hook), cost (priced).
     TTFT and time per output token are of successful requests only, as the conventions say."""
 
-    def __init__(self, reader: Any = None) -> None:
-        self.provider = build_meter_provider(reader)
+    def __init__(self, reader: Any = None, on_failed: OnFailedBatch | None = None) -> None:
+        self.provider = build_meter_provider(reader, on_failed)
         meter = self.provider.get_meter("pte_instrument")
         self.duration = _histogram(
             meter, "gen_ai.server.request.duration", REQUEST_DURATION_BUCKETS,

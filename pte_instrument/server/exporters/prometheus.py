@@ -97,6 +97,7 @@ class PteMetrics:
     session_ids_rejected: Counter
     faults: Counter
     exporter_enabled: Gauge
+    exporter_records_lost: Counter
     sessions_live: Gauge
     sessions_opened: Counter
     turn_rows_dropped: Counter

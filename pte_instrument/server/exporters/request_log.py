@@ -32,13 +32,12 @@ MAX_PARTIAL = 1 << 20  # a tail without a newline longer than this is not a reco
 
 class RequestLogWriter:
     """Appends one JSON line per record. A record that cannot be written raises (the caller
-    counts it as a fault of stage ``request_log``) and leaves the file as it was; the next
+    counts it as a fault of stage ``request_log`` and the record as lost) and leaves the file as it was; the next
     write opens the path again, so a fixed path or a disk with space again recovers."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.written = 0
-        self.lost = 0
         self._fd: int | None = None
         self._file_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the open file
         self._lock = threading.Lock()
@@ -59,7 +58,6 @@ class RequestLogWriter:
                 line = json.dumps(record.to_dict(), separators=(",", ":"), allow_nan=False) + "\n"
                 _append(self._current(), line.encode())
             except Exception:
-                self.lost += 1
                 self._close()  # reopened (and its tail checked) at the next record
                 raise
             self.written += 1
@@ -101,7 +99,7 @@ class RequestLogWriter:
             self._close()
 
     def stats(self) -> dict[str, object]:
-        return {"path": str(self.path), "written": self.written, "lost": self.lost}
+        return {"path": str(self.path), "written": self.written}
 
 
 @contextlib.contextmanager
