@@ -1,26 +1,50 @@
 """Fault injection for tests and the load/fault bench: ``PTE_FAILPOINTS=stage:prob,…``
 makes ``failpoint(stage)`` raise with that probability (seeded by PTE_FAILPOINTS_SEED).
-Unset, a check costs one dict lookup on an empty dict."""
+Unset, a check costs one dict lookup on an empty dict. A malformed spec injects nothing
+and a malformed seed means 0: the settings name either in one line."""
 
 from __future__ import annotations
 
+import math
 import os
 import random
 
-_points: dict[str, float] = {}
-_rng = random.Random(int(os.environ.get("PTE_FAILPOINTS_SEED", "0")))
+SPEC_ENV = "PTE_FAILPOINTS"
+SEED_ENV = "PTE_FAILPOINTS_SEED"
 
 
 class InjectedFault(RuntimeError):
     pass
 
 
-def _parse(spec: str) -> dict[str, float]:
-    points = {}
-    for item in filter(None, (s.strip() for s in spec.split(","))):
-        stage, _, prob = item.partition(":")
-        points[stage] = float(prob or 1.0)
-    return points
+def parse(spec: str | None) -> tuple[dict[str, float], str | None]:
+    """The points of a spec, and why it is unusable (None: it is; then no point at all)."""
+    points: dict[str, float] = {}
+    for item in filter(None, (s.strip() for s in (spec or "").split(","))):
+        stage, _, raw = item.partition(":")
+        try:
+            prob = float(raw) if raw.strip() else 1.0
+        except ValueError:
+            prob = math.nan
+        if not stage.strip() or not 0.0 <= prob <= 1.0:  # NaN fails both
+            return {}, (
+                f"{SPEC_ENV}={spec!r}: {item!r} is not stage:probability (a number from 0 to 1); "
+                "no fault is injected"
+            )
+        points[stage.strip()] = prob
+    return points, None
+
+
+def parse_seed(raw: str | None) -> tuple[int, str | None]:
+    if raw is None:
+        return 0, None
+    if raw.strip().isdigit():
+        return int(raw), None
+    return 0, f"{SEED_ENV}={raw!r} is not a whole number of 0 or more; using 0"
+
+
+_points, _ = parse(os.environ.get(SPEC_ENV))
+_rng = random.Random(parse_seed(os.environ.get(SEED_ENV))[0])
 
 
 def fires(stage: str) -> bool:
@@ -32,9 +56,3 @@ def fires(stage: str) -> bool:
 def failpoint(stage: str) -> None:
     if fires(stage):
         raise InjectedFault(f"injected fault in {stage}")
-
-
-try:
-    _points.update(_parse(os.environ.get("PTE_FAILPOINTS", "")))
-except ValueError:  # a malformed spec injects nothing rather than breaking the server
-    _points.clear()

@@ -12,11 +12,12 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from pte_instrument import failpoints, transport
 from pte_instrument.cost.architecture import N_ACTIVE_MAX, N_ACTIVE_MIN
 from pte_instrument.cost.devices import HOI_MAX, device_names
 
 _TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
+_FALSE = {"0", "false", "no", "off"}
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,9 @@ class Settings:
             if raw is None:
                 return default
             low = raw.strip().lower()
+            if not low:
+                errors.append(f"{name} is empty; using its default, {default}")
+                return default
             if low in _TRUE:
                 return True
             if low in _FALSE:
@@ -175,6 +179,17 @@ class Settings:
                 f"PTE_CALIBRATION={calibration!r} is not off, online or a saved fit's file; using online"
             )
             calibration = "online"
+        for problem in (
+            failpoints.parse(env.get(failpoints.SPEC_ENV))[1],
+            failpoints.parse_seed(env.get(failpoints.SEED_ENV))[1],
+        ):
+            if problem is not None:
+                errors.append(problem)
+        transport_base = env.get(transport.ADDRESS_ENV)
+        if transport_base and (problem := transport.address_problem(transport_base)) is not None:
+            errors.append(
+                f"{transport.ADDRESS_ENV}={transport_base!r}: {problem}; using a local ipc:// address"
+            )
         return cls(
             enabled=flag("PTE_ENABLED", True),
             device=device,

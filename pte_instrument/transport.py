@@ -34,10 +34,37 @@ ADDRESS_ENV = "PTE_ENGINE_TRANSPORT"
 HIGH_WATER_MARK = 10_000  # queued messages per socket before sends are dropped
 
 
+def address_problem(addr: str) -> str | None:
+    """Why ``addr`` cannot be a transport base (None: it can): ``tcp`` (derived from vLLM's
+    data-parallel settings), ``tcp://<host>:<port>`` or ``ipc://<path>``."""
+    if addr.strip().lower() == "tcp":
+        return None
+    if addr.startswith("ipc://"):
+        return None if addr.removeprefix("ipc://") else "an ipc:// address needs a path"
+    if addr.startswith("tcp://"):
+        host, _, port = addr.removeprefix("tcp://").rpartition(":")
+        if host and port.isdigit() and 0 < int(port) < 65536:
+            return None
+        return "a tcp:// address needs a host and a port from 1 to 65535"
+    return "not tcp, tcp://<host>:<port> or ipc://<path>"
+
+
 def ensure_address() -> str:
-    """The base transport address, created (and exported to child processes) if missing."""
+    """The base transport address, created (and exported to child processes) if missing or
+    unusable: an unusable one is named in one line, and the processes of this server share
+    a working one instead."""
     addr = os.environ.get(ADDRESS_ENV)
-    if not addr:
+    problem = None if not addr else address_problem(addr)
+    if problem is not None:
+        from pte_instrument.faults import log
+
+        log.error(
+            "pte-instrument configuration: %s=%r: %s; using a local ipc:// address",
+            ADDRESS_ENV,
+            addr,
+            problem,
+        )
+    if not addr or problem is not None:
         path = os.path.join(tempfile.gettempdir(), f"pte-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         addr = os.environ[ADDRESS_ENV] = f"ipc://{path}"
     return addr

@@ -131,8 +131,8 @@ class Runtime:
         self.api_server = api_server
         if self.receiver is not None or not address:
             return
-        self.receiver_address = address_for(address, api_server)
         try:
+            self.receiver_address = address_for(address, api_server)
             self.receiver = Receiver(
                 self.receiver_address,
                 self.inbox.on_messages,

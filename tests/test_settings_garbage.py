@@ -1,0 +1,81 @@
+"""Settings no value of which stops the plugin: an empty value means the default, with one
+line; a malformed fault-injection spec or seed, or an engine transport address that is not
+one, is named in one line and replaced by what works."""
+
+from __future__ import annotations
+
+import pytest
+
+from pte_instrument import failpoints, transport
+from pte_instrument.settings import Settings
+
+FLAGS = ["PTE_ENABLED", "PTE_OTEL", "PTE_OTEL_LOGS", "PTE_OTEL_METRICS", "PTE_SESSION_FROM_USER",
+         "PTE_TENANT_FROM_API_KEY"]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", FLAGS)
+@pytest.mark.parametrize("raw", ["", "  "])
+def test_an_empty_flag_means_its_default_with_one_line(name, raw):
+    endpoint = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"}  # every OTel flag defaults on
+    default = Settings.from_env(endpoint)
+    s = Settings.from_env({**endpoint, name: raw})
+    field = name.removeprefix("PTE_").lower()
+    assert getattr(s, field) == getattr(default, field)
+    assert [e for e in s.errors if name in e] == [
+        f"{name} is empty; using its default, {getattr(default, field)}"
+    ]
+
+
+def test_an_empty_pte_enabled_keeps_the_plugin_on():
+    assert Settings.from_env({"PTE_ENABLED": ""}).enabled is True
+
+
+@pytest.mark.parametrize("raw", ["abc", "", "1.5", "nan", "1e308", "-1"])
+def test_a_bad_failpoint_seed_is_named_and_seed_0_used(raw):
+    seed, problem = failpoints.parse_seed(raw)
+    assert seed == 0 and problem is not None and "PTE_FAILPOINTS_SEED" in problem
+    assert any("PTE_FAILPOINTS_SEED" in e for e in Settings.from_env({"PTE_FAILPOINTS_SEED": raw}).errors)
+
+
+def test_a_good_failpoint_seed_is_taken():
+    assert failpoints.parse_seed("7") == (7, None)
+    assert failpoints.parse_seed(None) == (0, None)
+
+
+@pytest.mark.parametrize("spec", ["prometheus:x", "routes:2", "routes:-0.5", ":0.5", "a:nan"])
+def test_a_malformed_failpoint_spec_is_named_and_injects_nothing(spec):
+    points, problem = failpoints.parse(spec)
+    assert points == {} and problem is not None and "PTE_FAILPOINTS" in problem
+    assert any("PTE_FAILPOINTS=" in e for e in Settings.from_env({"PTE_FAILPOINTS": spec}).errors)
+
+
+def test_a_good_failpoint_spec_is_taken():
+    assert failpoints.parse("prometheus:0.25, routes") == ({"prometheus": 0.25, "routes": 1.0}, None)
+
+
+@pytest.mark.parametrize(
+    "address",
+    [
+        "tcp://127.0.0.1:abc",
+        "tcp://127.0.0.1",
+        "tcp://:5555",
+        "tcp://h:70000",
+        "udp://x",
+        "ipc://",
+        "garbage",
+    ],
+)
+def test_an_engine_transport_that_is_not_an_address_is_named_and_replaced(address, monkeypatch):
+    monkeypatch.setenv(transport.ADDRESS_ENV, address)
+    assert transport.address_problem(address) is not None
+    fixed = transport.ensure_address()
+    assert fixed.startswith("ipc://") and transport.address_problem(fixed) is None
+    assert transport.address_for(fixed, 1) == f"{fixed}-1"
+    assert any(transport.ADDRESS_ENV in e for e in Settings.from_env({transport.ADDRESS_ENV: address}).errors)
+
+
+@pytest.mark.parametrize("address", ["tcp", "TCP", "tcp://10.0.0.1:5555", "ipc:///tmp/pte-x"])
+def test_a_good_engine_transport_is_kept(address, monkeypatch):
+    monkeypatch.setenv(transport.ADDRESS_ENV, address)
+    assert transport.address_problem(address) is None and transport.ensure_address() == address
+    assert not Settings.from_env({transport.ADDRESS_ENV: address}).errors
