@@ -14,6 +14,11 @@ from pte_instrument.server.bounded import BoundedDict
 MAX_SESSION_ID_LEN = 128
 MAX_ECHO_LEN = 128
 MAX_TRACEPARENT_LEN = 256  # W3C: 55 characters in version 00; later versions may append fields
+# How long a tag stays after its HTTP exchange ends: longer than the longest wait before such
+# a request is priced (a client that hung up on a request the engine still finished: vLLM's
+# stat logger never reports it, and its engine totals are priced once orphaned, 5 s on, in
+# ``engine_join``), with a margin for a slow transport and a busy pricing timer.
+TAG_GRACE_S = 15.0
 
 
 def quoted(value: str, limit: int = MAX_ECHO_LEN) -> str:
@@ -98,7 +103,7 @@ class PendingTags:
         self,
         capacity: int = 20000,
         max_age_s: float = 3600.0,
-        grace_s: float = 5.0,
+        grace_s: float = TAG_GRACE_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if max_age_s <= 0 or grace_s < 0:

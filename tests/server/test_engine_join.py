@@ -204,3 +204,32 @@ def test_a_mid_prefill_abort_is_priced_on_the_part_of_its_prompt_it_got_through(
     assert r.pte_ideal == 384 - 200
     assert r.pte_eviction_tax == 320 - 64 - 184  # paid-for context prefilled again
     assert r.pte_wasted_aborted == 0
+
+
+def test_a_hung_up_stream_the_engine_finished_keeps_its_session_tag_until_it_is_priced():
+    """The client closed the stream; the engine finished the request (length), so vLLM's stat
+    logger never reports it and it is priced from its totals once they are orphaned. Its tag
+    was settled when the client hung up, just before: it must still be there then."""
+    from pte_instrument.server.engine_join import ORPHAN_AFTER_S, TICK_S
+    from pte_instrument.server.request_tags import PendingTags, RequestTag
+
+    start = time.monotonic()
+    clock = [start]
+    pending = PendingTags(clock=lambda: clock[0])
+    pending.put("cmpl-hangup", RequestTag("agent-7", "none"))
+    pending.settle("cmpl-hangup")  # the HTTP exchange ended with the hang-up
+    inbox, _, priced, faults = make_join()
+
+    def tag(r: FinishedRequest) -> FinishedRequest:
+        t = pending.claim(*request_keys(r.request_id))
+        return replace(r, session_id=None if t is None else t.session_id)
+
+    join = RequestJoin(inbox, "m", request_keys, tag, priced.append, faults)
+    inbox.on_messages([totals("cmpl-hangup", 16, reason="length")])
+    late = (
+        time.monotonic() + ORPHAN_AFTER_S + 2 * TICK_S
+    )  # the timer's tick after the orphan wait, a little late
+    clock[0] = late + 1.0  # and the transport a second slower still
+    join.price_ready(late + 1.0)
+    assert [(r.request_id, r.session_id) for r in priced] == [("cmpl-hangup", "agent-7")]
+    assert pending.dropped == 0

@@ -239,6 +239,6 @@ FAMILIES: tuple[FamilySpec, ...] = (
                "Turn rows not kept past the per-session cap (totals still count).", source="ledger"),
     FamilySpec("tags_dropped", "pte_session_tags_dropped", "counter",
                "Session tags of requests that never finished, dropped: no complete successful answer "
-               "(after 5 s), older than an hour, or past the cap.", source="ledger"),
+               "(after 15 s), older than an hour, or past the cap.", source="ledger"),
 )
 # fmt: on
