@@ -122,6 +122,7 @@ class LedgerStats:
     sessions_evicted: int = 0  # pushed out by the max_sessions cap
     turns_dropped: int = 0  # rows beyond max_turns (their totals are kept)
     records_lost: int = 0  # not stored: the queue was full or the batch failed
+    store_reopened: int = 0  # the store's file was deleted or replaced, and created again
 
 
 class StoreError(RuntimeError):
@@ -161,7 +162,8 @@ class SessionLedger:
             os.close(fd)
             path = name
         self.path = Path(path)
-        self._reader = _connect(self.path)
+        self._reader_db = _connect(self.path)
+        self._store_id = self._reader_id = _file_id(self.path)  # the file the connections use
         self._reader_lock = threading.Lock()
         self._overlay: dict[str, _Tail] = {}  # this process's turns not yet committed
         self._overlay_lock = threading.Lock()
@@ -170,6 +172,15 @@ class SessionLedger:
         self._live = self._count_live()
         self._writer: threading.Thread | None = None
         self._writer_lock = threading.Lock()
+
+    @property
+    def _reader(self) -> sqlite3.Connection:
+        """The routes' connection (``_reader_lock`` held), on the file the writer uses."""
+        if self._reader_id != self._store_id:
+            with contextlib.suppress(sqlite3.Error):
+                self._reader_db.close()
+            self._reader_db, self._reader_id = _connect(self.path), self._store_id
+        return self._reader_db
 
     def __len__(self) -> int:
         """Live sessions on the host, as of this process's latest commit (no query)."""
@@ -275,7 +286,7 @@ class SessionLedger:
             self._queue.put(("stop",))
             writer.join(10)
         with self._reader_lock:
-            self._reader.close()
+            self._reader_db.close()
         if self._private:
             for suffix in ("", "-wal", "-shm"):
                 with contextlib.suppress(OSError):
@@ -403,6 +414,7 @@ class SessionLedger:
                     batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
+            db = self._on_the_file(db)
             now = self.clock()
             expire = any(item[0] == "expire" for item in batch) or time.monotonic() >= next_expiry
             if expire:
@@ -422,6 +434,30 @@ class SessionLedger:
             # Let the committed batch go before waiting for the next: held, it is up to a
             # batch of records kept alive between bursts.
             del first, batch, closed
+
+    def _on_the_file(self, db: sqlite3.Connection | None) -> sqlite3.Connection | None:
+        """The writer's connection to the file now at the store's path. A store deleted or
+        replaced while the server runs (SQLite would go on writing the unlinked file, lost at
+        restart) is opened again at its path, created if need be, as the request log is;
+        the first write that finds it so says it and counts it."""
+        if db is not None and _file_id(self.path) == self._store_id:
+            return db
+        if db is not None:
+            with contextlib.suppress(sqlite3.Error):
+                db.close()
+        try:
+            db = _connect(self.path)
+        except StoreError as e:
+            self._error(e)
+            return None
+        found = _file_id(self.path)
+        if self._store_id is not None and found != self._store_id:
+            self.stats.store_reopened += 1
+            self._error(StoreError(
+                f"session store {self.path} was deleted or replaced while the server ran; opened it again "
+                "at its path (the sessions and totals in the old file are not in it)"))  # fmt: skip
+        self._store_id = found
+        return db
 
     def _commit(
         self,
@@ -484,6 +520,15 @@ class SessionLedger:
         if self.on_error is not None:
             with contextlib.suppress(Exception):  # the fault counter must not raise either
                 self.on_error(e)
+
+
+def _file_id(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of the file at ``path``; None when there is none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _connect(path: Path) -> sqlite3.Connection:

@@ -307,3 +307,32 @@ def test_the_writer_keeps_no_record_once_it_is_committed(ledgers):
     gc.collect()
     alive = sum(ref() is not None for ref in refs)
     assert alive == 0, f"{alive} committed records still held"
+
+
+def test_a_store_deleted_while_the_server_runs_is_created_again_and_the_loss_counted(tmp_path):
+    path = tmp_path / "store" / "sessions.sqlite3"
+    errors: list[Exception] = []
+    ledger = SessionLedger(path, on_error=errors.append)
+    try:
+        turn(ledger, "before", 100, 10, 0, 1001.0)
+        ledger.flush()
+        assert ledger.get("before")["turns"] == 1
+        for suffix in ("", "-wal", "-shm"):  # what an operator's rm does
+            Path(f"{path}{suffix}").unlink(missing_ok=True)
+        turn(ledger, "after", 100, 10, 0, 1002.0)
+        ledger.flush()
+        assert path.exists()  # a store again, at the configured path
+        assert ledger.get("after")["turns"] == 1  # what came after is in it, read back
+        assert ledger.get("before") is None  # what was in the deleted file is gone with it
+        assert ledger.stats.store_reopened == 1
+        assert [str(e) for e in errors if "deleted or replaced" in str(e)], errors
+        turn(ledger, "later", 100, 10, 0, 1003.0)
+        ledger.flush()
+        assert ledger.stats.store_reopened == 1  # once: the new file is the store now
+    finally:
+        ledger.close()
+    reopened = SessionLedger(path)  # and a restart finds it
+    try:
+        assert reopened.get("after")["turns"] == 1 and reopened.get("later")["turns"] == 1
+    finally:
+        reopened.close()
