@@ -64,11 +64,13 @@ MAX_TENANT_LEN = 64
 MAX_TENANTS = 1000
 
 
-def default_session_store() -> str:
-    """One file per host and user, in the temporary directory: every API server of one
-    ``vllm serve`` finds it, and it survives the server's restart."""
+def default_session_store(port: int | None = None) -> str:
+    """One file per server (its port) and user, in the temporary directory: every API
+    server of one ``vllm serve`` finds it, another server on the host has its own, and it
+    survives the server's restart."""
     uid = os.getuid() if hasattr(os, "getuid") else 0
-    return os.path.join(tempfile.gettempdir(), f"pte-instrument-{uid}", "sessions.sqlite3")
+    name = "sessions.sqlite3" if port is None else f"sessions-{port}.sqlite3"
+    return os.path.join(tempfile.gettempdir(), f"pte-instrument-{uid}", name)
 
 
 @dataclass(frozen=True)

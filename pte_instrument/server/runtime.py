@@ -30,7 +30,7 @@ from pte_instrument.server.request_tags import PendingTags, RequestTag
 from pte_instrument.server.sessions import SessionLedger, StoreError
 from pte_instrument.server.tenants import TenantPolicy
 from pte_instrument.settings import Settings
-from pte_instrument.transport import Receiver, address_for
+from pte_instrument.transport import ADDRESS_ENV, Receiver, address_for
 from pte_instrument.wire import EngineCalibration
 
 STAGES = (
@@ -161,9 +161,10 @@ class Runtime:
             feedback_window=settings.feedback_window,
             on_close=self._session_closed,
             on_error=lambda e: self.faults.record("sessions", e),
+            server_id=os.environ.get(ADDRESS_ENV),  # one per vllm serve, shared by its API servers
         )
         try:
-            return SessionLedger(settings.session_store, **kwargs)
+            ledger = SessionLedger(settings.session_store, **kwargs)
         except StoreError as e:
             self.faults.record("sessions", e, logged=True)  # the one line below says it all
             log.error(
@@ -172,6 +173,25 @@ class Runtime:
                 e,
             )
             return SessionLedger(None, **kwargs)
+        self._say_if_shared(ledger)
+        return ledger
+
+    @staticmethod
+    def _say_if_shared(ledger: SessionLedger) -> None:
+        """One line when another server on the host writes to the same store: their sessions
+        and totals merge (what ``PTE_SESSION_STORE`` given to both asks for)."""
+        try:
+            others = ledger.other_servers()
+        except Exception:  # the store's first write will say what is wrong with it
+            return
+        if others:
+            log.warning(
+                "pte-instrument: the session store %s is shared with %d other running server(s): their "
+                "sessions, turn numbers and totals merge with this server's; give each server its own "
+                "PTE_SESSION_STORE unless that is what you want",
+                ledger.path,
+                len(others),
+            )
 
     def _session_closed(self, summary: dict[str, Any], reason: str) -> None:
         try:

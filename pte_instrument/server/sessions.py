@@ -66,6 +66,7 @@ CREATE TABLE IF NOT EXISTS turns (
     session_id TEXT NOT NULL, seq INTEGER NOT NULL, row TEXT NOT NULL, PRIMARY KEY (session_id, seq)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS servers (id TEXT PRIMARY KEY, last_seen REAL NOT NULL) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS recent (
     request_id TEXT PRIMARY KEY, seq INTEGER NOT NULL, model TEXT NOT NULL, benchmark TEXT NOT NULL,
     output_tokens INTEGER NOT NULL, truncated INTEGER NOT NULL, session_id TEXT, labeled INTEGER NOT NULL
@@ -91,6 +92,7 @@ _SUMMARY_COLUMNS = ("id", "model", "n_turns", "turns_dropped", "first_seen", "la
 MAX_QUEUED = 10_000  # records waiting for the writer; past it a record is lost and counted
 _BATCH = 1024  # records per transaction at most
 _EXPIRE_EVERY_S = 1.0  # the writer closes idle sessions at least this often, turns or not
+SERVER_ALIVE_S = 60.0  # a server whose writer committed within this long is using the store
 
 
 @dataclass(frozen=True)
@@ -142,9 +144,12 @@ class SessionLedger:
         clock: Callable[[], float] = time.time,
         max_queued: int = MAX_QUEUED,
         feedback_window: int = 50_000,
+        server_id: str | None = None,
     ) -> None:
         """``path``: the store (None: a private file, deleted at ``close``). ``on_close(summary,
-        reason)`` runs for each session this process closes; ``on_error`` for each failed write."""
+        reason)`` runs for each session this process closes; ``on_error`` for each failed write.
+        ``server_id``: the server this process serves for (its API servers share one), so
+        that a store two servers write to can say so (``other_servers``)."""
         if max_sessions < 1 or max_turns < 1 or idle_ttl_s <= 0:
             raise ValueError("max_sessions and max_turns must be ≥ 1, idle_ttl_s > 0")
         self.max_sessions = max_sessions
@@ -156,6 +161,7 @@ class SessionLedger:
         self.on_error = on_error
         self.clock = clock
         self.stats = LedgerStats()
+        self.server_id = server_id or f"pid-{os.getpid()}"
         self._private = path is None
         if path is None:
             fd, name = tempfile.mkstemp(prefix="pte-sessions-", suffix=".sqlite3")
@@ -294,6 +300,15 @@ class SessionLedger:
 
     # --- reads for the routes: this process's queued turns first, then the host's store ---
 
+    def other_servers(self) -> list[str]:
+        """The other servers whose writers committed to this store in the last ``SERVER_ALIVE_S``."""
+        with self._reader_lock:
+            rows = self._reader.execute(
+                "SELECT id FROM servers WHERE id != ? AND last_seen > ? ORDER BY id",
+                (self.server_id, time.time() - SERVER_ALIVE_S),
+            ).fetchall()
+        return [r[0] for r in rows]
+
     def get(self, session_id: str) -> dict[str, Any] | None:
         self.flush()
         with self._reader_lock:
@@ -429,6 +444,8 @@ class SessionLedger:
                     item[1].set()
             if any(item[0] == "stop" for item in batch):
                 if db is not None:
+                    with contextlib.suppress(sqlite3.Error):  # no longer a server of this store
+                        db.execute("DELETE FROM servers WHERE id = ?", (self.server_id,))
                     db.close()
                 return
             # Let the committed batch go before waiting for the next: held, it is up to a
@@ -486,6 +503,10 @@ class SessionLedger:
                 if expire:
                     batch.close("WHERE last_seen < ?", (now - self.idle_ttl_s,), "idle")
                 batch.count()
+                db.execute(
+                    "INSERT INTO servers VALUES (?, ?) ON CONFLICT (id) DO UPDATE SET last_seen = excluded.last_seen",
+                    (self.server_id, time.time()),
+                )
                 failpoint("session_store")
         except Exception as e:
             self.stats.records_lost += len(adds) + len(observed)

@@ -1,11 +1,38 @@
 """``vllm.general_plugins`` entry point: runs in every vLLM process. In the first one (the
-API server) it creates the engine → API-server transport address; the engine processes,
-spawned later, inherit it (see ``pte_instrument.transport``)."""
+API server, or ``vllm serve``'s launcher) it creates the engine → API-server transport
+address and, unless ``PTE_SESSION_STORE`` names one, the server's own session store path
+(by its port); the engine and API-server processes, spawned later, inherit both (see
+``pte_instrument.transport``)."""
 
 from __future__ import annotations
 
+import os
+import sys
+
+VLLM_DEFAULT_PORT = 8000
+
 
 def register() -> None:
+    from pte_instrument.settings import default_session_store
     from pte_instrument.transport import ensure_address
 
     ensure_address()
+    if not (os.environ.get("PTE_SESSION_STORE") or "").strip():
+        port = serve_port(sys.argv)
+        if port is not None:
+            os.environ["PTE_SESSION_STORE"] = default_session_store(port)
+
+
+def serve_port(argv: list[str]) -> int | None:
+    """The port ``vllm serve`` (or vLLM's OpenAI server module) listens on, from its
+    command line; None for another program or a port that is not a number."""
+    programs = [os.path.splitext(os.path.basename(a))[0] for a in argv[:3]]  # vllm serve, python -m …
+    if not any(p in ("serve", "api_server") for p in programs):
+        return None
+    port = str(VLLM_DEFAULT_PORT)
+    for i, arg in enumerate(argv):
+        if arg == "--port" and i + 1 < len(argv):
+            port = argv[i + 1]
+        elif arg.startswith("--port="):
+            port = arg.removeprefix("--port=")
+    return int(port) if port.isdigit() else None

@@ -124,3 +124,39 @@ def test_sigkill_under_load_leaves_the_store_whole(tiny_model, tmp_path):
     with serve(tiny_model, store, tmp_path / "after-kill.log") as again:  # the store opens and serves
         sid, n_turns = rows[0][0], rows[0][1]
         assert stored_turns(again.url, sid) == n_turns
+
+
+def test_two_servers_on_one_host_have_their_own_default_store_and_a_shared_one_says_so(tiny_model, tmp_path):
+    def server(name: str, store: str) -> VllmServer:
+        env = {"VLLM_PLUGINS": "pte", "PTE_SESSION_STORE": store}  # "": the default
+        return VllmServer(tiny_model, log_path=tmp_path / f"{name}.log", env=env)
+
+    def summary(url: str) -> dict:
+        return httpx.get(f"{url}/pte/summary", timeout=10).json()
+
+    with server("a", "") as a, server("b", "") as b:
+        stores = []
+        try:
+            for vllm, sid in ((a, "on-a"), (b, "on-b")):
+                body = {"model": vllm.served_name, "prompt": "whose store", "max_tokens": 2}
+                r = httpx.post(
+                    f"{vllm.url}/v1/completions", json=body, headers={"X-Session-Id": sid}, timeout=60
+                )
+                assert r.status_code == 200
+            for vllm, own, other in ((a, "on-a", "on-b"), (b, "on-b", "on-a")):
+                assert wait(lambda v=vllm, s=own: stored_turns(v.url, s) == 1)
+                assert stored_turns(vllm.url, other) == 0  # the other server's session is not here
+                store = summary(vllm.url)["sessions"]["store"]
+                assert Path(store).name == f"sessions-{vllm.port}.sqlite3", store
+                stores.append(store)
+            assert stores[0] != stores[1]
+            shared_line = "is shared with 1 other running server"
+            assert not any(shared_line in (tmp_path / f"{n}.log").read_text(errors="replace") for n in "ab")
+            with server("c", stores[0]) as c:  # by choice: the same file as a
+                assert stored_turns(c.url, "on-a") == 1
+                text = (tmp_path / "c.log").read_text(errors="replace")
+                assert sum(shared_line in line for line in text.splitlines()) == 1, text[-2000:]
+        finally:
+            for store in stores:
+                for suffix in ("", "-wal", "-shm"):
+                    Path(store + suffix).unlink(missing_ok=True)

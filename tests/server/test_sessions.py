@@ -336,3 +336,34 @@ def test_a_store_deleted_while_the_server_runs_is_created_again_and_the_loss_cou
         assert reopened.get("after")["turns"] == 1 and reopened.get("later")["turns"] == 1
     finally:
         reopened.close()
+
+
+def test_a_store_knows_the_other_servers_writing_to_it(tmp_path):
+    path = tmp_path / "shared.sqlite3"
+    one = SessionLedger(path, server_id="server-a")
+    two = SessionLedger(path, server_id="server-b")
+    try:
+        assert two.other_servers() == []
+        turn(one, "s", 100, 10, 0, 1001.0)
+        one.flush()  # a commit says it is alive
+        assert two.other_servers() == ["server-a"] and one.other_servers() == []
+        one.close()  # shutting down: no longer a server of the store
+        assert two.other_servers() == []
+    finally:
+        one.close()
+        two.close()
+
+
+def test_the_default_store_is_private_to_the_servers_port():
+    from pte_instrument.settings import default_session_store
+    from pte_instrument.vllm_adapter.plugin import serve_port
+
+    assert serve_port(["vllm", "serve", "m", "--port", "8011"]) == 8011
+    assert serve_port(["vllm", "serve", "m", "--port=8012", "--host", "0.0.0.0"]) == 8012
+    assert serve_port(["vllm", "serve", "m"]) == 8000  # vLLM's default
+    assert serve_port(["vllm", "serve", "m", "--port", "nope"]) is None
+    assert serve_port(["/v/lib/vllm/entrypoints/openai/api_server.py", "--model", "m", "--port", "9"]) == 9
+    assert serve_port(["/v/lib/pte_instrument/vllm_adapter/serve.py", "m"]) == 8000
+    assert serve_port(["python", "-c", "pass"]) is None  # not a server
+    a, b = default_session_store(8011), default_session_store(8012)
+    assert a != b and a.endswith("sessions-8011.sqlite3") and Path(a).parent == Path(b).parent
