@@ -10,6 +10,7 @@ each location, newest first, and the contract lists them all."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,6 +33,17 @@ def served_model_name(vllm_config: VllmConfig) -> str:
 def lora_enabled(vllm_config: VllmConfig) -> bool:
     """The server serves LoRA adapters (``--enable-lora``)."""
     return getattr(vllm_config, "lora_config", None) is not None
+
+
+def api_keys(args: Any) -> list[str]:
+    """The API keys vLLM's server checks, by its own rule: ``--api-key`` over ``VLLM_API_KEY``."""
+    keys = getattr(args, "api_key", None) or [os.environ.get("VLLM_API_KEY", "")]
+    return [k for k in keys if k]
+
+
+def app_args(app: Any) -> Any:
+    """The server's parsed command line, which vLLM keeps on the app's state (None: none)."""
+    return getattr(getattr(app, "state", None), "args", None)
 
 
 def served_lora_adapters(app: Any) -> Mapping[str, Any] | None:

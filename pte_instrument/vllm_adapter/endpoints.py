@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import os
 import secrets
 import uuid
 from argparse import Namespace
@@ -73,6 +72,19 @@ class SessionMiddleware:
         self.runtime = runtime or get_runtime()
         self.header = self.runtime.settings.session_header.lower().encode("ascii")
         self.benchmark_header = self.runtime.settings.benchmark_header.lower().encode("ascii")
+        self._keys_read = False
+
+    def _authorized(self, scope: Scope, headers: list[tuple[bytes, bytes]]) -> bool:
+        """vLLM's API-key check, made here first: added by ``--middleware``, this runs before
+        vLLM's own, and the endpoint plugin that tells the runtime the keys may not be loaded."""
+        if not self._keys_read:
+            self._keys_read = True
+            if not self.runtime.api_keys:
+                self.runtime.api_keys = compat.api_keys(compat.app_args(scope.get("app")))
+        if not self.runtime.api_keys:
+            return True
+        value = next((v for k, v in headers if k == b"authorization"), b"")
+        return authorized(value.decode("latin-1"), self.runtime.api_keys)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         key = None
@@ -93,6 +105,8 @@ class SessionMiddleware:
         """The request key its tag is kept under (None: nothing to tag), and the receive
         channel to pass on."""
         headers: list[tuple[bytes, bytes]] = scope["headers"]
+        if not self._authorized(scope, headers):  # vLLM refuses it; nothing of it is read here
+            return None, receive
         raw = next((v for k, v in headers if k == self.header), None)
         want_user = raw is None and self.runtime.settings.session_from_user
         lora = self.runtime.lora_names
@@ -179,14 +193,18 @@ def _error(status: int, message: str) -> JSONResponse:
 
 
 def _authorized(request: Request, runtime: Runtime) -> bool:
-    """Same rule as vLLM's ``--api-key``: ``Authorization: Bearer <key>``."""
-    if not runtime.api_keys:
+    return authorized(request.headers.get("authorization", ""), runtime.api_keys)
+
+
+def authorized(authorization: str, keys: list[str]) -> bool:
+    """Same rule as vLLM's ``--api-key``: ``Authorization: Bearer <key>`` (no keys: anyone)."""
+    if not keys:
         return True
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    scheme, _, token = authorization.partition(" ")
     if scheme.lower() != "bearer":
         return False
     digest = hashlib.sha256(token.encode()).digest()
-    return any(secrets.compare_digest(digest, hashlib.sha256(k.encode()).digest()) for k in runtime.api_keys)
+    return any(secrets.compare_digest(digest, hashlib.sha256(k.encode()).digest()) for k in keys)
 
 
 def _int_param(request: Request, name: str, default: int, lo: int, hi: int) -> int:
@@ -242,6 +260,11 @@ def _feedback_target(body: dict[str, Any]) -> tuple[bool, str | None, str | None
     given = [v for v in (rid, sid) if v is not None]
     if len(given) != 1 or not isinstance(given[0], str) or not given[0]:
         raise RouteError(400, "give exactly one of 'request_id' or 'session_id', as a non-empty string")
+    try:  # JSON admits "\ud800"; no store, header or log line can hold it
+        given[0].encode("utf-8")
+    except UnicodeEncodeError:
+        field = "request_id" if rid is not None else "session_id"
+        raise RouteError(400, f"'{field}' must be valid Unicode (it holds a lone surrogate)") from None
     return correct, rid, sid
 
 
@@ -350,5 +373,4 @@ class PteEndpoints:
         app.add_middleware(SessionMiddleware, runtime=runtime)
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
-        keys = getattr(args, "api_key", None) or [os.environ.get("VLLM_API_KEY", "")]
-        get_runtime().api_keys = [k for k in keys if k]
+        get_runtime().api_keys = compat.api_keys(args)

@@ -194,7 +194,8 @@ def generation_app(status: int, complete: bool = True):
 
 
 def tagged_client(runtime: Runtime, status: int, complete: bool = True) -> TestClient:
-    return TestClient(SessionMiddleware(generation_app(status, complete), runtime=runtime))
+    # with the key: the middleware tags only what vLLM's key check lets through
+    return TestClient(SessionMiddleware(generation_app(status, complete), runtime=runtime), headers=AUTH)
 
 
 @pytest.mark.parametrize("status", [400, 401, 404, 422, 500, 503])
@@ -359,3 +360,38 @@ def test_pte_metrics_answers_openmetrics_when_asked_and_needs_the_key(client, ru
     assert plain.status_code == 200 and plain.headers["content-type"].startswith("text/plain")
     assert "# EOF" not in plain.text
     assert client.get("/pte/metrics").status_code == 401
+
+
+@pytest.mark.parametrize("field", ["request_id", "session_id"])
+@pytest.mark.parametrize("escape", [b"\\ud800", b"x\\udfff", b"\\udc80y"])
+def test_a_lone_surrogate_in_a_feedback_id_is_a_400_that_says_so(client, field, escape):
+    body = b'{"correct": true, "' + field.encode() + b'": "' + escape + b'"}'
+    r = client.post("/pte/feedback", content=body, headers=AUTH)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error == f"'{field}' must be valid Unicode (it holds a lone surrogate)", error
+
+
+def test_the_middleware_form_reads_no_body_of_a_request_vllms_api_key_check_refuses():
+    """``--middleware``: vLLM adds the class after its own ``AuthenticationMiddleware``, so it
+    runs first; with no endpoint plugin the runtime never heard of the keys."""
+    from argparse import Namespace
+
+    from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+
+    runtime = Runtime(Settings(session_from_user=True), registry=CollectorRegistry())
+    assert runtime.api_keys == []
+    app = FastAPI()
+    app.state.args = Namespace(api_key=[KEY])
+
+    @app.post("/v1/completions")
+    async def completions() -> dict:
+        return {"ok": True}
+
+    app.add_middleware(AuthenticationMiddleware, tokens=[KEY])  # as vLLM's server does, in its order
+    app.add_middleware(SessionMiddleware, runtime=runtime)
+    chunks = [b'{"user": "agent-1", "prompt": "' + b"x" * 16384] + [b"x" * 16384] * 30 + [b'"}']
+    status, _, read = call(app, "/v1/completions", [(b"transfer-encoding", b"chunked")], chunks)
+    assert (status, read) == (401, 0)
+    status, _, read = call(app, "/v1/completions", [(b"authorization", f"Bearer {KEY}".encode())], chunks)
+    assert status == 200 and read == len(chunks)  # with the key: read, once, and passed on
