@@ -9,6 +9,8 @@ import math
 import os
 import random
 
+# The stages with a failpoint (``request_log``: a disk that fills in the middle of a record).
+STAGES = ("engine_step", "prometheus", "request_log", "routes", "session_store", "transport")
 SPEC_ENV = "PTE_FAILPOINTS"
 SEED_ENV = "PTE_FAILPOINTS_SEED"
 
@@ -18,7 +20,7 @@ class InjectedFault(RuntimeError):
 
 
 def parse(spec: str | None) -> tuple[dict[str, float], str | None]:
-    """The points of a spec, and why it is unusable (None: it is; then no point at all)."""
+    """The points of a spec, and why it is unusable (None: it is; else no point at all)."""
     points: dict[str, float] = {}
     for item in filter(None, (s.strip() for s in (spec or "").split(","))):
         stage, _, raw = item.partition(":")
@@ -26,10 +28,10 @@ def parse(spec: str | None) -> tuple[dict[str, float], str | None]:
             prob = float(raw) if raw.strip() else 1.0
         except ValueError:
             prob = math.nan
-        if not stage.strip() or not 0.0 <= prob <= 1.0:  # NaN fails both
+        if stage.strip() not in STAGES or not 0.0 <= prob <= 1.0:  # NaN fails both
             return {}, (
-                f"{SPEC_ENV}={spec!r}: {item!r} is not stage:probability (a number from 0 to 1); "
-                "no fault is injected"
+                f"{item[:40]!r} is not stage:probability (a stage of {', '.join(STAGES)}; a number "
+                "from 0 to 1); no fault is injected"
             )
         points[stage.strip()] = prob
     return points, None
@@ -40,7 +42,7 @@ def parse_seed(raw: str | None) -> tuple[int, str | None]:
         return 0, None
     if raw.strip().isdigit():
         return int(raw), None
-    return 0, f"{SEED_ENV}={raw!r} is not a whole number of 0 or more; using 0"
+    return 0, "not a whole number of 0 or more; using 0"
 
 
 _points, _ = parse(os.environ.get(SPEC_ENV))

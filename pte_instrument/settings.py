@@ -58,6 +58,16 @@ BOUNDS: dict[str, Bounds] = {
     "PTE_MAX_LORA_NAMES": Bounds(1, 10_000, whole=True),
 }
 
+# Every PTE_* variable the plugin reads (docs/configuration.md): any other is named as a typo.
+NAMES = frozenset({
+    "PTE_ACCUMULATOR", "PTE_BENCHMARK_LABELS", "PTE_CALIBRATION", "PTE_DEVICE", "PTE_ENABLED",
+    "PTE_ENGINE_TRANSPORT", "PTE_FAILPOINTS", "PTE_FAILPOINTS_SEED", "PTE_FEEDBACK_WINDOW",
+    "PTE_GPU_HOURLY_PRICE", "PTE_HOI", "PTE_MAX_LORA_NAMES", "PTE_MAX_SESSIONS", "PTE_MAX_TURNS",
+    "PTE_N_ACTIVE", "PTE_OTEL", "PTE_OTEL_LOGS", "PTE_OTEL_METRICS", "PTE_REQUEST_LOG",
+    "PTE_SESSION_FROM_USER", "PTE_SESSION_HEADER", "PTE_SESSION_IDLE_TTL_S", "PTE_SESSION_STORE",
+    "PTE_STEP_LOG", "PTE_TENANTS", "PTE_TENANT_FROM_API_KEY", "PTE_TENANT_HEADER",
+})  # fmt: skip
+
 # Tenants: allow-listed values of a metric label, so both their length and their number are capped.
 OTHER_TENANT = "other"  # every value not on the allow-list (or none), when tenants are on
 MAX_TENANT_LEN = 64
@@ -106,26 +116,29 @@ class Settings:
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
         env = os.environ if env is None else env
         errors: list[str] = []
+        for name in sorted(n for n in env if n.startswith("PTE_")):
+            if name not in NAMES:
+                errors.append(f"{name} is not a pte-instrument setting (a typo?); ignoring it")
+            elif not env[name].strip():
+                errors.append(f"{name} is empty; using its default")
+        env = {k: v for k, v in env.items() if (k in NAMES and v.strip()) or not k.startswith("PTE_")}
 
         def flag(name: str, default: bool) -> bool:
             raw = env.get(name)
             if raw is None:
                 return default
             low = raw.strip().lower()
-            if not low:
-                errors.append(f"{name} is empty; using its default, {default}")
-                return default
             if low in _TRUE:
                 return True
             if low in _FALSE:
                 return False
-            errors.append(f"{name}={raw!r} is not a boolean (use 1/0, true/false); using {default}")
+            errors.append(f"{name}={shown(raw)} is not a boolean (use 1/0, true/false); using {default}")
             return default
 
         def number(name: str, default: float | None) -> float | None:
             """The value within BOUNDS[name], else ``default`` (None: no override)."""
             raw = env.get(name)
-            if raw is None or not raw.strip():
+            if raw is None:
                 return default
             bounds = BOUNDS[name]
             try:
@@ -135,7 +148,7 @@ class Settings:
             if bounds.admits(value):
                 return int(value) if bounds.whole else value
             fallback = "ignoring it" if default is None else f"using {default:g}"
-            errors.append(f"{name}={raw!r} must be {bounds.describe()}; {fallback}")
+            errors.append(f"{name}={shown(raw)} must be {bounds.describe()}; {fallback}")
             return default
 
         def count(name: str, default: int) -> int:
@@ -144,17 +157,19 @@ class Settings:
         device = (env.get("PTE_DEVICE") or "auto").strip()
         if device.lower() not in device_names():  # else the cost model could not be built
             errors.append(
-                f"PTE_DEVICE={device!r} is not a device profile (known: {', '.join(device_names())}); using auto"
+                f"PTE_DEVICE={shown(device)} is not a device profile (known: {', '.join(device_names())}); using auto"
             )
             device = "auto"
 
         header = (env.get("PTE_SESSION_HEADER") or "X-Session-Id").strip()
         if not _header_name(header):
-            errors.append(f"PTE_SESSION_HEADER={header!r} is not a valid header name; using X-Session-Id")
+            errors.append(
+                f"PTE_SESSION_HEADER={shown(header)} is not a valid header name; using X-Session-Id"
+            )
             header = "X-Session-Id"
         tenant_header: str | None = (env.get("PTE_TENANT_HEADER") or "").strip() or None
         if tenant_header is not None and not _header_name(tenant_header):
-            errors.append(f"PTE_TENANT_HEADER={tenant_header!r} is not a valid header name; ignoring it")
+            errors.append(f"PTE_TENANT_HEADER={shown(tenant_header)} is not a valid header name; ignoring it")
             tenant_header = None
         tenant_from_api_key = flag("PTE_TENANT_FROM_API_KEY", False)
         tenants = _tenant_list(env.get("PTE_TENANTS") or "", errors)
@@ -171,27 +186,25 @@ class Settings:
         )
         backend = (env.get("PTE_ACCUMULATOR") or "auto").strip().lower()
         if backend not in ("auto", "numpy", "torch", "triton"):
-            errors.append(f"PTE_ACCUMULATOR={backend!r} is not one of auto, numpy, torch, triton; using auto")
+            errors.append(
+                f"PTE_ACCUMULATOR={shown(backend)} is not one of auto, numpy, torch, triton; using auto"
+            )
             backend = "auto"
         calibration = (env.get("PTE_CALIBRATION") or "online").strip()
         if calibration.lower() in ("off", "online"):
             calibration = calibration.lower()
         elif not os.path.isfile(calibration):
             errors.append(
-                f"PTE_CALIBRATION={calibration!r} is not off, online or a saved fit's file; using online"
+                f"PTE_CALIBRATION={shown(calibration)} is not off, online or a saved fit's file; using online"
             )
             calibration = "online"
-        for problem in (
-            failpoints.parse(env.get(failpoints.SPEC_ENV))[1],
-            failpoints.parse_seed(env.get(failpoints.SEED_ENV))[1],
-        ):
-            if problem is not None:
-                errors.append(problem)
-        transport_base = env.get(transport.ADDRESS_ENV)
-        if transport_base and (problem := transport.address_problem(transport_base)) is not None:
-            errors.append(
-                f"{transport.ADDRESS_ENV}={transport_base!r}: {problem}; using a local ipc:// address"
-            )
+        for name, check in ((failpoints.SPEC_ENV, lambda v: failpoints.parse(v)[1]),
+                            (failpoints.SEED_ENV, lambda v: failpoints.parse_seed(v)[1]),
+                            (transport.ADDRESS_ENV, transport.address_problem)):  # fmt: skip
+            raw = env.get(name)
+            if raw is not None and (problem := check(raw)) is not None:
+                fix = "; using a local ipc:// address" if name == transport.ADDRESS_ENV else ""
+                errors.append(f"{name}={shown(raw)}: {problem}{fix}")
         return cls(
             enabled=flag("PTE_ENABLED", True),
             device=device,
@@ -233,6 +246,11 @@ class Settings:
             max_lora_names=count("PTE_MAX_LORA_NAMES", 64),
             errors=tuple(errors),
         )
+
+
+def shown(value: str, limit: int = 64) -> str:
+    """A setting's value quoted for a log line, cut to ``limit`` characters."""
+    return repr(value) if len(value) <= limit else repr(value[:limit]) + "…"
 
 
 def _header_name(name: str) -> bool:

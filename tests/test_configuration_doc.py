@@ -23,3 +23,9 @@ def test_every_env_var_is_documented():
     assert "PTE_ENABLED" in names and "PTE_SESSION_IDLE_TTL_S" in names
     missing = sorted(n for n in names if f"`{n}`" not in doc)
     assert not missing, f"docs/configuration.md lacks {missing}"
+
+
+def test_the_settings_know_every_pte_variable_the_code_reads():
+    from pte_instrument.settings import NAMES
+
+    assert {n for n in env_vars_in_code() if n.startswith("PTE_")} == NAMES
