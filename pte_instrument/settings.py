@@ -118,7 +118,7 @@ class Settings:
         errors: list[str] = []
         for name in sorted(n for n in env if n.startswith("PTE_")):
             if name not in NAMES:
-                errors.append(f"{name} is not a pte-instrument setting (a typo?); ignoring it")
+                errors.append(f"{name[:64]} is not a pte-instrument setting (a typo?); ignoring it")
             elif not env[name].strip():
                 errors.append(f"{name} is empty; using its default")
         env = {k: v for k, v in env.items() if (k in NAMES and v.strip()) or not k.startswith("PTE_")}
