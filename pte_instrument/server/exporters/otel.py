@@ -68,8 +68,8 @@ def count_failures(exporter: Any, on_failed: OnFailedBatch | None, kind: str) ->
             on_failed(e, _records_of(batch, kind))
             raise
         if getattr(result, "name", "SUCCESS") != "SUCCESS":
-            n = len(batch) if kind != "metrics" else 1
-            on_failed(ExportFailed(f"an OTLP {kind} batch ({n}) was not delivered"), _records_of(batch, kind))
+            size = "" if kind == "metrics" else f" of {len(batch)}"
+            on_failed(ExportFailed(f"an OTLP {kind} batch{size} was not delivered"), _records_of(batch, kind))
         return result
 
     exporter.export = counted
