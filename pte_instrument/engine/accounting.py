@@ -4,7 +4,7 @@ accumulator and reports each finished request once, through a transport.
 
 The hook does almost nothing per step: the adapter keeps a reference to each step's
 scheduler output and two clock readings, and converts the steps whose outputs are back into
-one ``CompletedSteps`` only when they are priced — every ``PRICE_EVERY_STEPS`` steps, or
+one ``CompletedSteps`` only when they are priced — every ``PRICE_EVERY_STEPS`` steps (or rows), or
 soon after a request finished (docs/cost-model.md §5c). ``price`` then processes all of them
 in one vectorized pass: one accumulator update over the rows of every step, the roofline
 attribution, the split of each step's measured time and the step-log lines. At these sizes a
@@ -200,26 +200,25 @@ class EngineAccounting:
             return np.fromiter(map(slot_of.__getitem__, rids), dtype=np.int64, count=len(rids))
         except KeyError:
             pass
-        out = np.empty(len(rids), dtype=np.int64)
-        scratch: dict[str, int] = {}
+        first: dict[str, int] = {}  # each new request's first row
         for j, rid in enumerate(rids):
-            s = slot_of.get(rid)
-            if s is None:
-                s = scratch.get(rid)
-            if s is None:
-                s = self.acc.allocate()
-                if rid in self._sent_set:
-                    scratch[rid] = s
-                else:
-                    slot_of[rid] = s
-                self._grow()
-                st = self.state
-                st[:, s] = 0
-                st[PROMPT, s] = prompts[rid] if rid in prompts else self.prompt_of(rid)
-                st[CACHED, s] = c[j]
-            out[j] = s
+            if rid not in slot_of and rid not in first:
+                first[rid] = j
+        scratch: dict[str, int] = {}
+        for rid, j in first.items():
+            s = self.acc.allocate()
+            if rid in self._sent_set:
+                scratch[rid] = s
+            else:
+                slot_of[rid] = s
+            self._grow()
+            st = self.state
+            st[:, s] = 0
+            st[PROMPT, s] = prompts[rid] if rid in prompts else self.prompt_of(rid)
+            st[CACHED, s] = c[j]
         self._scratch = list(scratch.values())
-        return out
+        get = slot_of.get if not scratch else (lambda rid: slot_of.get(rid, scratch.get(rid)))
+        return np.fromiter(map(get, rids), dtype=np.int64, count=len(rids))
 
     def _release_scratch(self) -> None:
         """Scratch slots of the latest pass: their time is nobody's, their rows retired."""
@@ -428,6 +427,8 @@ class EngineAccounting:
         slots = np.array([p[4] for p in picked if p[4] >= 0], dtype=np.int64)
         rows = self.acc.read(slots)
         served = ref.served_pte(rows, self.gammas)
+        seconds = self.timing.take(slots).T.tolist()  # per request: its six columns
+        cached = self.state[CACHED, slots].tolist()
         messages, k = [], 0
         for rid, reason, counts, finished_at, slot in picked:
             external, child = self.external_id(rid)
@@ -439,10 +440,11 @@ class EngineAccounting:
                 messages.append(RequestTotals(**common, ctx=(0.0,) * self.acc.n_groups))
                 continue
             row = rows[k].tolist()
+            prefill_s, kv_s, weights_s, overhead_s, latency_s, predicted_s = seconds[k]
             messages.append(RequestTotals(
                 **common,
                 scheduled=True,
-                cached_tokens=int(self.state[CACHED, slot]),
+                cached_tokens=cached[k],
                 prefill=row[ref.PREFILL],
                 recompute=row[ref.RECOMPUTE],
                 decode_tokens=row[ref.DECODE_TOKENS],
@@ -453,11 +455,12 @@ class EngineAccounting:
                 pte_recompute=row[ref.RECOMPUTE],
                 pte_roofline=float(self.roofline[slot]),
                 pte_rejected=float(self.rejected_pte[slot]),
-                **self._seconds(slot),
+                gpu_prefill_s=prefill_s, gpu_kv_s=kv_s, gpu_weights_s=weights_s, gpu_overhead_s=overhead_s,
+                engine_latency_s=latency_s, predicted_s=predicted_s,
             ))  # fmt: skip
-            self.roofline[slot] = 0.0
-            self.rejected_pte[slot] = 0.0
             k += 1
+        self.roofline[slots] = 0.0
+        self.rejected_pte[slots] = 0.0
         self.acc.release(slots)
         self.send(messages)
         if self._log is not None:
@@ -473,11 +476,6 @@ class EngineAccounting:
             mape=online.mape if fitted else None, steps=online.steps_seen if online is not None else 0,
             speed=online.speed.ratio if online is not None else 1.0,
         )  # fmt: skip
-
-    def _seconds(self, slot: int) -> dict[str, float]:
-        prefill, kv, weights, overhead, latency, predicted = self.timing.read(slot).tolist()
-        return {"gpu_prefill_s": prefill, "gpu_kv_s": kv, "gpu_weights_s": weights, "gpu_overhead_s": overhead,
-                "engine_latency_s": latency, "predicted_s": predicted}  # fmt: skip
 
     def conservation(self) -> tuple[np.ndarray, np.ndarray]:
         """(Σ per-request rows, Σ per-update totals) of the accumulator; an update is one

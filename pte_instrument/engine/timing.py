@@ -99,6 +99,12 @@ class TimeAttribution:
         self.per_slot[:, slot] = 0.0
         return out
 
+    def take(self, slots: np.ndarray) -> np.ndarray:
+        """Finished requests' columns, (N_COLUMNS, len(slots)); their slots are zeroed."""
+        out = self.per_slot[:, slots]  # fancy indexing copies
+        self.per_slot[:, slots] = 0.0
+        return out
+
     def _charge(
         self,
         slots: np.ndarray,

@@ -7,8 +7,8 @@ otherwise vLLM's ``Scheduler`` with the hook. It never changes ``async_schedulin
 
 Per step the hook keeps a reference to the scheduler output and two clock readings; the
 steps whose outputs are back are priced together (``EngineAccounting.price``) every
-``PRICE_EVERY_STEPS`` steps, or within ``PRICE_DELAY_S`` of a request finishing, or at
-once when the engine runs out of requests. A finished request's exact totals then go to the
+``PRICE_EVERY_STEPS`` steps or ``PRICE_EVERY_ROWS`` rows, or ``PRICE_DELAY_S`` after a
+request finished, or at once when the engine runs out of requests. A finished request's exact totals then go to the
 API server through the transport, once no step still running has it. A fault inside the
 hook is counted and logged, never raised into vLLM; a hook that keeps failing switches
 itself off.
@@ -35,8 +35,13 @@ from pte_instrument.vllm_adapter import compat
 from pte_instrument.wire import RequestTotals
 
 MAX_FAULTS = 100  # then the hook turns itself off, with one log line
-PRICE_EVERY_STEPS = 128  # completed steps held at most before they are priced
-PRICE_DELAY_S = 0.02  # a finished request's totals are sent within this (or its next step)
+# A pricing pass costs about a millisecond whatever its size (dozens of numpy calls), so it
+# waits for as many steps as it may: completed steps and their rows held at most before
+# they are priced (memory, and the length of one pass), and how long a finished request's
+# totals may wait (checked at each step: with steps of up to 10 ms, sent within 50 ms).
+PRICE_EVERY_STEPS = 512
+PRICE_EVERY_ROWS = 8192
+PRICE_DELAY_S = 0.04
 SCHEDULER_FLAG = "--scheduler-cls pte_instrument.vllm_adapter.scheduler.PteScheduler"
 
 # One step in flight or completed: [scheduler output, scheduled at, outputs back at, hook s,
@@ -56,6 +61,7 @@ class _PteHook:
         self._pte_clock = time.perf_counter
         self._pte_inflight: deque[list[Any]] = deque()  # scheduled, outputs not back (in order)
         self._pte_done: list[list[Any]] = []  # outputs back, not priced yet
+        self._pte_rows = 0  # their rows
         self._pte_finished_at: float | None = None  # the earliest finish not sent yet
         try:
             settings = Settings.from_env()
@@ -185,12 +191,17 @@ class _PteHook:
                 step[_DONE] = t0
                 if drafts is not None:
                     self._pte_rejected(step, drafts)
-                if scheduler_output.num_scheduled_tokens:
+                if rows := len(scheduler_output.num_scheduled_tokens):
                     self._pte_done.append(step)
+                    self._pte_rows += rows
             finished_at = self._pte_finished_at
-            if len(self._pte_done) >= PRICE_EVERY_STEPS or (
-                finished_at is not None
-                and (t2 - finished_at >= PRICE_DELAY_S or not self.get_num_unfinished_requests())  # type: ignore[attr-defined]
+            if (
+                len(self._pte_done) >= PRICE_EVERY_STEPS
+                or self._pte_rows >= PRICE_EVERY_ROWS
+                or (
+                    finished_at is not None
+                    and (t2 - finished_at >= PRICE_DELAY_S or not self.get_num_unfinished_requests())  # type: ignore[attr-defined]
+                )
             ):
                 self._pte_price()
         except Exception as e:
@@ -277,7 +288,7 @@ class _PteHook:
         pte = self._pte
         if pte is None:
             return
-        done, self._pte_done = self._pte_done, []
+        done, self._pte_done, self._pte_rows = self._pte_done, [], 0
         if done:
             pte.price(_completed_steps(done))
         inflight = self._pte_inflight
