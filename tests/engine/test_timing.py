@@ -81,3 +81,23 @@ def test_without_the_online_fit_predicted_seconds_are_the_model_alone():
     out = t.steps(np.array([0]), [1], None, np.array([0.0]), np.array([100.0]), np.array([True]),
                   np.array([True]), [0.1])  # fmt: skip
     assert out == pytest.approx([0.017]) and t.read(0)[PREDICTED_S] == pytest.approx(0.017)
+
+
+def test_the_first_online_refit_waits_for_steps_only_and_later_ones_for_the_interval():
+    online = OnlineStepFit(MODEL, min_steps=64)
+    t = TimeAttribution(MODEL, online, capacity=1)
+    rng = np.random.default_rng(2)
+
+    def steps(k: int) -> None:  # k one-row decode steps whose time follows the model ×1.5
+        ctx = rng.integers(100, 5000, k).astype(float)
+        dts = 1.5 * (MODEL.b * ctx + MODEL.w + MODEL.o)
+        t.steps(np.zeros(k, dtype=np.int64), [1] * k, list(range(k)), np.zeros(k), ctx,
+                np.ones(k, bool), np.ones(k, bool), dts)  # fmt: skip
+
+    steps(255)
+    assert online.last_fit is None  # fewer than 256 steps since the start
+    steps(1)
+    first = online.last_fit
+    assert first is not None and t.model is online.model  # at 256 steps, with no wait
+    steps(512)  # within the interval: no second refit
+    assert online.last_fit is first
