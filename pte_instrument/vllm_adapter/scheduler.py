@@ -16,6 +16,7 @@ itself off.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections import deque
@@ -142,7 +143,11 @@ class _PteHook:
             self._pte_fault("transport", e)
 
     def _pte_fault(self, stage: str, e: Exception) -> None:
+        """Counted, and reported now: no later totals need follow (an idle engine sends none)."""
         self._pte_faults.record(f"engine_{stage}", e)
+        if self._pte_reporter is not None:
+            with contextlib.suppress(Exception):  # still counted; reported with the next batch
+                self._pte_reporter.send([])
         if sum(self._pte_faults.counts.values()) >= MAX_FAULTS and self._pte is not None:
             log.error("pte-instrument engine hook switched off after %d faults", MAX_FAULTS)
             self._pte = None

@@ -19,6 +19,7 @@ from pte_instrument.settings import Settings
 from pte_instrument.vllm_adapter.driver import Arrival, Driver, StepClock, build_scheduler
 from pte_instrument.vllm_adapter.scheduler import PteAsyncScheduler, PteScheduler
 from tests.conftest import ROOT
+from tests.helpers import wait
 
 MODEL = ROOT / "models" / "tiny"
 pytestmark = pytest.mark.skipif(
@@ -237,3 +238,40 @@ def test_a_lost_step_is_counted_and_the_rest_stays_exact(monkeypatch, asynchrono
         t["prefill"] + t["decode"] for t in full.values()
     )
     assert d.s._pte.live == 0
+
+
+def test_a_fault_reaches_the_api_server_without_waiting_for_more_traffic(monkeypatch, tmp_path):
+    """Every send of totals fails: the faults still reach API server 0 (in a batch of their
+    own), and the last one with them, although no later totals follow it."""
+    import queue
+    import uuid
+
+    from pte_instrument import failpoints
+    from pte_instrument.engine.report import EngineReporter
+    from pte_instrument.transport import Receiver, Sender, address_for
+    from pte_instrument.wire import EngineFaults
+
+    monkeypatch.setitem(failpoints._points, "transport", 1.0)
+    base = f"ipc://{tmp_path}/pte-{uuid.uuid4().hex[:6]}"
+    inbox: queue.Queue = queue.Queue()
+    receiver = Receiver(address_for(base, 0), inbox.put)
+    case = STREAMS["mixed"]
+    s = build_scheduler(PteScheduler, MODEL, async_scheduling=False, num_blocks=case["num_blocks"],
+                        prefix_caching=True, max_num_batched_tokens=256)  # fmt: skip
+    s._pte_reporter = EngineReporter(Sender(base), 0, s._pte_faults)
+    s._pte = s._pte_accounting(s.vllm_config, Settings.from_env(), 0, s._pte_send)
+    Driver(s, async_scheduling=False).run(case["stream"])
+    lost = s._pte_faults.counts["engine_transport"]
+    assert lost > 0
+    reported = 0
+
+    def take() -> bool:
+        nonlocal reported
+        while not inbox.empty():
+            reported += sum(m.counts.get("engine_transport", 0) for m in inbox.get()
+                            if isinstance(m, EngineFaults))  # fmt: skip
+        return reported == lost
+
+    assert wait(take, timeout_s=10), (reported, lost)
+    s._pte_reporter.close()
+    assert receiver.errors == 0
