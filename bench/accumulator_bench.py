@@ -148,10 +148,20 @@ def plan(backends: list[str], sizes: list[int], interp: bool) -> list[tuple[str,
 def print_cases(cases: list[Case]) -> None:
     print_table(
         ["backend", "device", "batch", "µs/update", "rows/s", "host µs", "GPU µs", "note"],
-        [[c.backend, c.device, c.batch, f"{c.us_per_update:.1f}", f"{c.rows_per_s:.3g}",
-          None if c.host_us is None else f"{c.host_us:.1f}", None if c.device_us is None else f"{c.device_us:.1f}",
-          c.note[:40]] for c in cases],
-    )  # fmt: skip
+        [
+            [
+                c.backend,
+                c.device,
+                c.batch,
+                f"{c.us_per_update:.1f}",
+                f"{c.rows_per_s:.3g}",
+                None if c.host_us is None else f"{c.host_us:.1f}",
+                None if c.device_us is None else f"{c.device_us:.1f}",
+                c.note[:40],
+            ]
+            for c in cases
+        ],
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

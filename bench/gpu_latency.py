@@ -47,21 +47,49 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 
 LLAMA_31_8B: dict[str, Any] = {
-    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "max_position_embeddings": 131072,
-    "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
-}  # fmt: skip
-TINY: dict[str, Any] = {
-    "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
-    "num_key_value_heads": 1, "head_dim": 64, "vocab_size": 1024, "max_position_embeddings": 16384,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rope_theta": 500000.0,
+    "rms_norm_eps": 1e-5,
     "tie_word_embeddings": False,
-}  # fmt: skip
+}
+TINY: dict[str, Any] = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 64,
+    "vocab_size": 1024,
+    "max_position_embeddings": 16384,
+    "tie_word_embeddings": False,
+}
 
 # (batch, length) grids. Prefill: enough tokens per step to be compute-bound on an H100/H200.
 # Decode: batch and context varied apart, so the per-step constant, the per-token term and
 # the KV term separate; B·C capped by --max-kv-gib.
-GPU_PREFILL = [(1, 512), (1, 1024), (1, 2048), (1, 4096), (2, 1024), (2, 2048), (2, 4096),
-               (4, 512), (4, 1024), (4, 2048), (4, 4096), (8, 512), (8, 1024), (8, 2048)]  # fmt: skip
+GPU_PREFILL = [
+    (1, 512),
+    (1, 1024),
+    (1, 2048),
+    (1, 4096),
+    (2, 1024),
+    (2, 2048),
+    (2, 4096),
+    (4, 512),
+    (4, 1024),
+    (4, 2048),
+    (4, 4096),
+    (8, 512),
+    (8, 1024),
+    (8, 2048),
+]
 GPU_DECODE = [(b, c) for b in (1, 4, 16, 64) for c in (1024, 4096, 16384, 32768)] + [(128, 1024), (128, 2048)]
 CPU_PREFILL = [(1, 64), (1, 128), (1, 256), (2, 128), (2, 256), (4, 256)]
 CPU_DECODE = [(b, c) for b in (1, 4, 16) for c in (256, 1024, 4096)]
@@ -203,9 +231,13 @@ def time_decode(model: Any, timer: Timer, batch: int, ctx: int, vocab: int, reps
 
     def step() -> None:
         i = pos[0]
-        model(input_ids=ids, past_key_values=cache, use_cache=True,
-              position_ids=torch.full((batch, 1), i, device=p.device),
-              cache_position=torch.tensor([i], device=p.device))  # fmt: skip
+        model(
+            input_ids=ids,
+            past_key_values=cache,
+            use_cache=True,
+            position_ids=torch.full((batch, 1), i, device=p.device),
+            cache_position=torch.tensor([i], device=p.device),
+        )
         pos[0] = i + 1
 
     times, enq = timer.run(step, reps, warmup)
@@ -241,8 +273,12 @@ def four_term_features(points: list[Point], weights_pte: float, gamma: float) ->
     prefill = np.array([p.prefill for p in points], dtype=float)
     ctx = np.array([p.ctx for p in points], dtype=float)
     tokens = np.array([p.prefill + p.decode_tokens for p in points], dtype=float)
-    return {"prefill": prefill, "ctx": ctx, "memory_bound": memory_bound(tokens, gamma * ctx, weights_pte),
-            "dt": np.array([p.median_ms / 1e3 for p in points])}  # fmt: skip
+    return {
+        "prefill": prefill,
+        "ctx": ctx,
+        "memory_bound": memory_bound(tokens, gamma * ctx, weights_pte),
+        "dt": np.array([p.median_ms / 1e3 for p in points]),
+    }
 
 
 def four_term_fit(
@@ -264,14 +300,24 @@ def four_term_fit(
     result = fit(*cols, prior)
     ci = bootstrap_intervals(*cols, prior, n_boot=min(n_boot, 200), seed=seed) if n_boot > 0 else {}
     kinds = [p.kind for p in points]
-    out: dict[str, Any] = {"fit": result.to_dict(), "intervals": {k: list(v) for k, v in ci.items()},
-                           "memory_bound_points": int(f["memory_bound"].sum()), "theory": {}}  # fmt: skip
+    out: dict[str, Any] = {
+        "fit": result.to_dict(),
+        "intervals": {k: list(v) for k, v in ci.items()},
+        "memory_bound_points": int(f["memory_bound"].sum()),
+        "theory": {},
+    }
     out["by_kind"] = {k: _score_kind(result.model, f, kinds, k, score) for k in ("prefill", "decode")}
     for name, th in theories.items():
         r2, mape, mdape = score(th, *cols)
-        out["theory"][name] = {"model": th.to_dict(), "r2": r2, "mape": mape, "median_ape": mdape,
-                               "fit_over_theory": {t: (getattr(result.model, t) / getattr(th, t)
-                                                       if getattr(th, t) > 0 else None) for t in TERMS}}  # fmt: skip
+        out["theory"][name] = {
+            "model": th.to_dict(),
+            "r2": r2,
+            "mape": mape,
+            "median_ape": mdape,
+            "fit_over_theory": {
+                t: (getattr(result.model, t) / getattr(th, t) if getattr(th, t) > 0 else None) for t in TERMS
+            },
+        }
     return out
 
 
@@ -296,14 +342,28 @@ def _split_fit(points: list[Point]) -> dict[str, Any]:
     dec = [p for p in points if p.kind == "decode"]
     out: dict[str, Any] = {}
     if len(pre) >= 3:
-        f = fit_linear({"prefill": np.array([p.prefill for p in pre], float), "const": np.ones(len(pre))},
-                       np.array([p.median_ms / 1e3 for p in pre]), n_boot=0)  # fmt: skip
+        f = fit_linear(
+            {"prefill": np.array([p.prefill for p in pre], float), "const": np.ones(len(pre))},
+            np.array([p.median_ms / 1e3 for p in pre]),
+            n_boot=0,
+        )
         out["prefill"] = {"a_s_per_token": float(f.coef[0]), "c_s": float(f.coef[1]), "r2": f.r2}
     if len(dec) >= 4:
-        f = fit_linear({"ctx": np.array([p.ctx for p in dec], float), "decode_tokens": np.array([p.batch for p in dec], float),
-                        "const": np.ones(len(dec))}, np.array([p.median_ms / 1e3 for p in dec]), n_boot=0)  # fmt: skip
-        out["decode"] = {"b_s_per_ctx_token": float(f.coef[0]), "d_s_per_token": float(f.coef[1]),
-                         "c_s": float(f.coef[2]), "r2": f.r2}  # fmt: skip
+        f = fit_linear(
+            {
+                "ctx": np.array([p.ctx for p in dec], float),
+                "decode_tokens": np.array([p.batch for p in dec], float),
+                "const": np.ones(len(dec)),
+            },
+            np.array([p.median_ms / 1e3 for p in dec]),
+            n_boot=0,
+        )
+        out["decode"] = {
+            "b_s_per_ctx_token": float(f.coef[0]),
+            "d_s_per_token": float(f.coef[1]),
+            "c_s": float(f.coef[2]),
+            "r2": f.r2,
+        }
     if "prefill" in out and "decode" in out and out["prefill"]["a_s_per_token"] > 0:
         a = out["prefill"]["a_s_per_token"]
         out["gamma_measured"] = out["decode"]["b_s_per_ctx_token"] / a
@@ -372,8 +432,11 @@ def main(argv: list[str] | None = None) -> int:
             profile = PROFILES["h100-sxm"]
             notes.append(f"no known profile for {gpu_name!r}: γ_theory uses h100-sxm; pass --profile")
 
-    print(f"[gpu-latency] building {'tiny' if args.tiny else 'Llama-3.1-8B'}-shaped model "
-          f"({args.layers or shape['num_hidden_layers']} layers, {dtype}) on {device} …", flush=True)  # fmt: skip
+    print(
+        f"[gpu-latency] building {'tiny' if args.tiny else 'Llama-3.1-8B'}-shaped model "
+        f"({args.layers or shape['num_hidden_layers']} layers, {dtype}) on {device} …",
+        flush=True,
+    )
     t0 = time.time()
     model = build_model(shape, args.layers, dtype, device, args.seed)
     build_s = time.time() - t0
@@ -411,16 +474,21 @@ def main(argv: list[str] | None = None) -> int:
                         torch.cuda.empty_cache()
                     continue
                 points.append(p)
-                print(f"  {kind:7s} B={b:<4d} {'L' if kind == 'prefill' else 'C'}={n:<6d} "
-                      f"{p.median_ms:9.3f} ms{'  (launch-bound)' if p.launch_bound else ''}", flush=True)  # fmt: skip
+                print(
+                    f"  {kind:7s} B={b:<4d} {'L' if kind == 'prefill' else 'C'}={n:<6d} "
+                    f"{p.median_ms:9.3f} ms{'  (launch-bound)' if p.launch_bound else ''}",
+                    flush=True,
+                )
                 if on_gpu:
                     torch.cuda.empty_cache()
     if skipped:
         notes.append(f"{len(skipped)} grid points skipped: " + "; ".join(skipped))
     lb = [p for p in points if p.launch_bound]
     if lb:
-        notes.append(f"{len(lb)} points launch-bound (CPU enqueue slower than the GPU): their times "
-                     "include idle GPU time; the fits keep them")  # fmt: skip
+        notes.append(
+            f"{len(lb)} points launch-bound (CPU enqueue slower than the GPU): their times "
+            "include idle GPU time; the fits keep them"
+        )
 
     fit = _fit(points, cost.gamma, weights_pte, args.bootstrap, False) if len(points) >= 4 else None
     fit_d = _fit(points, cost.gamma, weights_pte, args.bootstrap, True) if len(points) >= 5 else None
@@ -437,18 +505,35 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "gpu-latency",
         **prov,
         "machine": {**prov["machine"], "device": str(device), "device_name": gpu_name},
-        "config": {"model": "tiny" if args.tiny else "Llama-3.1-8B shapes, random weights",
-                   "layers": model.config.num_hidden_layers, "dtype": str(dtype), "reps": reps,
-                   "warmup": args.warmup, "sleep_ms": args.sleep_ms if on_gpu else 0, "seed": args.seed,
-                   "shape": {k: v for k, v in shape.items()}},
+        "config": {
+            "model": "tiny" if args.tiny else "Llama-3.1-8B shapes, random weights",
+            "layers": model.config.num_hidden_layers,
+            "dtype": str(dtype),
+            "reps": reps,
+            "warmup": args.warmup,
+            "sleep_ms": args.sleep_ms if on_gpu else 0,
+            "seed": args.seed,
+            "shape": {k: v for k, v in shape.items()},
+        },
         "build_s": round(build_s, 1),
         "profile": {"name": profile.name, "hoi": profile.hoi, "source": profile.source},
-        "measured_profile": None if measured is None else {
-            "name": measured.name, "hoi": measured.hoi, "peak_flops": measured.peak_flops,
-            "mem_bandwidth": measured.mem_bandwidth, "source": measured.source,
-            "gamma_implied": cost.gamma * measured.hoi / profile.hoi},
-        "theory": {"gamma": cost.gamma, "kv_bytes_per_token": kv_bytes, "n_active": model_shape.n_active,
-                   "n_total": model_shape.n_total, "weights_pte": weights_pte},
+        "measured_profile": None
+        if measured is None
+        else {
+            "name": measured.name,
+            "hoi": measured.hoi,
+            "peak_flops": measured.peak_flops,
+            "mem_bandwidth": measured.mem_bandwidth,
+            "source": measured.source,
+            "gamma_implied": cost.gamma * measured.hoi / profile.hoi,
+        },
+        "theory": {
+            "gamma": cost.gamma,
+            "kv_bytes_per_token": kv_bytes,
+            "n_active": model_shape.n_active,
+            "n_total": model_shape.n_total,
+            "weights_pte": weights_pte,
+        },
         "fit": fit.to_dict() if fit else None,
         "fit_with_decode_term": fit_d.to_dict() if fit_d else None,
         "split_fit": split,
@@ -457,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
         "notes": notes,
         "wall_s": round(time.time() - t_begin, 1),
         "load_avg_1m_end": load_avg_1m(),
-    }  # fmt: skip
+    }
     from bench.latency.report import _clean
 
     kind = "gpu-latency-tiny" if args.tiny else "gpu-latency"
@@ -480,20 +565,28 @@ def four_term_markdown(four: dict[str, Any] | None) -> list[str]:
         return []
     fit, ci = four["fit"], four.get("intervals") or {}
     m = fit["model"]
-    L = ["Four-term step-time model t ≈ a·prefill + b·ctx + w·memory_bound + o (docs/cost-model.md §5b), "
-         f"{four['memory_bound_points']} of {fit['n']} points memory-bound:", "",
-         "| model | a (s/token) | b (s/ctx token) | w (s) | o (s) | MAPE | R² |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    L = [
+        "Four-term step-time model t ≈ a·prefill + b·ctx + w·memory_bound + o (docs/cost-model.md §5b), "
+        f"{four['memory_bound_points']} of {fit['n']} points memory-bound:",
+        "",
+        "| model | a (s/token) | b (s/ctx token) | w (s) | o (s) | MAPE | R² |",
+        "|---|---|---|---|---|---|---|",
+    ]
 
     def cell(t: str, v: float) -> str:
         lo, hi = ci.get(t, (None, None))
         return f"{_g(v)} [{_g(lo, '.3g')}, {_g(hi, '.3g')}]" if lo is not None else _g(v)
 
-    L.append(f"| fit | {cell('a', m['a'])} | {cell('b', m['b'])} | {cell('w', m['w'])} | {cell('o', m['o'])} | "
-             f"{_g(fit['mape'], '.1%')} | {_g(fit['r2'], '.3f')} |")  # fmt: skip
+    L.append(
+        f"| fit | {cell('a', m['a'])} | {cell('b', m['b'])} | {cell('w', m['w'])} | {cell('o', m['o'])} | "
+        f"{_g(fit['mape'], '.1%')} | {_g(fit['r2'], '.3f')} |"
+    )
     for name, th in four["theory"].items():
         tm = th["model"]
-        L.append(f"| {name} | {_g(tm['a'])} | {_g(tm['b'])} | {_g(tm['w'])} | {_g(tm['o'])} | "
-                 f"{_g(th['mape'], '.1%')} | {_g(th['r2'], '.3f')} |")  # fmt: skip
+        L.append(
+            f"| {name} | {_g(tm['a'])} | {_g(tm['b'])} | {_g(tm['w'])} | {_g(tm['o'])} | "
+            f"{_g(th['mape'], '.1%')} | {_g(th['r2'], '.3f')} |"
+        )
     kinds = ", ".join(f"{k} MAPE {_g(v.get('mape'), '.1%')} (n {v['n']})" for k, v in four["by_kind"].items())
     L += ["", f"- fit by point kind: {kinds}"]
     if fit["from_prior"]:
@@ -504,10 +597,15 @@ def four_term_markdown(four: dict[str, Any] | None) -> list[str]:
 
 def _markdown(r: dict[str, Any], fit: Any, fit_d: Any, explain: Any) -> str:
     th, m = r["theory"], r["machine"]
-    L = [f"# GPU latency (no vLLM) — {r['config']['model']}, {r['config']['layers']} layers, {m['device_name']}",
-         "", f"{r['date']}, `{m['hostname']}`, torch {m['torch']}, transformers {m['transformers']}, "
-         f"commit `{r['git_commit']}`; model build {r['build_s']} s, total {r['wall_s']} s.", "",
-         "| quantity | theory | measured |", "|---|---|---|"]  # fmt: skip
+    L = [
+        f"# GPU latency (no vLLM) — {r['config']['model']}, {r['config']['layers']} layers, {m['device_name']}",
+        "",
+        f"{r['date']}, `{m['hostname']}`, torch {m['torch']}, transformers {m['transformers']}, "
+        f"commit `{r['git_commit']}`; model build {r['build_s']} s, total {r['wall_s']} s.",
+        "",
+        "| quantity | theory | measured |",
+        "|---|---|---|",
+    ]
     mp = r.get("measured_profile")
     hoi_measured = f"{mp['hoi']:.1f} ({mp['name']}: matmul ÷ copy)" if mp else "–"
     L.append(f"| HOI (FLOP/byte) | {r['profile']['hoi']:.1f} ({r['profile']['name']}) | {hoi_measured} |")

@@ -36,13 +36,23 @@ CONFIGS = {
 
 def load(url: str, model: str, n: int, concurrency: int, max_tokens: int, seed: int) -> tuple[int, float]:
     rng = random.Random(seed)
-    prompts = [" ".join(rng.choice("agent tool call result value".split()) for _ in range(rng.randint(50, 400)))
-               for _ in range(n)]  # fmt: skip
+    prompts = [
+        " ".join(rng.choice("agent tool call result value".split()) for _ in range(rng.randint(50, 400)))
+        for _ in range(n)
+    ]
     client = httpx.Client(base_url=url, timeout=300)
 
     def one(p: str) -> int:
-        r = client.post("/v1/completions", json={"model": model, "prompt": p, "max_tokens": max_tokens,
-                                                  "ignore_eos": True, "temperature": 0.0})  # fmt: skip
+        r = client.post(
+            "/v1/completions",
+            json={
+                "model": model,
+                "prompt": p,
+                "max_tokens": max_tokens,
+                "ignore_eos": True,
+                "temperature": 0.0,
+            },
+        )
         r.raise_for_status()
         return r.json()["usage"]["completion_tokens"]
 
@@ -62,9 +72,43 @@ def paired_cost(config: list[float], off: list[float]) -> dict[str, float]:
 
 
 # two-sided 95% Student t quantiles for 1…30 degrees of freedom
-T95 = dict(enumerate((12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
-                      2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
-                      2.060, 2.056, 2.052, 2.048, 2.045, 2.042), start=1))  # fmt: skip
+T95 = dict(
+    enumerate(
+        (
+            12.706,
+            4.303,
+            3.182,
+            2.776,
+            2.571,
+            2.447,
+            2.365,
+            2.306,
+            2.262,
+            2.228,
+            2.201,
+            2.179,
+            2.160,
+            2.145,
+            2.131,
+            2.120,
+            2.110,
+            2.101,
+            2.093,
+            2.086,
+            2.080,
+            2.074,
+            2.069,
+            2.064,
+            2.060,
+            2.056,
+            2.052,
+            2.048,
+            2.045,
+            2.042,
+        ),
+        start=1,
+    )
+)
 
 
 def engine_hook_cost(url: str) -> tuple[int, float]:
@@ -87,8 +131,13 @@ def main() -> None:
     servers = {}
     try:
         for name, (env, extra) in CONFIGS.items():
-            servers[name] = VllmServer(model, env=env, extra_args=["--enable-prefix-caching", *extra],
-                                       log_path=work / f"{name}.log", startup_timeout_s=900).start()  # fmt: skip
+            servers[name] = VllmServer(
+                model,
+                env=env,
+                extra_args=["--enable-prefix-caching", *extra],
+                log_path=work / f"{name}.log",
+                startup_timeout_s=900,
+            ).start()
             print(f"started {name} at {servers[name].url}")
         for s in servers.values():  # warm-up
             load(s.url, s.served_name, 8, args.concurrency, 8, seed=-1)
@@ -100,8 +149,14 @@ def main() -> None:
         for r in range(args.rounds):
             rotated = order[r % len(order) :] + order[: r % len(order)]
             for name in rotated if (r // len(order)) % 2 == 0 else rotated[::-1]:  # every position, both ways
-                tokens, secs = load(servers[name].url, servers[name].served_name, args.requests, args.concurrency,
-                                    args.max_tokens, seed=r)  # fmt: skip
+                tokens, secs = load(
+                    servers[name].url,
+                    servers[name].served_name,
+                    args.requests,
+                    args.concurrency,
+                    args.max_tokens,
+                    seed=r,
+                )
                 results[name].append(tokens / secs)
                 seconds[name] += secs
                 print(f"round {r} {name:>18}: {tokens / secs:8.1f} output tokens/s")
@@ -139,8 +194,10 @@ def main() -> None:
     out = write_results(report, "overhead", results_path("overhead", args.out))
     for k, v in summary.items():
         p = v["cost_vs_off_paired"]
-        print(f"{k:>18}: {v['tokens_per_s_mean']:8.1f} tokens/s, cost vs off {p['mean']:+.2%} "
-              f"(95% CI {p['ci95_low']:+.2%} … {p['ci95_high']:+.2%})")  # fmt: skip
+        print(
+            f"{k:>18}: {v['tokens_per_s_mean']:8.1f} tokens/s, cost vs off {p['mean']:+.2%} "
+            f"(95% CI {p['ci95_low']:+.2%} … {p['ci95_high']:+.2%})"
+        )
     print("hook per step:", json.dumps(report["hook_per_step"], indent=1))
     print(f"wrote {out}")
 

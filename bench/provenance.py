@@ -44,8 +44,9 @@ _DISTRIBUTIONS: dict[str, tuple[str, ...]] = {
 def _git(*args: str) -> str | None:
     """Read-only git in the checkout (--no-optional-locks keeps it off the index lock)."""
     try:
-        out = subprocess.run(["git", "--no-optional-locks", *args], capture_output=True, text=True,
-                             cwd=REPO, timeout=10)  # fmt: skip
+        out = subprocess.run(
+            ["git", "--no-optional-locks", *args], capture_output=True, text=True, cwd=REPO, timeout=10
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() if out.returncode == 0 else None

@@ -90,8 +90,14 @@ def paired_run(
 
     drivers = []
     for cls in (theirs, ours):
-        s = build_scheduler(cls, REPO / "models" / "tiny", async_scheduling=asynchronous, num_blocks=200_000,
-                            max_num_seqs=batch, max_num_batched_tokens=max(2048, 2 * batch + 512))  # fmt: skip
+        s = build_scheduler(
+            cls,
+            REPO / "models" / "tiny",
+            async_scheduling=asynchronous,
+            num_blocks=200_000,
+            max_num_seqs=batch,
+            max_num_batched_tokens=max(2048, 2 * batch + 512),
+        )
         drivers.append(Driver(s, async_scheduling=asynchronous))
     rng = np.random.default_rng(seed)
     arrivals: list[Arrival] = []
@@ -157,14 +163,19 @@ def measure(batch: int, asynchronous: bool, repeats: int, seed: int, model_s: fl
     rng = np.random.default_rng(seed)
     us = 1e6
     return Case(
-        batch=batch, kind="async" if asynchronous else "sync", steps=len(t), vllm_us=us * float(t.mean()),
-        vllm_median_us=us * float(np.median(t)), added_mean_us=us * float(added.mean()),
+        batch=batch,
+        kind="async" if asynchronous else "sync",
+        steps=len(t),
+        vllm_us=us * float(t.mean()),
+        vllm_median_us=us * float(np.median(t)),
+        added_mean_us=us * float(added.mean()),
         added_mean_ci=tuple(us * v for v in interval(added, np.mean, rng)),
         added_median_us=us * float(np.median(added)),
         added_median_ci=tuple(us * v for v in interval(added, np.median, rng)),
-        ratio=float(added.mean() / t.mean()), hook_s_us=us * float(np.mean(hook)),
+        ratio=float(added.mean() / t.mean()),
+        hook_s_us=us * float(np.mean(hook)),
         finished_per_step=float(np.mean(finished)),
-    )  # fmt: skip
+    )
 
 
 class ReceiverProcess:
@@ -219,23 +230,48 @@ def main(argv: list[str] | None = None) -> int:
     address = f"ipc://{tempfile.gettempdir()}/pte-bench-{uuid.uuid4().hex[:8]}"
     os.environ["PTE_ENGINE_TRANSPORT"] = address
     receiver = ReceiverProcess(address)
-    report: dict[str, Any] = {"benchmark": "scheduler_overhead", **provenance(), "repeats": args.repeats,
-                              "seed": args.seed, "model_ms": args.model_ms}  # fmt: skip
-    cases = [measure(b, kind == "async", args.repeats, args.seed, args.model_ms / 1e3)
-             for kind in args.kinds for b in args.sizes]  # fmt: skip
+    report: dict[str, Any] = {
+        "benchmark": "scheduler_overhead",
+        **provenance(),
+        "repeats": args.repeats,
+        "seed": args.seed,
+        "model_ms": args.model_ms,
+    }
+    cases = [
+        measure(b, kind == "async", args.repeats, args.seed, args.model_ms / 1e3)
+        for kind in args.kinds
+        for b in args.sizes
+    ]
     report["cases"] = [asdict(c) for c in cases]
     report["messages_received"] = receiver.stop()
     report["load_avg_1m_end"] = load_avg_1m()
     path = write_results(report, "scheduler-overhead", args.out)
     print(header_line(report, f"{args.repeats} paired runs per case, model {args.model_ms:g} ms per step"))
     print_table(
-        ["kind", "batch", "vLLM µs/step", "added mean µs [95%]", "added median µs [95%]", "ratio", "hook_s µs",
-         "finished/step"],
-        [[c.kind, c.batch, f"{c.vllm_us:.1f}", f"{c.added_mean_us:.2f} [{c.added_mean_ci[0]:.2f}, {c.added_mean_ci[1]:.2f}]",
-          f"{c.added_median_us:.2f} [{c.added_median_ci[0]:.2f}, {c.added_median_ci[1]:.2f}]",
-          f"{100 * c.ratio:.1f}%", f"{c.hook_s_us:.2f}", f"{c.finished_per_step:.2f}"]
-         for c in cases],
-    )  # fmt: skip
+        [
+            "kind",
+            "batch",
+            "vLLM µs/step",
+            "added mean µs [95%]",
+            "added median µs [95%]",
+            "ratio",
+            "hook_s µs",
+            "finished/step",
+        ],
+        [
+            [
+                c.kind,
+                c.batch,
+                f"{c.vllm_us:.1f}",
+                f"{c.added_mean_us:.2f} [{c.added_mean_ci[0]:.2f}, {c.added_mean_ci[1]:.2f}]",
+                f"{c.added_median_us:.2f} [{c.added_median_ci[0]:.2f}, {c.added_median_ci[1]:.2f}]",
+                f"{100 * c.ratio:.1f}%",
+                f"{c.hook_s_us:.2f}",
+                f"{c.finished_per_step:.2f}",
+            ]
+            for c in cases
+        ],
+    )
     print(f"written: {path}")
     return 0
 

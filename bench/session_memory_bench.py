@@ -70,12 +70,20 @@ def main() -> None:
                 if args.plugin_off
                 else httpx.get(f"{server.url}/pte/summary", timeout=30).json()["sessions"]
             )
-            row = {"ids": ids, "rss_mib": api.memory_info().rss / 2**20, "failures": failures,
-                   "seconds": time.monotonic() - t0, **summary}  # fmt: skip
+            row = {
+                "ids": ids,
+                "rss_mib": api.memory_info().rss / 2**20,
+                "failures": failures,
+                "seconds": time.monotonic() - t0,
+                **summary,
+            }
             samples.append(row)
-            print(f"{ids:>7} ids  RSS {row['rss_mib']:7.1f} MiB  live {row.get('live', '-'):>5}  evicted "
-                  f"{row.get('evicted', '-'):>6}  pending {row.get('pending_requests', '-')}  failures {failures}  "
-                  f"{row['seconds']:6.0f} s", flush=True)  # fmt: skip
+            print(
+                f"{ids:>7} ids  RSS {row['rss_mib']:7.1f} MiB  live {row.get('live', '-'):>5}  evicted "
+                f"{row.get('evicted', '-'):>6}  pending {row.get('pending_requests', '-')}  failures {failures}  "
+                f"{row['seconds']:6.0f} s",
+                flush=True,
+            )
 
         asyncio.run(send(server.url, -args.concurrency, args.concurrency, args.concurrency))  # warm-up
         sample(0, 0)

@@ -59,8 +59,18 @@ def _worker(args: tuple[str, int, int, int, int, Any]) -> dict[str, float]:
             t0 = time.perf_counter()
             ctx = ledger.context_for(sid, time.time(), prompt)
             ctx_s += time.perf_counter() - t0
-            req = FinishedRequest(f"{sid}-{t}", "tiny", prompt, 0, 16, "stop", session_id=sid, turn=ctx.turn,
-                                  reusable_tokens=ctx.reusable_tokens, pause_s=ctx.pause_s)  # fmt: skip
+            req = FinishedRequest(
+                f"{sid}-{t}",
+                "tiny",
+                prompt,
+                0,
+                16,
+                "stop",
+                session_id=sid,
+                turn=ctx.turn,
+                reusable_tokens=ctx.reusable_tokens,
+                pause_s=ctx.pause_s,
+            )
             record = price_request(cost, req, time.time())
             t1 = time.perf_counter()
             ledger.add(record)
@@ -71,8 +81,14 @@ def _worker(args: tuple[str, int, int, int, int, Any]) -> dict[str, float]:
     ledger.flush(timeout=300)
     done = time.time()
     ledger.close()
-    return {"turns": n, "first": t_first, "done": done, "lag_ms": (done - t_last_add) * 1e3,
-            "add_us": add_s / max(n, 1) * 1e6, "context_us": ctx_s / max(n, 1) * 1e6}  # fmt: skip
+    return {
+        "turns": n,
+        "first": t_first,
+        "done": done,
+        "lag_ms": (done - t_last_add) * 1e3,
+        "add_us": add_s / max(n, 1) * 1e6,
+        "context_us": ctx_s / max(n, 1) * 1e6,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,14 +119,16 @@ def main(argv: list[str] | None = None) -> int:
                 results = pending.get(timeout=900)
             turns = sum(r["turns"] for r in results)
             wall = max(r["done"] for r in results) - min(r["first"] for r in results)
-            runs.append({
-                "turns": turns,
-                "wall_s": wall,
-                "commit_turns_s": turns / wall,
-                "add_us": statistics.mean(r["add_us"] for r in results),
-                "context_us": statistics.mean(r["context_us"] for r in results),
-                "lag_ms": max(r["lag_ms"] for r in results),
-            })  # fmt: skip
+            runs.append(
+                {
+                    "turns": turns,
+                    "wall_s": wall,
+                    "commit_turns_s": turns / wall,
+                    "add_us": statistics.mean(r["add_us"] for r in results),
+                    "context_us": statistics.mean(r["context_us"] for r in results),
+                    "lag_ms": max(r["lag_ms"] for r in results),
+                }
+            )
     report: dict[str, Any] = {
         "benchmark": "session_store",
         **provenance(),
@@ -125,11 +143,27 @@ def main(argv: list[str] | None = None) -> int:
     }
     m = report["median"]
     print_table(
-        ["processes × streams", "turns", "context_for µs", "add µs", "request path µs", "turns/s committed",
-         "writer lag ms"],
-        [[f"{args.processes} × {args.streams}", m["turns"], f"{m['context_us']:.1f}", f"{m['add_us']:.1f}",
-          f"{m['context_us'] + m['add_us']:.1f}", f"{m['commit_turns_s']:.0f}", f"{m['lag_ms']:.1f}"]],
-    )  # fmt: skip
+        [
+            "processes × streams",
+            "turns",
+            "context_for µs",
+            "add µs",
+            "request path µs",
+            "turns/s committed",
+            "writer lag ms",
+        ],
+        [
+            [
+                f"{args.processes} × {args.streams}",
+                m["turns"],
+                f"{m['context_us']:.1f}",
+                f"{m['add_us']:.1f}",
+                f"{m['context_us'] + m['add_us']:.1f}",
+                f"{m['commit_turns_s']:.0f}",
+                f"{m['lag_ms']:.1f}",
+            ]
+        ],
+    )
     out = write_results(report, "session-store", args.out)
     print(header_line(report, "sqlite WAL"))
     print(f"wrote {out}")

@@ -124,10 +124,20 @@ def steps_of(rows: list[dict[str, Any]], cost: CostModel, weights_pte: float) ->
         (shape.n_total * WEIGHT_BYTES + shape.kv_bytes_per_token * ctx) / dev.mem_bandwidth,
     )
     return {
-        "prefill": prefill, "ctx": ctx, "memory_bound": mb, "dt": dt_s, "kind": kind, "roofline_s": roofline_s,
-        "label": np.array([f"{k} P={r['prompt_size']} B={r['batch_size']} T={r['token_size']}"
-                           for k in ("prefill", "decode") for r in rows]),
-    }  # fmt: skip
+        "prefill": prefill,
+        "ctx": ctx,
+        "memory_bound": mb,
+        "dt": dt_s,
+        "kind": kind,
+        "roofline_s": roofline_s,
+        "label": np.array(
+            [
+                f"{k} P={r['prompt_size']} B={r['batch_size']} T={r['token_size']}"
+                for k in ("prefill", "decode")
+                for r in rows
+            ]
+        ),
+    }
 
 
 def _num(v: float | None, digits: int = 6) -> float | None:
@@ -173,28 +183,38 @@ def compare(
         return out
 
     return {
-        "model": model, "hardware": hardware, "profile": HARDWARE[hardware], "tensor_parallel": tp,
-        "steps": int(s["dt"].size), "memory_bound_steps": int(s["memory_bound"].sum()),
+        "model": model,
+        "hardware": hardware,
+        "profile": HARDWARE[hardware],
+        "tensor_parallel": tp,
+        "steps": int(s["dt"].size),
+        "memory_bound_steps": int(s["memory_bound"].sum()),
         "excluded_faster_than_roofline": {"steps": int(impossible.sum()), "rows": excluded},
         "slowest_over_roofline_min": _num(float((s["dt"] / s["roofline_s"]).min()), 3),
         "memory_bound_prefill_steps": int(s["memory_bound"][s["kind"] == "prefill"].sum()),
         "terms": {
             k: {
-                "measured": _num(getattr(m, k)), "ci": [_num(ci[k][0]), _num(ci[k][1])],
-                "theory": _num(getattr(th, k)), "datasheet": _num(getattr(datasheet, k)),
+                "measured": _num(getattr(m, k)),
+                "ci": [_num(ci[k][0]), _num(ci[k][1])],
+                "theory": _num(getattr(th, k)),
+                "datasheet": _num(getattr(datasheet, k)),
                 "measured_over_theory": _div(getattr(m, k), getattr(th, k)),
                 "from_prior": k in res.from_prior,
             }
             for k in TERMS
         },
         "gamma": {
-            "theory": _num(cost.gamma), "measured": _num(m.gamma_measured),
+            "theory": _num(cost.gamma),
+            "measured": _num(m.gamma_measured),
             "ci": [_num(ci["gamma"][0]), _num(ci["gamma"][1])],
             "measured_over_theory": _div(m.gamma_measured, cost.gamma),
         },
         "weight_read": {
-            "theory_pte": _num(weights_pte), "measured_pte": _num(m.weights_pte),
-            "theory_s": _num(th.w), "datasheet_s": _num(datasheet.w), "measured_s": _num(m.w),
+            "theory_pte": _num(weights_pte),
+            "measured_pte": _num(m.weights_pte),
+            "theory_s": _num(th.w),
+            "datasheet_s": _num(datasheet.w),
+            "measured_s": _num(m.w),
             "measured_over_theory_pte": _div(m.weights_pte, weights_pte),
         },
         # Achieved fractions the fit implies: the datasheet's time over the measured one.
@@ -204,9 +224,11 @@ def compare(
             "bandwidth_weights": _div(datasheet.w, m.w) if m.w > 0 else None,
         },
         "overhead_s": {"measured": _num(m.o), "theory": _num(th.o)},
-        "calibrated": goodness(m), "theory_only": goodness(th),
-        "from_prior": list(res.from_prior), "notes": list(res.notes),
-    }  # fmt: skip
+        "calibrated": goodness(m),
+        "theory_only": goodness(th),
+        "from_prior": list(res.from_prior),
+        "notes": list(res.notes),
+    }
 
 
 def _stats(values: list[float | None]) -> dict[str, float | None]:
@@ -294,40 +316,65 @@ def main(argv: list[str] | None = None) -> int:
     for name, cfg in CONFIGS.items():
         shape = parse_shape(cfg)
         models[name] = {
-            "config": cfg, "n_active": shape.n_active, "n_total": shape.n_total,
-            "kv_bytes_per_token": shape.kv_bytes_per_token, "attention": shape.attention,
+            "config": cfg,
+            "n_active": shape.n_active,
+            "n_total": shape.n_total,
+            "kv_bytes_per_token": shape.kv_bytes_per_token,
+            "attention": shape.attention,
             "assumed": list(shape.assumed),
-        }  # fmt: skip
+        }
     report.update(
         data={"path": _repo_path(args.data), "sha256": hashlib.sha256(raw).hexdigest(), "rows": len(rows)},
-        bootstrap=args.bootstrap, seed=args.seed,
+        bootstrap=args.bootstrap,
+        seed=args.seed,
         method={
             "steps": "per row: a prefill step (B·P prefill tokens, ctx B·P for the first samples, prompt_time) and a "
-                     "decode step (ctx B·(P + T/2), token_time)",
+            "decode step (ctx B·(P + T/2), token_time)",
             "memory_bound": "tokens < weights_pte + γ·ctx (the engine's roofline classification)",
             "tensor_parallel": "weights and KV split over TP GPUs; FLOP/s and bandwidth × TP; HOI, γ, weights_pte "
-                               "of one GPU; all-reduce time not in the theory",
+            "of one GPU; all-reduce time not in the theory",
             "hardware": HARDWARE,
             "weight_bytes": WEIGHT_BYTES,
         },
-        models=models, setups=setups, summary=summary(setups),
-    )  # fmt: skip
+        models=models,
+        setups=setups,
+        summary=summary(setups),
+    )
     report["load_avg_1m_end"] = load_avg_1m()
     args.out.mkdir(parents=True, exist_ok=True)
     path = write_results(report, "splitwise", args.out / "splitwise.json")
     (args.out / "report.md").write_text(markdown(report))
     print_table(
-        ["model", "hw", "TP", "γ m/t", "w/a m (t)", "f_flops", "f_bw kv", "f_bw w", "o ms", "MAPE th", "MAPE cal"],
         [
-            [s["model"], s["hardware"], s["tensor_parallel"], _f(s["gamma"]["measured_over_theory"], ".2f"),
-             f"{_f(s['weight_read']['measured_pte'], '.0f')} ({_f(s['weight_read']['theory_pte'], '.0f')})",
-             _f(s["implied_fractions"]["flops"], ".2f"), _f(s["implied_fractions"]["bandwidth_kv"], ".3f"),
-             _f(s["implied_fractions"]["bandwidth_weights"], ".2f"),
-             _f(s["overhead_s"]["measured"] * 1e3, ".1f"),
-             _f(s["theory_only"]["all"]["mape"], ".0%"), _f(s["calibrated"]["all"]["mape"], ".1%")]
+            "model",
+            "hw",
+            "TP",
+            "γ m/t",
+            "w/a m (t)",
+            "f_flops",
+            "f_bw kv",
+            "f_bw w",
+            "o ms",
+            "MAPE th",
+            "MAPE cal",
+        ],
+        [
+            [
+                s["model"],
+                s["hardware"],
+                s["tensor_parallel"],
+                _f(s["gamma"]["measured_over_theory"], ".2f"),
+                f"{_f(s['weight_read']['measured_pte'], '.0f')} ({_f(s['weight_read']['theory_pte'], '.0f')})",
+                _f(s["implied_fractions"]["flops"], ".2f"),
+                _f(s["implied_fractions"]["bandwidth_kv"], ".3f"),
+                _f(s["implied_fractions"]["bandwidth_weights"], ".2f"),
+                _f(s["overhead_s"]["measured"] * 1e3, ".1f"),
+                _f(s["theory_only"]["all"]["mape"], ".0%"),
+                _f(s["calibrated"]["all"]["mape"], ".1%"),
+            ]
             for s in setups
         ],
-    )  # fmt: skip
+    )
     print(f"wrote {path} and {args.out / 'report.md'}")
     return 0
 

@@ -59,14 +59,37 @@ BOUNDS: dict[str, Bounds] = {
 }
 
 # Every PTE_* variable the plugin reads (docs/configuration.md): any other is named as a typo.
-NAMES = frozenset({
-    "PTE_ACCUMULATOR", "PTE_BENCHMARK_LABELS", "PTE_CALIBRATION", "PTE_DEVICE", "PTE_ENABLED",
-    "PTE_ENGINE_TRANSPORT", "PTE_FAILPOINTS", "PTE_FAILPOINTS_SEED", "PTE_FEEDBACK_WINDOW",
-    "PTE_GPU_HOURLY_PRICE", "PTE_HOI", "PTE_MAX_LORA_NAMES", "PTE_MAX_SESSIONS", "PTE_MAX_TURNS",
-    "PTE_N_ACTIVE", "PTE_OTEL", "PTE_OTEL_LOGS", "PTE_OTEL_METRICS", "PTE_REQUEST_LOG",
-    "PTE_SESSION_FROM_USER", "PTE_SESSION_HEADER", "PTE_SESSION_IDLE_TTL_S", "PTE_SESSION_STORE",
-    "PTE_STEP_LOG", "PTE_TENANTS", "PTE_TENANT_FROM_API_KEY", "PTE_TENANT_HEADER",
-})  # fmt: skip
+NAMES = frozenset(
+    {
+        "PTE_ACCUMULATOR",
+        "PTE_BENCHMARK_LABELS",
+        "PTE_CALIBRATION",
+        "PTE_DEVICE",
+        "PTE_ENABLED",
+        "PTE_ENGINE_TRANSPORT",
+        "PTE_FAILPOINTS",
+        "PTE_FAILPOINTS_SEED",
+        "PTE_FEEDBACK_WINDOW",
+        "PTE_GPU_HOURLY_PRICE",
+        "PTE_HOI",
+        "PTE_MAX_LORA_NAMES",
+        "PTE_MAX_SESSIONS",
+        "PTE_MAX_TURNS",
+        "PTE_N_ACTIVE",
+        "PTE_OTEL",
+        "PTE_OTEL_LOGS",
+        "PTE_OTEL_METRICS",
+        "PTE_REQUEST_LOG",
+        "PTE_SESSION_FROM_USER",
+        "PTE_SESSION_HEADER",
+        "PTE_SESSION_IDLE_TTL_S",
+        "PTE_SESSION_STORE",
+        "PTE_STEP_LOG",
+        "PTE_TENANTS",
+        "PTE_TENANT_FROM_API_KEY",
+        "PTE_TENANT_HEADER",
+    }
+)
 
 # Tenants: allow-listed values of a metric label, so both their length and their number are capped.
 OTHER_TENANT = "other"  # every value not on the allow-list (or none), when tenants are on
@@ -174,8 +197,10 @@ class Settings:
         tenant_from_api_key = flag("PTE_TENANT_FROM_API_KEY", False)
         tenants = _tenant_list(env.get("PTE_TENANTS") or "", errors)
         if tenants and tenant_header is None and not tenant_from_api_key:
-            errors.append("PTE_TENANTS is set but neither PTE_TENANT_HEADER nor PTE_TENANT_FROM_API_KEY: "
-                          "tenants are off")  # fmt: skip
+            errors.append(
+                "PTE_TENANTS is set but neither PTE_TENANT_HEADER nor PTE_TENANT_FROM_API_KEY: "
+                "tenants are off"
+            )
         elif not tenants and (tenant_header is not None or tenant_from_api_key):
             errors.append(
                 f"PTE_TENANTS lists no tenant: every request is accounted to tenant {OTHER_TENANT!r}"
@@ -198,9 +223,11 @@ class Settings:
                 f"PTE_CALIBRATION={shown(calibration)} is not off, online or a saved fit's file; using online"
             )
             calibration = "online"
-        for name, check in ((failpoints.SPEC_ENV, lambda v: failpoints.parse(v)[1]),
-                            (failpoints.SEED_ENV, lambda v: failpoints.parse_seed(v)[1]),
-                            (transport.ADDRESS_ENV, transport.address_problem)):  # fmt: skip
+        for name, check in (
+            (failpoints.SPEC_ENV, lambda v: failpoints.parse(v)[1]),
+            (failpoints.SEED_ENV, lambda v: failpoints.parse_seed(v)[1]),
+            (transport.ADDRESS_ENV, transport.address_problem),
+        ):
             raw = env.get(name)
             if raw is not None and (problem := check(raw)) is not None:
                 fix = "; using a local ipc:// address" if name == transport.ADDRESS_ENV else ""

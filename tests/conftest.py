@@ -57,11 +57,20 @@ class OtlpReceiver:
                 for ss in rs.scope_spans:
                     for sp in ss.spans:
                         attrs = {a.key: _any_value(a.value) for a in sp.attributes}
-                        spans.append({"name": sp.name, "start": sp.start_time_unix_nano,
-                                      "end": sp.end_time_unix_nano, "attributes": attrs,
-                                      "trace_id": sp.trace_id.hex(), "span_id": sp.span_id.hex(),
-                                      "parent_span_id": sp.parent_span_id.hex(), "kind": sp.kind,
-                                      "status": sp.status.code, "status_message": sp.status.message})  # fmt: skip
+                        spans.append(
+                            {
+                                "name": sp.name,
+                                "start": sp.start_time_unix_nano,
+                                "end": sp.end_time_unix_nano,
+                                "attributes": attrs,
+                                "trace_id": sp.trace_id.hex(),
+                                "span_id": sp.span_id.hex(),
+                                "parent_span_id": sp.parent_span_id.hex(),
+                                "kind": sp.kind,
+                                "status": sp.status.code,
+                                "status_message": sp.status.message,
+                            }
+                        )
 
         def take_logs(body: bytes) -> None:
             for rl in ExportLogsServiceRequest.FromString(body).resource_logs:
@@ -69,9 +78,16 @@ class OtlpReceiver:
                 for sl in rl.scope_logs:
                     for lr in sl.log_records:
                         attrs = {a.key: _any_value(a.value) for a in lr.attributes}
-                        logs.append({"event_name": lr.event_name, "time": lr.time_unix_nano,
-                                     "severity": lr.severity_text, "body": _any_value(lr.body),
-                                     "attributes": attrs, "resource": resource})  # fmt: skip
+                        logs.append(
+                            {
+                                "event_name": lr.event_name,
+                                "time": lr.time_unix_nano,
+                                "severity": lr.severity_text,
+                                "body": _any_value(lr.body),
+                                "attributes": attrs,
+                                "resource": resource,
+                            }
+                        )
 
         def take_metrics(body: bytes) -> None:
             """One entry per data point: histograms with count, sum and buckets, sums with value."""
@@ -81,12 +97,21 @@ class OtlpReceiver:
                     for m in sm.metrics:
                         kind = m.WhichOneof("data")
                         for dp in getattr(m, kind).data_points:
-                            point = {"name": m.name, "unit": m.unit, "kind": kind, "time": dp.time_unix_nano,
-                                     "attributes": {a.key: _any_value(a.value) for a in dp.attributes},
-                                     "resource": resource}  # fmt: skip
+                            point = {
+                                "name": m.name,
+                                "unit": m.unit,
+                                "kind": kind,
+                                "time": dp.time_unix_nano,
+                                "attributes": {a.key: _any_value(a.value) for a in dp.attributes},
+                                "resource": resource,
+                            }
                             if kind == "histogram":
-                                point.update(count=dp.count, sum=dp.sum, bounds=list(dp.explicit_bounds),
-                                             bucket_counts=list(dp.bucket_counts))  # fmt: skip
+                                point.update(
+                                    count=dp.count,
+                                    sum=dp.sum,
+                                    bounds=list(dp.explicit_bounds),
+                                    bucket_counts=list(dp.bucket_counts),
+                                )
                             else:
                                 point["value"] = getattr(dp, dp.WhichOneof("value"))
                             points.append(point)
@@ -114,8 +139,9 @@ class OtlpReceiver:
         self.metrics_endpoint = f"{base}/v1/metrics"
 
     def span_for(self, response_id: str, timeout_s: float = 10.0) -> dict | None:
-        return self._find(self.spans, lambda a: a.get("gen_ai.response.id") == response_id and "pte.served" in a,
-                          timeout_s)  # fmt: skip
+        return self._find(
+            self.spans, lambda a: a.get("gen_ai.response.id") == response_id and "pte.served" in a, timeout_s
+        )
 
     def log_for(self, request_id: str, timeout_s: float = 10.0) -> dict | None:
         return self._find(self.logs, lambda a: a.get("request_id") == request_id, timeout_s)
@@ -123,8 +149,11 @@ class OtlpReceiver:
     def latest_point(self, name: str, **attributes) -> dict | None:
         """The most recent data point of metric ``name`` whose attributes include ``attributes``
         (cumulative temporality: it holds every observation so far)."""
-        found = [p for p in list(self.points)
-                 if p["name"] == name and all(p["attributes"].get(k) == v for k, v in attributes.items())]  # fmt: skip
+        found = [
+            p
+            for p in list(self.points)
+            if p["name"] == name and all(p["attributes"].get(k) == v for k, v in attributes.items())
+        ]
         return max(found, key=lambda p: p["time"], default=None)
 
     @staticmethod

@@ -91,8 +91,11 @@ def schemas() -> dict[str, Any]:
     core = pytest.importorskip(
         "cloudcoil.models.kubernetes.core.v1", reason="pip install cloudcoil-models-kubernetes"
     )
-    return {"ServiceMonitor": operator.ServiceMonitor, "PrometheusRule": operator.PrometheusRule,
-            "ConfigMap": core.ConfigMap}  # fmt: skip
+    return {
+        "ServiceMonitor": operator.ServiceMonitor,
+        "PrometheusRule": operator.PrometheusRule,
+        "ConfigMap": core.ConfigMap,
+    }
 
 
 def validated(schemas: dict[str, Any], doc: dict[str, Any]) -> dict[str, Any]:

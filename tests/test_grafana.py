@@ -49,10 +49,14 @@ def test_committed_dashboard_is_what_the_generator_makes():
 # Metrics that are exported but have no data on the end-to-end test server (the step hook
 # on, no PTE_GPU_HOURLY_PRICE, too few steps for the online fit), by the reason a query gives.
 EMPTY_ON_TEST_SERVER = {
-    "unpriced": {"pte_cost_usd_total", "pte_session_cost_usd_bucket", "pte_session_cost_usd_sum",
-                 "pte_session_cost_usd_count"},
+    "unpriced": {
+        "pte_cost_usd_total",
+        "pte_session_cost_usd_bucket",
+        "pte_session_cost_usd_sum",
+        "pte_session_cost_usd_count",
+    },
     "unfitted": {"pte_step_model_r2", "pte_step_model_mape_ratio"},
-}  # fmt: skip
+}
 
 
 def check_catalogued(title: str, expr: str, known: dict[str, Family]) -> None:
@@ -161,8 +165,13 @@ def test_the_seconds_and_money_row_is_there():
     row = next(r for r in ROWS if r.title == "Seconds and money")
     queries = [q for p in row.panels for q in p.queries]
     required = set().union(*(metric_names(q.expr) for q in queries if not q.optional))
-    assert {"pte_gpu_seconds_total", "pte_session_gpu_seconds_bucket", "pte_interference_seconds_total",
-            "pte_gamma_measured", "pte_gamma"} <= required  # fmt: skip
+    assert {
+        "pte_gpu_seconds_total",
+        "pte_session_gpu_seconds_bucket",
+        "pte_interference_seconds_total",
+        "pte_gamma_measured",
+        "pte_gamma",
+    } <= required
     unpriced = set().union(*(metric_names(q.expr) for q in queries if q.empty_on_test_server == "unpriced"))
     assert {"pte_cost_usd_total", "pte_session_cost_usd_bucket"} <= unpriced
     unfitted = set().union(*(metric_names(q.expr) for q in queries if q.empty_on_test_server == "unfitted"))

@@ -78,8 +78,14 @@ def test_only_the_adapter_imports_vllm(graph):
 
 
 def test_engine_process_never_reaches_the_server_side(graph):
-    forbidden = ("pte_instrument.server", "prometheus_client", "pte_instrument.cli", "pte_instrument.offline",
-                 "pte_instrument.vllm_adapter.stat_logger", "pte_instrument.vllm_adapter.endpoints")  # fmt: skip
+    forbidden = (
+        "pte_instrument.server",
+        "prometheus_client",
+        "pte_instrument.cli",
+        "pte_instrument.offline",
+        "pte_instrument.vllm_adapter.stat_logger",
+        "pte_instrument.vllm_adapter.endpoints",
+    )
     for module in graph:
         if any(under(module, p) for p in ENGINE_PROCESS):
             bad = sorted(d for d in reachable(graph, module) if any(under(d, f) for f in forbidden))

@@ -84,9 +84,12 @@ def test_promtool_accepts_the_rule_file():
 @needs_promtool
 def test_promtool_unit_tests_pass():
     proc = subprocess.run(
-        [PROMTOOL, "test", "rules", UNIT_TESTS.name], cwd=UNIT_TESTS.parent, capture_output=True, text=True,
+        [PROMTOOL, "test", "rules", UNIT_TESTS.name],
+        cwd=UNIT_TESTS.parent,
+        capture_output=True,
+        text=True,
         timeout=120,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "SUCCESS" in proc.stdout
 

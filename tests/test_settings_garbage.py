@@ -11,8 +11,14 @@ import pytest
 from pte_instrument import failpoints, transport
 from pte_instrument.settings import NAMES, Settings
 
-FLAGS = ["PTE_ENABLED", "PTE_OTEL", "PTE_OTEL_LOGS", "PTE_OTEL_METRICS", "PTE_SESSION_FROM_USER",
-         "PTE_TENANT_FROM_API_KEY"]  # fmt: skip
+FLAGS = [
+    "PTE_ENABLED",
+    "PTE_OTEL",
+    "PTE_OTEL_LOGS",
+    "PTE_OTEL_METRICS",
+    "PTE_SESSION_FROM_USER",
+    "PTE_TENANT_FROM_API_KEY",
+]
 
 
 @pytest.mark.parametrize("name", FLAGS)

@@ -74,8 +74,9 @@ class _Boot:
     spearman: np.ndarray
 
 
-def _bootstrap_many(xs: Sequence[np.ndarray], y: np.ndarray, n_boot: int, seed: int,
-                    max_elems: int) -> list[_Boot]:  # fmt: skip
+def _bootstrap_many(
+    xs: Sequence[np.ndarray], y: np.ndarray, n_boot: int, seed: int, max_elems: int
+) -> list[_Boot]:
     """Bootstrap rows of r and ρ for several metrics against one y, on shared resamples
     (so differences between metrics are paired). Rows must be finite."""
     n = len(y)
@@ -113,7 +114,7 @@ def bootstrap_pearson_diff(
     max_elems: int = 4_000_000,
 ) -> tuple[float, float, float]:
     """r(a, y) − r(b, y) with a paired bootstrap interval: is metric a really better than b
-    on this data, or within noise? Rows where any of the three is non-finite are dropped."""  # fmt: skip
+    on this data, or within noise? Rows where any of the three is non-finite are dropped."""
     a, b, y = (np.asarray(v, dtype=np.float64).ravel() for v in (a, b, y))
     ok = np.isfinite(a) & np.isfinite(b) & np.isfinite(y)
     a, b, y = a[ok], b[ok], y[ok]
@@ -136,7 +137,7 @@ def bootstrap_metrics(
     """Corr of every metric with y and r(primary) − r(metric), all on the same resamples.
 
     Metrics finite wherever y and the primary are share one pass; any other is bootstrapped
-    on its own rows."""  # fmt: skip
+    on its own rows."""
     y = np.asarray(y, dtype=np.float64).ravel()
     xs = [np.asarray(x, dtype=np.float64).ravel() for x in xs]
     base = np.isfinite(y) & (np.isfinite(xs[primary]) if primary is not None else True)
@@ -226,7 +227,7 @@ def bootstrap_turn_corr(
 ) -> Corr:
     """Published-style correlation: mean cost and mean time per turn index (over sessions),
     then r across turn indices. Resamples whole sessions, so the interval reflects
-    session-to-session variation rather than treating turns as independent."""  # fmt: skip
+    session-to-session variation rather than treating turns as independent."""
     present = np.isfinite(X) & np.isfinite(Y)
     X = np.where(present, X, np.nan)
     Y = np.where(present, Y, np.nan)
@@ -291,18 +292,41 @@ def _col(records: Sequence[Mapping[str, Any]], key: str, *aliases: str) -> np.nd
 
 
 REQUEST_FIELDS = (
-    "prompt_tokens", "cached_tokens", "computed_prefill_tokens", "recomputed_tokens", "output_tokens",
-    "gamma", "hoi", "pte_reference", "pte_served", "pte_ideal", "pte_prefill", "pte_decode",
-    "queued_s", "prefill_s", "decode_s", "inference_s", "e2e_s", "finished_at", "num_preemptions",
+    "prompt_tokens",
+    "cached_tokens",
+    "computed_prefill_tokens",
+    "recomputed_tokens",
+    "output_tokens",
+    "gamma",
+    "hoi",
+    "pte_reference",
+    "pte_served",
+    "pte_ideal",
+    "pte_prefill",
+    "pte_decode",
+    "queued_s",
+    "prefill_s",
+    "decode_s",
+    "inference_s",
+    "e2e_s",
+    "finished_at",
+    "num_preemptions",
     "arrived_at",
-)  # fmt: skip
+)
 # Seconds from the engine hook (docs/cost-model.md §5b): the request's share of measured step
 # time, by term; the step-time model's cost of its own work alone; the steps it was in plus
 # its queue time; the part of those that was other requests' work; money.
 SECONDS_FIELDS = (
-    "gpu_seconds", "gpu_seconds_prefill", "gpu_seconds_kv_read", "gpu_seconds_weights",
-    "gpu_seconds_overhead", "predicted_seconds", "latency_explained_s", "interference_s", "cost_usd",
-)  # fmt: skip
+    "gpu_seconds",
+    "gpu_seconds_prefill",
+    "gpu_seconds_kv_read",
+    "gpu_seconds_weights",
+    "gpu_seconds_overhead",
+    "predicted_seconds",
+    "latency_explained_s",
+    "interference_s",
+    "cost_usd",
+)
 # Engine-side fields exist only with the scheduler hook. The roofline one is read under both
 # spellings: ``engine_roofline_pte`` and the request ledger's ``engine_pte_roofline``.
 ENGINE_FIELDS: dict[str, tuple[str, ...]] = {
@@ -475,8 +499,9 @@ def rescale_gamma(pte_prefill: Any, pte_decode: Any, gamma_from: float, gamma_to
     return np.asarray(pte_prefill, dtype=np.float64) + (gamma_to / gamma_from) * np.asarray(pte_decode)
 
 
-def request_metrics(t: RequestTable, gamma_calibrated: float | None = None,
-                    request_model: Any | None = None) -> list[Metric]:  # fmt: skip
+def request_metrics(
+    t: RequestTable, gamma_calibrated: float | None = None, request_model: Any | None = None
+) -> list[Metric]:
     """Every cost predictor on the request rows: baselines, PTE variants, and (when known)
     the calibrated and engine-side ones."""
     prompt, cached, out = t["prompt_tokens"], t["cached_tokens"], t["output_tokens"]
@@ -495,24 +520,54 @@ def request_metrics(t: RequestTable, gamma_calibrated: float | None = None,
         g = t["gamma"]
         with np.errstate(invalid="ignore", divide="ignore"):
             vals = t["pte_prefill"] + gamma_calibrated * t.ctx_sum
-        m.append(Metric("PTE served (γ calibrated)", "pte", np.where(g > 0, vals, np.nan),
-                        f"γ = {gamma_calibrated:.4g} fitted on measured step times"))  # fmt: skip
+        m.append(
+            Metric(
+                "PTE served (γ calibrated)",
+                "pte",
+                np.where(g > 0, vals, np.nan),
+                f"γ = {gamma_calibrated:.4g} fitted on measured step times",
+            )
+        )
     if t.has("engine_pte_served"):
         m.append(
             Metric("PTE served (engine)", "pte", t["engine_pte_served"], "exact, from the scheduler hook")
         )
     if t.has("engine_roofline_pte"):
-        m.append(Metric("roofline (engine)", "model", t["engine_roofline_pte"],
-                        "docs/cost-model.md §5 attribution: max(compute, weights + KV) per step, shared"))  # fmt: skip
+        m.append(
+            Metric(
+                "roofline (engine)",
+                "model",
+                t["engine_roofline_pte"],
+                "docs/cost-model.md §5 attribution: max(compute, weights + KV) per step, shared",
+            )
+        )
     if request_model is not None:
-        m.append(Metric("fitted request model", "model", request_model.predict_requests(t),
-                        "a·prefill + b·Σctx + c·(D−1) + e, fitted at concurrency 1"))  # fmt: skip
+        m.append(
+            Metric(
+                "fitted request model",
+                "model",
+                request_model.predict_requests(t),
+                "a·prefill + b·Σctx + c·(D−1) + e, fitted at concurrency 1",
+            )
+        )
     if t.has("predicted_seconds"):
-        m.append(Metric(PREDICTED, "model", t["predicted_seconds"],
-                        "engine: the step-time model's cost of the request's own work alone (online fit)"))  # fmt: skip
+        m.append(
+            Metric(
+                PREDICTED,
+                "model",
+                t["predicted_seconds"],
+                "engine: the step-time model's cost of the request's own work alone (online fit)",
+            )
+        )
     if t.has("gpu_seconds"):
-        m.append(Metric(GPU_SECONDS, "measured", t["gpu_seconds"],
-                        "engine: its share of each measured step time it was in"))  # fmt: skip
+        m.append(
+            Metric(
+                GPU_SECONDS,
+                "measured",
+                t["gpu_seconds"],
+                "engine: its share of each measured step time it was in",
+            )
+        )
     return m
 
 
@@ -529,8 +584,14 @@ def step_metrics(s: StepTable, fit: Any | None = None) -> list[Metric]:
         Metric("PTE (logged γ)", "pte", s["pte"], "prefill + Σ_g γ_g·ctx_g"),
     ]
     if fit is not None and math.isfinite(fit.gamma_measured) and fit.gamma_measured > 0:
-        m.append(Metric("PTE (γ calibrated)", "pte", prefill + fit.gamma_measured * s.ctx_w,
-                        f"prefill + {fit.gamma_measured:.4g}·ctx"))  # fmt: skip
+        m.append(
+            Metric(
+                "PTE (γ calibrated)",
+                "pte",
+                prefill + fit.gamma_measured * s.ctx_w,
+                f"prefill + {fit.gamma_measured:.4g}·ctx",
+            )
+        )
     if np.isfinite(s["roofline_pte"]).any():
         roofline_note = "max(tokens, weights + KV), docs/cost-model.md §5"
         m.append(Metric("roofline (logged)", "model", s["roofline_pte"], roofline_note))
@@ -586,10 +647,15 @@ class LevelResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "level": self.level, "phase": self.phase, "time": self.time, "n": self.n,
-            "primary": self.primary, "note": self.note, "metrics": [m.to_dict() for m in self.metrics],
+            "level": self.level,
+            "phase": self.phase,
+            "time": self.time,
+            "n": self.n,
+            "primary": self.primary,
+            "note": self.note,
+            "metrics": [m.to_dict() for m in self.metrics],
             "references": list(self.references),
-        }  # fmt: skip
+        }
 
 
 def evaluate(
@@ -605,7 +671,7 @@ def evaluate(
     references: Sequence[str] = (),
 ) -> LevelResult:
     """Correlate every metric with the measured time on the same rows (paired resamples), and
-    each with the primary and with every reference present: r(reference) − r(metric), paired."""  # fmt: skip
+    each with the primary and with every reference present: r(reference) − r(metric), paired."""
     names = [m.name for m in metrics]
     p = names.index(primary) if primary in names else None
     stats = bootstrap_metrics([m.values for m in metrics], time, p, n_boot, seed)
@@ -633,7 +699,7 @@ def evaluate_turns(
     seed: int = 0,
     min_fraction: float = 0.5,
 ) -> LevelResult:
-    """Turn level: per-turn-index means over sessions, resampling sessions."""  # fmt: skip
+    """Turn level: per-turn-index means over sessions, resampling sessions."""
     Y, _ = turn_matrix(session_ids, turns, time)
     results = []
     for m in metrics:
@@ -644,8 +710,15 @@ def evaluate_turns(
             )
         )
     n = results[0].corr.n if results else 0
-    return LevelResult("turn", phase, f"mean {time_name} per turn index", n, primary, results,
-                       f"{len(set(session_ids))} sessions; turn indices reached by ≥{min_fraction:.0%} of sessions")  # fmt: skip
+    return LevelResult(
+        "turn",
+        phase,
+        f"mean {time_name} per turn index",
+        n,
+        primary,
+        results,
+        f"{len(set(session_ids))} sessions; turn indices reached by ≥{min_fraction:.0%} of sessions",
+    )
 
 
 def turn_profile(
@@ -678,9 +751,13 @@ class ProfileScore:
     pearson_vs_time: float  # r(PTE served under this profile, measured time)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"device": self.device, "hoi": _num(self.hoi), "gamma": _num(self.gamma),
-                "spearman_vs_default": _num(self.spearman_vs_default),
-                "pearson_vs_time": _num(self.pearson_vs_time)}  # fmt: skip
+        return {
+            "device": self.device,
+            "hoi": _num(self.hoi),
+            "gamma": _num(self.gamma),
+            "spearman_vs_default": _num(self.spearman_vs_default),
+            "pearson_vs_time": _num(self.pearson_vs_time),
+        }
 
 
 def robustness(
@@ -693,7 +770,7 @@ def robustness(
     time: Any | None = None,
 ) -> list[ProfileScore]:
     """Re-score every request under each profile (γ ∝ HOI, so γ' = γ·HOI'/HOI) and compare
-    rankings with the default profile's. ``profiles`` maps name → object with ``.hoi``."""  # fmt: skip
+    rankings with the default profile's. ``profiles`` maps name → object with ``.hoi``."""
     pre = np.asarray(pte_prefill, dtype=np.float64)
     dec = np.asarray(pte_decode, dtype=np.float64)
     base = rescale_gamma(pre, dec, gamma, gamma * profiles[default].hoi / hoi)
@@ -701,6 +778,9 @@ def robustness(
     for name, p in profiles.items():
         g = gamma * p.hoi / hoi
         score = rescale_gamma(pre, dec, gamma, g)
-        out.append(ProfileScore(name, p.hoi, g, spearman(score, base),
-                                pearson(score, time) if time is not None else math.nan))  # fmt: skip
+        out.append(
+            ProfileScore(
+                name, p.hoi, g, spearman(score, base), pearson(score, time) if time is not None else math.nan
+            )
+        )
     return out

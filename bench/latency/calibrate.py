@@ -129,8 +129,10 @@ class Calibration:
         return self.predict(request_features(t))
 
     def formula(self) -> str:
-        return "t ≈ " + " + ".join(f"{self.coef[k]:.3g}·{k}" if k not in ("const", "request_const")
-                                   else f"{self.coef[k]:.3g}" for k in self.terms)  # fmt: skip
+        return "t ≈ " + " + ".join(
+            f"{self.coef[k]:.3g}·{k}" if k not in ("const", "request_const") else f"{self.coef[k]:.3g}"
+            for k in self.terms
+        )
 
     def dominant(self) -> tuple[str, float]:
         k = max(self.shares, key=lambda t: self.shares[t])
@@ -139,17 +141,24 @@ class Calibration:
     def to_dict(self) -> dict[str, Any]:
         f = _num
         return {
-            "level": self.level, "terms": list(self.terms), "formula": self.formula(),
+            "level": self.level,
+            "terms": list(self.terms),
+            "formula": self.formula(),
             "coef_s": {k: f(v) for k, v in self.coef.items()},
             "coef_ci_s": {k: [f(a), f(b)] for k, (a, b) in self.coef_ci.items()},
-            "r2": f(self.r2), "rmse_s": f(self.rmse_s), "n": self.n, "mean_time_s": f(self.mean_time_s),
-            "gamma_measured": f(self.gamma_measured), "gamma_ci": [f(v) for v in self.gamma_ci],
+            "r2": f(self.r2),
+            "rmse_s": f(self.rmse_s),
+            "n": self.n,
+            "mean_time_s": f(self.mean_time_s),
+            "gamma_measured": f(self.gamma_measured),
+            "gamma_ci": [f(v) for v in self.gamma_ci],
             "gamma_theory": f(self.gamma_theory) if self.gamma_theory else None,
             "gamma_measured_over_theory": f(self.gamma_ratio),
             "const_pte": f(self.const_pte),
             "const_pte_theory": f(self.const_pte_theory) if self.const_pte_theory else None,
-            "time_shares": {k: f(v) for k, v in self.shares.items()}, "notes": self.notes,
-        }  # fmt: skip
+            "time_shares": {k: f(v) for k, v in self.shares.items()},
+            "notes": self.notes,
+        }
 
 
 def _num(v: float | None) -> float | None:
@@ -187,7 +196,7 @@ def calibrate(
     level_ci: float = 0.95,
 ) -> Calibration:
     """Fit and derive γ_measured = b/a (with its bootstrap interval: the ratio is taken per
-    resample, so the interval is honest about a and b being estimated together)."""  # fmt: skip
+    resample, so the interval is honest about a and b being estimated together)."""
     fit = fit_linear(features, time, n_boot, seed)
     coef = dict(zip(fit.terms, fit.coef.tolist(), strict=True))
     ci = fit.ci(level_ci)
@@ -215,20 +224,36 @@ def calibrate(
     c = coef.get(const_term, math.nan)
     y = np.asarray(time, dtype=np.float64)
     return Calibration(
-        level=level, terms=fit.terms, coef=coef, coef_ci=coef_ci, r2=fit.r2, rmse_s=fit.rmse, n=fit.n,
-        gamma_measured=gamma, gamma_ci=g_ci, gamma_theory=gamma_theory,
-        const_pte=c / a if a > 0 else math.nan, const_pte_theory=const_pte_theory, shares=shares,
-        mean_time_s=float(np.nanmean(y)) if y.size else math.nan, notes=notes,
-    )  # fmt: skip
+        level=level,
+        terms=fit.terms,
+        coef=coef,
+        coef_ci=coef_ci,
+        r2=fit.r2,
+        rmse_s=fit.rmse,
+        n=fit.n,
+        gamma_measured=gamma,
+        gamma_ci=g_ci,
+        gamma_theory=gamma_theory,
+        const_pte=c / a if a > 0 else math.nan,
+        const_pte_theory=const_pte_theory,
+        shares=shares,
+        mean_time_s=float(np.nanmean(y)) if y.size else math.nan,
+        notes=notes,
+    )
 
 
 def calibrate_steps(s: Any, with_decode: bool = False, n_boot: int = 500, seed: int = 0) -> Calibration:
     """γ from a StepTable: t ≈ a·prefill + b·ctx + c (+ d·decode)."""
     header = s.header or {}
     return calibrate(
-        "step", step_features(s, with_decode), s["dt_s"], gamma_theory=s.gamma,
-        const_pte_theory=header.get("weights_pte"), n_boot=n_boot, seed=seed,
-    )  # fmt: skip
+        "step",
+        step_features(s, with_decode),
+        s["dt_s"],
+        gamma_theory=s.gamma,
+        const_pte_theory=header.get("weights_pte"),
+        n_boot=n_boot,
+        seed=seed,
+    )
 
 
 def calibrate_requests(t: Any, n_boot: int = 500, seed: int = 0) -> Calibration:
@@ -237,13 +262,19 @@ def calibrate_requests(t: Any, n_boot: int = 500, seed: int = 0) -> Calibration:
     g = t["gamma"]
     gamma_theory = float(np.nanmedian(g)) if np.isfinite(g).any() else None
     return calibrate(
-        "request", request_features(t), t["inference_s"], gamma_theory=gamma_theory,
-        const_term="decode_steps", n_boot=n_boot, seed=seed,
-    )  # fmt: skip
+        "request",
+        request_features(t),
+        t["inference_s"],
+        gamma_theory=gamma_theory,
+        const_term="decode_steps",
+        n_boot=n_boot,
+        seed=seed,
+    )
 
 
-def measure_host_profile(dtype: str = "float32", threads: int = 1, size: int = 1024, copy_mib: int = 64,
-                         repeats: int = 5) -> DeviceProfile:  # fmt: skip
+def measure_host_profile(
+    dtype: str = "float32", threads: int = 1, size: int = 1024, copy_mib: int = 64, repeats: int = 5
+) -> DeviceProfile:
     """HOI of this host as the engine uses it: a matmul in the served dtype on the engine's
     thread count, and a large copy. (core.devices.measure_profile times bf16, which CPUs
     without native bf16 run ~100× slower than the fp32 they are served in.)"""

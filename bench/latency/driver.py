@@ -146,8 +146,13 @@ class _Progress:
         if enabled and sys.stderr.isatty():
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                TimeElapsedColumn(), transient=False)  # fmt: skip
+            self.bar = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                transient=False,
+            )
             self.task = self.bar.add_task(label, total=total)
             self.bar.start()
 
@@ -179,7 +184,7 @@ def run_phase(
     progress: bool = True,
     on_turn: Callable[[TurnRecord], None] | None = None,
 ) -> PhaseResult:
-    """Run ``cfg.sessions`` agent sessions, ``cfg.concurrency`` at a time."""  # fmt: skip
+    """Run ``cfg.sessions`` agent sessions, ``cfg.concurrency`` at a time."""
     rng = random.Random(cfg.seed)
     system_prompt = "You are an agent with tools. " + random_words(rng, cfg.system_words)
     bar = _Progress(cfg.sessions * cfg.turns, f"concurrency {cfg.concurrency}", progress)
@@ -188,16 +193,22 @@ def run_phase(
     cut_short = [0]
     stop = threading.Event()  # set on Ctrl-C: sessions end after their current turn
     # idle connections dropped before vLLM's 5 s keep-alive timeout closes them under a request
-    limits = httpx.Limits(max_connections=cfg.concurrency + 4, max_keepalive_connections=cfg.concurrency + 4,
-                          keepalive_expiry=1.0)  # fmt: skip
+    limits = httpx.Limits(
+        max_connections=cfg.concurrency + 4,
+        max_keepalive_connections=cfg.concurrency + 4,
+        keepalive_expiry=1.0,
+    )
 
     def one_session(client: httpx.Client, index: int) -> None:
         task_words, plan = plan_session(cfg, index)
         sid = f"{cfg.session_prefix}-{session_name(index)}"
         base = WorkloadConfig(
-            sessions=1, turns=cfg.turns, task_words=task_words, seed=cfg.seed,
+            sessions=1,
+            turns=cfg.turns,
+            task_words=task_words,
+            seed=cfg.seed,
             session_header=cfg.session_header,
-        )  # fmt: skip
+        )
         # The task text names the session by its index alone: every phase then sends the same
         # prompts (lengths and token ids), whatever its session prefix.
         session = AgentSession(
@@ -225,8 +236,15 @@ def run_phase(
                 error = f"{type(e).__name__}: {e}"
             else:
                 error = None
-            rec = TurnRecord(**asdict(r), max_tokens=max_tokens, tool_words=p.tool_words,
-                             tool_long=p.tool_long, t_start=t0, t_end=time.time(), error=error)  # fmt: skip
+            rec = TurnRecord(
+                **asdict(r),
+                max_tokens=max_tokens,
+                tool_words=p.tool_words,
+                tool_long=p.tool_long,
+                t_start=t0,
+                t_end=time.time(),
+                error=error,
+            )
             with lock:
                 records.append(rec)
             if error is not None:

@@ -152,8 +152,10 @@ def analyse_logs(
         if len(steps) < 10:
             steps = None
     if steps is None:
-        notes.append("no step log (engine hook off, or it wrote nothing): step-level validation and the "
-                     "step calibration are skipped; request and turn levels only")  # fmt: skip
+        notes.append(
+            "no step log (engine hook off, or it wrote nothing): step-level validation and the "
+            "step calibration are skipped; request and turn levels only"
+        )
     phase_req = {p.name: req.select(_phase_of_requests(req, p)) for p in phases}
     phase_steps: dict[str, A.StepTable] = {}
     if steps is not None:
@@ -177,25 +179,35 @@ def analyse_logs(
     request_fit = None
     if alone is not None and alone.concurrency == 1 and len(phase_req[alone.name]) >= 8:
         request_fit = calibrate_requests(phase_req[alone.name], n_boot, seed)
-    gamma_cal = step_fit.gamma_measured if step_fit is not None else (
-        request_fit.gamma_measured if request_fit is not None else None)  # fmt: skip
+    gamma_cal = (
+        step_fit.gamma_measured
+        if step_fit is not None
+        else (request_fit.gamma_measured if request_fit is not None else None)
+    )
 
     # --- cost model actually used by the plugin ---
     gamma = float(np.nanmedian(req["gamma"])) if len(req) else math.nan
     hoi = float(np.nanmedian(req["hoi"])) if len(req) else math.nan
     cost_model: dict[str, Any] = {
-        "gamma_logged": gamma, "hoi_logged": hoi, "device_logged": req.device[0] if len(req) else None,
+        "gamma_logged": gamma,
+        "hoi_logged": hoi,
+        "device_logged": req.device[0] if len(req) else None,
         "gamma_calibrated": gamma_cal,
-        "gamma_calibrated_source": "step log" if step_fit is not None else ("requests at concurrency 1" if request_fit else None),
-    }  # fmt: skip
+        "gamma_calibrated_source": "step log"
+        if step_fit is not None
+        else ("requests at concurrency 1" if request_fit else None),
+    }
     if steps is not None and steps.header:
         cost_model["step_log_header"] = steps.header
     if host_profile is not None and math.isfinite(gamma) and hoi > 0:
         cost_model["host_measured"] = {
-            "name": host_profile.name, "hoi": host_profile.hoi, "peak_flops": host_profile.peak_flops,
-            "mem_bandwidth": host_profile.mem_bandwidth, "source": host_profile.source,
+            "name": host_profile.name,
+            "hoi": host_profile.hoi,
+            "peak_flops": host_profile.peak_flops,
+            "mem_bandwidth": host_profile.mem_bandwidth,
+            "source": host_profile.source,
             "gamma_implied": gamma * host_profile.hoi / hoi,
-        }  # fmt: skip
+        }
 
     # --- levels ---
     levels: list[A.LevelResult] = []
@@ -207,8 +219,18 @@ def analyse_logs(
             # left is the decode side: the per-step constant against the context read.
             subsets.append(("decode-only", decode_only))
         for name, s in subsets:
-            levels.append(A.evaluate("step", name, "dt_s", s["dt_s"], _step_metrics(s, step_fit, step_fit_dec),
-                                     "PTE (logged γ)", n_boot, seed))  # fmt: skip
+            levels.append(
+                A.evaluate(
+                    "step",
+                    name,
+                    "dt_s",
+                    s["dt_s"],
+                    _step_metrics(s, step_fit, step_fit_dec),
+                    "PTE (logged γ)",
+                    n_boot,
+                    seed,
+                )
+            )
     step_model = None
     if steps is not None:
         step_model = _four_term(
@@ -223,18 +245,48 @@ def analyse_logs(
         rm = A.request_metrics(t, gamma_cal, request_fit)
         if p.concurrency == 1 and step_model is not None and t.has("arrived_at"):
             rm += _offline_alone_metrics(t, steps, step_model)
-        levels.append(A.evaluate("request", p.name, "inference_s", t["inference_s"], rm, A.PRIMARY, n_boot, seed,
-                                 note=f"concurrency {p.concurrency}", references=(A.PREDICTED,)))  # fmt: skip
+        levels.append(
+            A.evaluate(
+                "request",
+                p.name,
+                "inference_s",
+                t["inference_s"],
+                rm,
+                A.PRIMARY,
+                n_boot,
+                seed,
+                note=f"concurrency {p.concurrency}",
+                references=(A.PREDICTED,),
+            )
+        )
         if (t.turn > 0).any():
             has = t.turn > 0
             tt = t.select(has)
-            levels.append(A.evaluate_turns(p.name, tt.session_id, tt.turn, "inference_s", tt["inference_s"],
-                                           A.request_metrics(tt, gamma_cal, request_fit), A.PRIMARY, n_boot, seed))  # fmt: skip
-            turn_profiles[p.name] = A.turn_profile(tt.session_id, tt.turn, {
-                "prompt_tokens": tt["prompt_tokens"], "cached_tokens": tt["cached_tokens"],
-                "output_tokens": tt["output_tokens"], "pte_served": tt["pte_served"],
-                "pte_reference": tt["pte_reference"], "inference_s": tt["inference_s"],
-            })  # fmt: skip
+            levels.append(
+                A.evaluate_turns(
+                    p.name,
+                    tt.session_id,
+                    tt.turn,
+                    "inference_s",
+                    tt["inference_s"],
+                    A.request_metrics(tt, gamma_cal, request_fit),
+                    A.PRIMARY,
+                    n_boot,
+                    seed,
+                )
+            )
+            turn_profiles[p.name] = A.turn_profile(
+                tt.session_id,
+                tt.turn,
+                {
+                    "prompt_tokens": tt["prompt_tokens"],
+                    "cached_tokens": tt["cached_tokens"],
+                    "output_tokens": tt["output_tokens"],
+                    "pte_served": tt["pte_served"],
+                    "pte_reference": tt["pte_reference"],
+                    "inference_s": tt["inference_s"],
+                },
+            )
 
     # --- robustness (requests of every phase; γ ∝ HOI) ---
     robust: list[A.ProfileScore] = []
@@ -254,23 +306,43 @@ def analyse_logs(
         if m is not None:
             levels.append(m)
     if len(req) and not req.has("gpu_seconds"):
-        notes.append("no engine seconds (gpu_seconds, predicted_seconds) in the request log: run with the "
-                     "engine hook; the seconds targets are not evaluated")  # fmt: skip
+        notes.append(
+            "no engine seconds (gpu_seconds, predicted_seconds) in the request log: run with the "
+            "engine hook; the seconds targets are not evaluated"
+        )
 
     out = LatencyAnalysis(
-        phases=list(phases), requests=req, steps=steps, phase_requests=phase_req, phase_steps=phase_steps,
-        step_fit=step_fit, step_fit_decode=step_fit_dec, phase_step_fits=phase_fits, request_fit=request_fit,
-        levels=levels, robustness=robust, turn_profiles=turn_profiles, cost_model=cost_model, notes=notes,
-        step_model=step_model, seconds=seconds,
-    )  # fmt: skip
+        phases=list(phases),
+        requests=req,
+        steps=steps,
+        phase_requests=phase_req,
+        phase_steps=phase_steps,
+        step_fit=step_fit,
+        step_fit_decode=step_fit_dec,
+        phase_step_fits=phase_fits,
+        request_fit=request_fit,
+        levels=levels,
+        robustness=robust,
+        turn_profiles=turn_profiles,
+        cost_model=cost_model,
+        notes=notes,
+        step_model=step_model,
+        seconds=seconds,
+    )
     out.targets = evaluate_targets(out)
     return out
 
 
 def _four_term(
-    steps: A.StepTable, phases: Sequence[Phase], host: DeviceProfile | None, model_dir: str | Path | None,
-    dtype: str, engine_step_model: Mapping[str, Any] | None, n_boot: int, seed: int,
-) -> SM.StepModelAnalysis:  # fmt: skip
+    steps: A.StepTable,
+    phases: Sequence[Phase],
+    host: DeviceProfile | None,
+    model_dir: str | Path | None,
+    dtype: str,
+    engine_step_model: Mapping[str, Any] | None,
+    n_boot: int,
+    seed: int,
+) -> SM.StepModelAnalysis:
     """The four-term model fitted on the phases' steps, scored on all, decode-only, each phase."""
     subsets = {"all": np.ones(len(steps), dtype=bool), "decode-only": steps["prefill"] == 0}
     for p in phases:
@@ -291,20 +363,32 @@ def _offline_alone_metrics(t: A.RequestTable, steps: A.StepTable, sm: SM.StepMod
     c = SM.step_columns(steps)
     pred = sm.fit.model.predict(c.prefill, c.ctx, c.memory_bound)
     return [
-        A.Metric(OFFLINE_PREDICTED, "model", S.alone_step_sums(t, steps["t"], pred),
-                 "Σ over its steps of the four-term model fitted on the whole step log"),
-        A.Metric(STEP_TIME_ALONE, "measured", S.alone_step_sums(t, steps["t"], steps["dt_s"]),
-                 "Σ dt_s of the steps scheduled between its arrival and its end"),
-    ]  # fmt: skip
+        A.Metric(
+            OFFLINE_PREDICTED,
+            "model",
+            S.alone_step_sums(t, steps["t"], pred),
+            "Σ over its steps of the four-term model fitted on the whole step log",
+        ),
+        A.Metric(
+            STEP_TIME_ALONE,
+            "measured",
+            S.alone_step_sums(t, steps["t"], steps["dt_s"]),
+            "Σ dt_s of the steps scheduled between its arrival and its end",
+        ),
+    ]
 
 
 MATCHED_PRIMARY = "GPU seconds (under load)"
 
 
 def _seconds(
-    phases: Sequence[Phase], phase_req: Mapping[str, A.RequestTable], phase_steps: Mapping[str, A.StepTable],
-    alone: Phase | None, n_boot: int, seed: int,
-) -> dict[str, dict[str, Any]]:  # fmt: skip
+    phases: Sequence[Phase],
+    phase_req: Mapping[str, A.RequestTable],
+    phase_steps: Mapping[str, A.StepTable],
+    alone: Phase | None,
+    n_boot: int,
+    seed: int,
+) -> dict[str, dict[str, Any]]:
     """Per phase: attribution and coverage summaries, gaps between steps, and under load the
     requests matched to the same requests alone (as a level of its own, ``matched_level``)."""
     out: dict[str, dict[str, Any]] = {}
@@ -337,24 +421,51 @@ def _matched(p: Phase, load: A.RequestTable, alone: A.RequestTable, n_boot: int,
         return {"matched": {"n": int(il.size)}}
     lt, y = _take(load, il), alone["inference_s"][ia]
     metrics = [
-        A.Metric(MATCHED_PRIMARY, "measured", lt["gpu_seconds"], "its share of the steps it was in, under load"),
-        A.Metric("predicted seconds (under load)", "model", lt["predicted_seconds"], "its own work alone, as the engine priced it under load"),
-        A.Metric("inference_s under load", "measured", lt["inference_s"], "the same request's own time under load"),
-        A.Metric("latency explained (under load)", "measured", lt["latency_explained_s"], "steps it was in + queue"),
+        A.Metric(
+            MATCHED_PRIMARY, "measured", lt["gpu_seconds"], "its share of the steps it was in, under load"
+        ),
+        A.Metric(
+            "predicted seconds (under load)",
+            "model",
+            lt["predicted_seconds"],
+            "its own work alone, as the engine priced it under load",
+        ),
+        A.Metric(
+            "inference_s under load", "measured", lt["inference_s"], "the same request's own time under load"
+        ),
+        A.Metric(
+            "latency explained (under load)", "measured", lt["latency_explained_s"], "steps it was in + queue"
+        ),
         A.Metric("PTE served", "pte", lt["pte_served"], "under load (prefix-cache hits may differ)"),
         A.Metric("output tokens", "baseline", lt["output_tokens"], ""),
-    ]  # fmt: skip
-    level = A.evaluate("matched", p.name, "inference_s of the same request alone (c1)", y, metrics,
-                       MATCHED_PRIMARY, n_boot, seed, note=f"concurrency {p.concurrency}, matched by session index and turn")  # fmt: skip
-    return {"matched": {**S.matched_columns(load, alone, il, ia), **S.same_work(load, alone, il, ia)},
-            "matched_level": level}  # fmt: skip
+    ]
+    level = A.evaluate(
+        "matched",
+        p.name,
+        "inference_s of the same request alone (c1)",
+        y,
+        metrics,
+        MATCHED_PRIMARY,
+        n_boot,
+        seed,
+        note=f"concurrency {p.concurrency}, matched by session index and turn",
+    )
+    return {
+        "matched": {**S.matched_columns(load, alone, il, ia), **S.same_work(load, alone, il, ia)},
+        "matched_level": level,
+    }
 
 
 def _take(t: A.RequestTable, idx: np.ndarray) -> A.RequestTable:
     """Rows of ``t`` in the order of ``idx``."""
-    return A.RequestTable([t.request_id[i] for i in idx], [t.session_id[i] for i in idx], t.turn[idx],
-                          [t.device[i] for i in idx], [t.finish_reason[i] for i in idx],
-                          {k: v[idx] for k, v in t.cols.items()})  # fmt: skip
+    return A.RequestTable(
+        [t.request_id[i] for i in idx],
+        [t.session_id[i] for i in idx],
+        t.turn[idx],
+        [t.device[i] for i in idx],
+        [t.finish_reason[i] for i in idx],
+        {k: v[idx] for k, v in t.cols.items()},
+    )
 
 
 def _step_metrics(s: A.StepTable, fit: Calibration | None, fit_dec: Calibration | None) -> list[A.Metric]:
@@ -406,8 +517,10 @@ def diagnose_request(a: LatencyAnalysis, lv: A.LevelResult) -> str:
             )
         r_fit = _r(lv, "fitted request model")
         if math.isfinite(r_fit):
-            parts.append(f"A linear model with a per-step term reaches r = {r_fit:.3f} on the same requests "
-                         "(fitted on them: an upper bound for this shape of model).")  # fmt: skip
+            parts.append(
+                f"A linear model with a per-step term reaches r = {r_fit:.3f} on the same requests "
+                "(fitted on them: an upper bound for this shape of model)."
+            )
     elif a.step_fit is not None:
         parts.append(explain_shares(a.step_fit) + " (steps of all phases).")
     if not alone:
@@ -439,11 +552,15 @@ def diagnose_step(a: LatencyAnalysis) -> str:
     parts = [explain_shares(fit) + ";"]
     parts.append(f"residual RMS {fit.rmse_s * 1e3:.2f} ms on a mean step of {fit.mean_time_s * 1e3:.2f} ms.")
     if a.step_fit_decode is not None and a.step_fit_decode.r2 > fit.r2 + 0.02:
-        parts.append(f"Adding a per-decode-token term lifts R² to {a.step_fit_decode.r2:.3f}: each decoded "
-                     "token's own matmuls are not free on this device.")  # fmt: skip
-    parts.append("What a linear model of (prefill, context, constant) leaves unexplained is jitter from "
-                 "the host (other processes on the same cores, the API server and the client sharing them), "
-                 "and prefill attention, which grows with the square of the chunk length.")  # fmt: skip
+        parts.append(
+            f"Adding a per-decode-token term lifts R² to {a.step_fit_decode.r2:.3f}: each decoded "
+            "token's own matmuls are not free on this device."
+        )
+    parts.append(
+        "What a linear model of (prefill, context, constant) leaves unexplained is jitter from "
+        "the host (other processes on the same cores, the API server and the client sharing them), "
+        "and prefill attention, which grows with the square of the chunk length."
+    )
     return " ".join(parts)
 
 
@@ -466,10 +583,12 @@ def _gaps_text(a: LatencyAnalysis, phase: str) -> str:
     g, step = d.get("gaps_between_steps") or {}, d.get("median_step_s")
     if not g.get("n") or g.get("median_s") is None or step is None:
         return ""
-    return (f"consecutive steps are {g['median_s'] * 1e3:.2f} ms apart (median) beyond their dt_s, against a "
-            f"median step of {step * 1e3:.2f} ms: {g['share_of_step_time']:.1%} of the engine's busy time "
-            "lies outside every step's dt_s (scheduling the next step, the engine loop's bookkeeping), and a "
-            "request's steps do not cover it")  # fmt: skip
+    return (
+        f"consecutive steps are {g['median_s'] * 1e3:.2f} ms apart (median) beyond their dt_s, against a "
+        f"median step of {step * 1e3:.2f} ms: {g['share_of_step_time']:.1%} of the engine's busy time "
+        "lies outside every step's dt_s (scheduling the next step, the engine loop's bookkeeping), and a "
+        "request's steps do not cover it"
+    )
 
 
 def diagnose_predicted(a: LatencyAnalysis, lv: A.LevelResult, t: A.RequestTable) -> str:
@@ -477,34 +596,47 @@ def diagnose_predicted(a: LatencyAnalysis, lv: A.LevelResult, t: A.RequestTable)
     durations of the request's own steps) or the time outside steps (those vs inference_s)."""
     r_pg = A.pearson(t["predicted_seconds"], t["gpu_seconds"])
     r_gi = _r(lv, A.GPU_SECONDS)
-    parts = [f"Alone, a request's GPU seconds are the measured durations of its own steps: r(predicted, GPU "
-             f"seconds) = {_fmt(r_pg)} is the step-time model's error, r(GPU seconds, inference_s) = "
-             f"{_fmt(r_gi)} the time outside the steps."]  # fmt: skip
+    parts = [
+        f"Alone, a request's GPU seconds are the measured durations of its own steps: r(predicted, GPU "
+        f"seconds) = {_fmt(r_pg)} is the step-time model's error, r(GPU seconds, inference_s) = "
+        f"{_fmt(r_gi)} the time outside the steps."
+    ]
     if math.isfinite(r_pg) and (not math.isfinite(r_gi) or r_pg <= r_gi):
         shares = S.residual_terms(t, t["gpu_seconds"] - t["predicted_seconds"])
         if shares:
             k = max(shares, key=lambda x: shares[x] if math.isfinite(shares[x]) else -1)
-            label = {"prefill": "prefill tokens (a)", "ctx": "Σ decode context (b)",
-                     "steps": "decode steps (w + o)"}[k]  # fmt: skip
+            label = {
+                "prefill": "prefill tokens (a)",
+                "ctx": "Σ decode context (b)",
+                "steps": "decode steps (w + o)",
+            }[k]
             ratio = S.ratios(t["predicted_seconds"], t["gpu_seconds"])
-            parts.append(f"The model's error dominates: predicted/measured has median {_median(ratio):.3f}, "
-                         f"p10–p90 {np.quantile(ratio, 0.1):.3f}–{np.quantile(ratio, 0.9):.3f}; of what a linear "
-                         f"model of the request's work explains of it, {shares[k]:.0%} follows {label}.")  # fmt: skip
+            parts.append(
+                f"The model's error dominates: predicted/measured has median {_median(ratio):.3f}, "
+                f"p10–p90 {np.quantile(ratio, 0.1):.3f}–{np.quantile(ratio, 0.9):.3f}; of what a linear "
+                f"model of the request's work explains of it, {shares[k]:.0%} follows {label}."
+            )
         drift = S.drift(t["predicted_seconds"], t["gpu_seconds"], t["finished_at"])
         if math.isfinite(drift) and drift >= 0.2:
-            parts.append(f"Consecutive requests' predicted/measured ratios correlate (r = {drift:.2f}): the host's "
-                         "speed drifts over seconds to minutes with the other load on its cores, and the model, "
-                         "fitted over the last 4,096 steps, cannot follow it.")  # fmt: skip
+            parts.append(
+                f"Consecutive requests' predicted/measured ratios correlate (r = {drift:.2f}): the host's "
+                "speed drifts over seconds to minutes with the other load on its cores, and the model, "
+                "fitted over the last 4,096 steps, cannot follow it."
+            )
         r_off, r_sum = _r(lv, OFFLINE_PREDICTED), _r(lv, STEP_TIME_ALONE)
         if math.isfinite(r_off):
-            parts.append(f"One four-term fit of the whole step log, summed over each request's steps, reaches "
-                         f"r = {r_off:.3f} (the steps' measured durations: {_fmt(r_sum)}).")  # fmt: skip
+            parts.append(
+                f"One four-term fit of the whole step log, summed over each request's steps, reaches "
+                f"r = {r_off:.3f} (the steps' measured durations: {_fmt(r_sum)})."
+            )
         sm = a.step_model
         if sm is not None and sm.online is not None:
             sc = sm.get(SM.ONLINE, "all")
             if sc is not None:
-                parts.append(f"The engine's online fit at the end of the run scores MAPE {sc.mape:.1%} on the "
-                             "steps; the predicted seconds of each request were priced by the fit of its moment.")  # fmt: skip
+                parts.append(
+                    f"The engine's online fit at the end of the run scores MAPE {sc.mape:.1%} on the "
+                    "steps; the predicted seconds of each request were priced by the fit of its moment."
+                )
     else:
         gaps = _gaps_text(a, lv.phase)
         parts.append("The time outside the steps dominates" + (f": {gaps}." if gaps else "."))
@@ -516,8 +648,10 @@ def diagnose_attribution(a: LatencyAnalysis, phase: str, t: A.RequestTable) -> s
     gap = gap[np.isfinite(gap)]
     parts = []
     if gap.size:
-        parts.append(f"A request's inference time exceeds its steps by a median {np.median(gap) * 1e3:.2f} ms "
-                     "per output token (one step each).")  # fmt: skip
+        parts.append(
+            f"A request's inference time exceeds its steps by a median {np.median(gap) * 1e3:.2f} ms "
+            "per output token (one step each)."
+        )
     gaps = _gaps_text(a, phase)
     if gaps:
         parts.append(gaps[0].upper() + gaps[1:] + ".")
@@ -532,8 +666,10 @@ def diagnose_coverage(a: LatencyAnalysis, phase: str) -> str:
         parts.append(gaps[0].upper() + gaps[1:] + ".")
     pre = d.get("preempted_share")
     if pre:
-        parts.append(f"{pre:.0%} of the requests were preempted: the steps they waited through between their "
-                     "eviction and their recompute are not steps they were scheduled in.")  # fmt: skip
+        parts.append(
+            f"{pre:.0%} of the requests were preempted: the steps they waited through between their "
+            "eviction and their recompute are not steps they were scheduled in."
+        )
     return " ".join(parts)
 
 
@@ -544,28 +680,42 @@ def diagnose_matched(a: LatencyAnalysis, phase: str, lv: A.LevelResult | None) -
     shared_alone = sum((v.get("share_alone") or 0) for k, v in terms if k in ("weights", "overhead"))
     shared_load = sum((v.get("share_under_load") or 0) for k, v in terms if k in ("weights", "overhead"))
     if terms and shared_alone - shared_load >= 0.2:
-        parts.append(f"Alone, the weight read and the per-step overhead are {shared_alone:.0%} of a request's GPU "
-                     f"seconds; under load, split over the requests of each step, {shared_load:.0%}. Batching "
-                     "amortises them, so under load a request's GPU seconds rank by its own prefill and KV reads, "
-                     "alone mostly by its number of steps (output tokens): the cost of a request under load is "
-                     "not its cost alone.")  # fmt: skip
+        parts.append(
+            f"Alone, the weight read and the per-step overhead are {shared_alone:.0%} of a request's GPU "
+            f"seconds; under load, split over the requests of each step, {shared_load:.0%}. Batching "
+            "amortises them, so under load a request's GPU seconds rank by its own prefill and KV reads, "
+            "alone mostly by its number of steps (output tokens): the cost of a request under load is "
+            "not its cost alone."
+        )
     if terms:
-        parts.append("GPU seconds under load by term (share; r with the same term alone): " + ", ".join(
-            f"{k} {v['share_under_load']:.0%}; {_fmt(v['pearson_load_vs_alone'], 2)}"
-            for k, v in terms if v.get("share_under_load") is not None) + ".")  # fmt: skip
+        parts.append(
+            "GPU seconds under load by term (share; r with the same term alone): "
+            + ", ".join(
+                f"{k} {v['share_under_load']:.0%}; {_fmt(v['pearson_load_vs_alone'], 2)}"
+                for k, v in terms
+                if v.get("share_under_load") is not None
+            )
+            + "."
+        )
         shared = shared_load
         if shared >= 0.3 and shared_alone - shared_load < 0.2:
-            parts.append(f"{shared:.0%} of it is the weight read and the per-step overhead, split evenly over the "
-                         "requests of each step: a request's share follows how many steps it lived through and "
-                         "how full they were, not its own work.")  # fmt: skip
+            parts.append(
+                f"{shared:.0%} of it is the weight read and the per-step overhead, split evenly over the "
+                "requests of each step: a request's share follows how many steps it lived through and "
+                "how full they were, not its own work."
+            )
     if m.get("computed_prefill_equal") is not None and m["computed_prefill_equal"] < 0.9:
-        parts.append(f"Only {m['computed_prefill_equal']:.0%} of the matched pairs computed the same prefill (the "
-                     "prefix cache hit differently under load): the work itself differed.")  # fmt: skip
+        parts.append(
+            f"Only {m['computed_prefill_equal']:.0%} of the matched pairs computed the same prefill (the "
+            "prefix cache hit differently under load): the work itself differed."
+        )
     if lv is not None:
         r_inf = lv.get("inference_s under load")
         if r_inf is not None:
-            parts.append(f"For comparison, the request's own inference time under load ranks it ρ = "
-                         f"{_fmt(r_inf.corr.spearman)} against alone.")  # fmt: skip
+            parts.append(
+                f"For comparison, the request's own inference time under load ranks it ρ = "
+                f"{_fmt(r_inf.corr.spearman)} against alone."
+            )
     return " ".join(parts)
 
 
@@ -577,8 +727,15 @@ def seconds_targets(a: LatencyAnalysis) -> list[Target]:
         return out
     t, lv = a.phase_requests.get(alone.name), a.level("request", alone.name)
     if t is None or lv is None or lv.get(A.PREDICTED) is None:
-        out.append(Target("c=1 r(predicted_seconds, inference_s)", f"≥ {TARGET_R_PREDICTED}", None, None,
-                          "no predicted_seconds in the request log: run with the engine hook"))  # fmt: skip
+        out.append(
+            Target(
+                "c=1 r(predicted_seconds, inference_s)",
+                f"≥ {TARGET_R_PREDICTED}",
+                None,
+                None,
+                "no predicted_seconds in the request log: run with the engine hook",
+            )
+        )
         return out
     pm = lv.get(A.PREDICTED)
     r = pm.corr.pearson
@@ -587,27 +744,55 @@ def seconds_targets(a: LatencyAnalysis) -> list[Target]:
     detail = f"{_ci(pm.corr.pearson_ci)}; Spearman ρ {_corr_cell(pm.corr, 'spearman')}"
     if gm is not None:
         detail += f"; GPU seconds: r {_corr_cell(gm.corr)}, ρ {_corr_cell(gm.corr, 'spearman')}"
-    out.append(Target("c=1 r(predicted_seconds, inference_s)", f"≥ {TARGET_R_PREDICTED}", r, met, detail,
-                      "" if met else diagnose_predicted(a, lv, t), pm.corr.pearson_ci))  # fmt: skip
-    rivals = [m for m in lv.metrics if (m.kind == "baseline" or m.name == A.PRIMARY)
-              and math.isfinite(m.versus.get(A.PREDICTED, (math.nan,))[0])]  # fmt: skip
+    out.append(
+        Target(
+            "c=1 r(predicted_seconds, inference_s)",
+            f"≥ {TARGET_R_PREDICTED}",
+            r,
+            met,
+            detail,
+            "" if met else diagnose_predicted(a, lv, t),
+            pm.corr.pearson_ci,
+        )
+    )
+    rivals = [
+        m
+        for m in lv.metrics
+        if (m.kind == "baseline" or m.name == A.PRIMARY)
+        and math.isfinite(m.versus.get(A.PREDICTED, (math.nan,))[0])
+    ]
     if rivals:
         closest = min(rivals, key=lambda m: m.versus[A.PREDICTED][0])
         d = closest.versus[A.PREDICTED]
         met = _met(d[0], all(m.versus[A.PREDICTED][0] > 0 for m in rivals))
         sig = sum(1 for m in rivals if m.versus[A.PREDICTED][1] > 0)
-        out.append(Target("c=1 predicted_seconds above every token baseline and PTE served",
-                          "r(predicted) − r(each) > 0", d[0], met,
-                          f"closest: {closest.name} (r {_fmt(closest.corr.pearson)}), r(predicted) − r = {d[0]:+.3f}, "
-                          f"{_ci((d[1], d[2]))}; the interval excludes 0 for {sig} of {len(rivals)}",
-                          "" if met else diagnose_predicted(a, lv, t), (d[1], d[2])))  # fmt: skip
+        out.append(
+            Target(
+                "c=1 predicted_seconds above every token baseline and PTE served",
+                "r(predicted) − r(each) > 0",
+                d[0],
+                met,
+                f"closest: {closest.name} (r {_fmt(closest.corr.pearson)}), r(predicted) − r = {d[0]:+.3f}, "
+                f"{_ci((d[1], d[2]))}; the interval excludes 0 for {sig} of {len(rivals)}",
+                "" if met else diagnose_predicted(a, lv, t),
+                (d[1], d[2]),
+            )
+        )
     att = a.seconds.get(alone.name, {}).get("attribution")
     if att is not None:
         met = _met(att.median, att.median >= TARGET_ATTRIBUTION)
-        out.append(Target("c=1 gpu_seconds / inference_s (median)", f"≥ {TARGET_ATTRIBUTION}", att.median, met,
-                          f"{_ci(att.median_ci)}; share of requests ≥ {TARGET_ATTRIBUTION}: {att.share_at_least:.1%} "
-                          f"({_ci(att.share_ci)}); p10 {att.quantiles['p10']:.3f}, p90 {att.quantiles['p90']:.3f}",
-                          "" if met else diagnose_attribution(a, alone.name, t), att.median_ci))  # fmt: skip
+        out.append(
+            Target(
+                "c=1 gpu_seconds / inference_s (median)",
+                f"≥ {TARGET_ATTRIBUTION}",
+                att.median,
+                met,
+                f"{_ci(att.median_ci)}; share of requests ≥ {TARGET_ATTRIBUTION}: {att.share_at_least:.1%} "
+                f"({_ci(att.share_ci)}); p10 {att.quantiles['p10']:.3f}, p90 {att.quantiles['p90']:.3f}",
+                "" if met else diagnose_attribution(a, alone.name, t),
+                att.median_ci,
+            )
+        )
     for p in sorted(a.phases, key=lambda p: p.concurrency):
         if p.concurrency <= 1:
             continue
@@ -615,21 +800,35 @@ def seconds_targets(a: LatencyAnalysis) -> list[Target]:
         cov = d.get("coverage")
         if cov is not None:
             met = _met(cov.median, cov.median >= TARGET_COVERAGE)
-            out.append(Target(f"c={p.concurrency} latency explained / (inference_s + queued_s) (median)",
-                              f"≥ {TARGET_COVERAGE}", cov.median, met,
-                              f"{_ci(cov.median_ci)}; p05 {cov.quantiles['p05']:.3f}, p95 {cov.quantiles['p95']:.3f}; "
-                              f"share ≥ {TARGET_COVERAGE}: {cov.share_at_least:.1%}",
-                              "" if met else diagnose_coverage(a, p.name), cov.median_ci))  # fmt: skip
+            out.append(
+                Target(
+                    f"c={p.concurrency} latency explained / (inference_s + queued_s) (median)",
+                    f"≥ {TARGET_COVERAGE}",
+                    cov.median,
+                    met,
+                    f"{_ci(cov.median_ci)}; p05 {cov.quantiles['p05']:.3f}, p95 {cov.quantiles['p95']:.3f}; "
+                    f"share ≥ {TARGET_COVERAGE}: {cov.share_at_least:.1%}",
+                    "" if met else diagnose_coverage(a, p.name),
+                    cov.median_ci,
+                )
+            )
         mlv = a.level("matched", p.name)
         mm = mlv.get(MATCHED_PRIMARY) if mlv is not None else None
         if mm is not None:
             rho = mm.corr.spearman
             met = _met(rho, rho >= TARGET_MATCHED_RHO)
-            out.append(Target(f"c={p.concurrency} Spearman(gpu_seconds under load, inference_s alone)",
-                              f"≥ {TARGET_MATCHED_RHO}", rho, met,
-                              f"{_ci(mm.corr.spearman_ci)}; {mm.corr.n} requests matched by session and turn; "
-                              f"Pearson {_corr_cell(mm.corr)}",
-                              "" if met else diagnose_matched(a, p.name, mlv), mm.corr.spearman_ci))  # fmt: skip
+            out.append(
+                Target(
+                    f"c={p.concurrency} Spearman(gpu_seconds under load, inference_s alone)",
+                    f"≥ {TARGET_MATCHED_RHO}",
+                    rho,
+                    met,
+                    f"{_ci(mm.corr.spearman_ci)}; {mm.corr.n} requests matched by session and turn; "
+                    f"Pearson {_corr_cell(mm.corr)}",
+                    "" if met else diagnose_matched(a, p.name, mlv),
+                    mm.corr.spearman_ci,
+                )
+            )
     return out
 
 
@@ -645,8 +844,11 @@ def step_model_targets(a: LatencyAnalysis) -> list[Target]:
     label = "engine's online fit × host speed, one step ahead" if name == SM.LIVE else "four-term fit"
 
     def beside(subset: str, value: Any) -> str:
-        return "".join(f"; {m} {value(o)}" for m in (SM.FITTED, SM.FITTED_SPEED, SM.THEORY)
-                       if m != name and (o := sm.get(m, subset)) is not None)  # fmt: skip
+        return "".join(
+            f"; {m} {value(o)}"
+            for m in (SM.FITTED, SM.FITTED_SPEED, SM.THEORY)
+            if m != name and (o := sm.get(m, subset)) is not None
+        )
 
     sc = sm.get(name, "all")
     if sc is not None:
@@ -654,17 +856,34 @@ def step_model_targets(a: LatencyAnalysis) -> list[Target]:
         why = "" if met else SM.explain_step_miss(sm, "all", "mape")
         if not met and sm.get(SM.THEORY, "all") is not None:
             why += " " + SM.explain_theory(sm) + "."
-        out.append(Target(f"step MAPE, {label}, all steps", f"≤ {TARGET_STEP_MAPE:.0%}", sc.mape, met,
-                          f"{_ci(sc.mape_ci)}; median APE {sc.median_ape:.1%}, R² {_fmt(sc.r2)}, n {sc.n}"
-                          + beside("all", lambda o: f"{o.mape:.1%}"), why.strip(), sc.mape_ci))  # fmt: skip
+        out.append(
+            Target(
+                f"step MAPE, {label}, all steps",
+                f"≤ {TARGET_STEP_MAPE:.0%}",
+                sc.mape,
+                met,
+                f"{_ci(sc.mape_ci)}; median APE {sc.median_ape:.1%}, R² {_fmt(sc.r2)}, n {sc.n}"
+                + beside("all", lambda o: f"{o.mape:.1%}"),
+                why.strip(),
+                sc.mape_ci,
+            )
+        )
     sd = sm.get(name, "decode-only")
     if sd is not None:
         r = sd.corr.pearson
         met = _met(r, r >= TARGET_STEP_R_DECODE)
-        out.append(Target(f"step r, {label}, decode-only steps", f"≥ {TARGET_STEP_R_DECODE}", r, met,
-                          f"{_ci(sd.corr.pearson_ci)}; MAPE {sd.mape:.1%}, n {sd.n}"
-                          + beside("decode-only", lambda o: f"r {_fmt(o.corr.pearson)}"),
-                          "" if met else SM.explain_step_miss(sm, "decode-only", "r"), sd.corr.pearson_ci))  # fmt: skip
+        out.append(
+            Target(
+                f"step r, {label}, decode-only steps",
+                f"≥ {TARGET_STEP_R_DECODE}",
+                r,
+                met,
+                f"{_ci(sd.corr.pearson_ci)}; MAPE {sd.mape:.1%}, n {sd.n}"
+                + beside("decode-only", lambda o: f"r {_fmt(o.corr.pearson)}"),
+                "" if met else SM.explain_step_miss(sm, "decode-only", "r"),
+                sd.corr.pearson_ci,
+            )
+        )
     return out
 
 
@@ -679,9 +898,17 @@ def evaluate_targets(a: LatencyAnalysis) -> list[Target]:
         r = prim.corr.pearson if prim else math.nan
         label = "alone (concurrency 1)" if p.concurrency == 1 else f"under load (concurrency {p.concurrency})"
         met = bool(r >= TARGET_R) if math.isfinite(r) else None
-        out.append(Target(f"request r(PTE served, inference_s), {label}", f"≥ {TARGET_R}", r, met,
-                          f"95% CI {_fmt(prim.corr.pearson_ci[0])}–{_fmt(prim.corr.pearson_ci[1])}" if prim else "",
-                          "" if met else diagnose_request(a, lv), prim.corr.pearson_ci if prim else None))  # fmt: skip
+        out.append(
+            Target(
+                f"request r(PTE served, inference_s), {label}",
+                f"≥ {TARGET_R}",
+                r,
+                met,
+                f"95% CI {_fmt(prim.corr.pearson_ci[0])}–{_fmt(prim.corr.pearson_ci[1])}" if prim else "",
+                "" if met else diagnose_request(a, lv),
+                prim.corr.pearson_ci if prim else None,
+            )
+        )
         best = lv.best("baseline")
         if prim is not None and best is not None:
             beats = bool(r > best.corr.pearson)
@@ -690,36 +917,74 @@ def evaluate_targets(a: LatencyAnalysis) -> list[Target]:
             sig = ""
             if diff is not None and math.isfinite(diff[1]):
                 sig = f"; r(PTE) − r({best.name}) = {d:+.3f}, 95% CI {diff[1]:+.3f}…{diff[2]:+.3f}"
-            out.append(Target(f"PTE served beats every baseline at request level, {label}",
-                              "r above the best baseline", d, beats,
-                              f"best baseline {best.name} r = {_fmt(best.corr.pearson)}{sig}",
-                              "" if beats else diagnose_request(a, lv), (diff[1], diff[2]) if diff else None))  # fmt: skip
+            out.append(
+                Target(
+                    f"PTE served beats every baseline at request level, {label}",
+                    "r above the best baseline",
+                    d,
+                    beats,
+                    f"best baseline {best.name} r = {_fmt(best.corr.pearson)}{sig}",
+                    "" if beats else diagnose_request(a, lv),
+                    (diff[1], diff[2]) if diff else None,
+                )
+            )
     lv = a.level("step", "all")
     if lv is not None:
         m = lv.get("calibrated step model")
         r = m.corr.pearson if m else math.nan
         met = bool(r >= TARGET_R) if math.isfinite(r) else None
-        out.append(Target("step r(calibrated model, dt_s), all phases", f"≥ {TARGET_R}", r, met,
-                          f"{a.step_fit.formula()} (R² {a.step_fit.r2:.3f})" if a.step_fit else "",
-                          "" if met else diagnose_step(a), m.corr.pearson_ci if m else None))  # fmt: skip
+        out.append(
+            Target(
+                "step r(calibrated model, dt_s), all phases",
+                f"≥ {TARGET_R}",
+                r,
+                met,
+                f"{a.step_fit.formula()} (R² {a.step_fit.r2:.3f})" if a.step_fit else "",
+                "" if met else diagnose_step(a),
+                m.corr.pearson_ci if m else None,
+            )
+        )
         pm = lv.get("PTE (logged γ)")
         if pm is not None:
             r2 = pm.corr.pearson
-            out.append(Target("step r(PTE at logged γ, dt_s), all phases", f"≥ {TARGET_R}", r2,
-                              bool(r2 >= TARGET_R) if math.isfinite(r2) else None,
-                              "the γ the plugin priced with, no fitting",
-                              "" if r2 >= TARGET_R else diagnose_step(a), pm.corr.pearson_ci))  # fmt: skip
+            out.append(
+                Target(
+                    "step r(PTE at logged γ, dt_s), all phases",
+                    f"≥ {TARGET_R}",
+                    r2,
+                    bool(r2 >= TARGET_R) if math.isfinite(r2) else None,
+                    "the γ the plugin priced with, no fitting",
+                    "" if r2 >= TARGET_R else diagnose_step(a),
+                    pm.corr.pearson_ci,
+                )
+            )
     elif a.steps is None:
-        out.append(Target("step r(calibrated model, dt_s)", f"≥ {TARGET_R}", None, None,
-                          "no step log: run with the engine hook"))  # fmt: skip
+        out.append(
+            Target(
+                "step r(calibrated model, dt_s)",
+                f"≥ {TARGET_R}",
+                None,
+                None,
+                "no step log: run with the engine hook",
+            )
+        )
     if a.robustness:
         std = [p for p in a.robustness if not p.device.startswith("measured")]
         worst = min(std, key=lambda p: p.spearman_vs_default)
         met = bool(worst.spearman_vs_default > TARGET_RHO)
-        out.append(Target("robustness: Spearman ρ of request rankings vs the default profile, every datasheet profile",
-                          f"> {TARGET_RHO}", worst.spearman_vs_default, met, f"lowest: {worst.device}",
-                          "" if met else "γ varies across profiles by the HOI ratio; requests whose decode share "
-                          "differs rank differently when decode gets cheaper or dearer."))  # fmt: skip
+        out.append(
+            Target(
+                "robustness: Spearman ρ of request rankings vs the default profile, every datasheet profile",
+                f"> {TARGET_RHO}",
+                worst.spearman_vs_default,
+                met,
+                f"lowest: {worst.device}",
+                ""
+                if met
+                else "γ varies across profiles by the HOI ratio; requests whose decode share "
+                "differs rank differently when decode gets cheaper or dearer.",
+            )
+        )
     return out
 
 
@@ -755,8 +1020,9 @@ def report_dict(a: LatencyAnalysis | None, meta: Mapping[str, Any]) -> dict[str,
     return _clean({"benchmark": "latency", **meta, **({"analysis": a.to_dict()} if a is not None else {})})
 
 
-def write_report(a: LatencyAnalysis | None, meta: Mapping[str, Any], out_dir: str | Path,
-                 plots: bool = True) -> list[Path]:  # fmt: skip
+def write_report(
+    a: LatencyAnalysis | None, meta: Mapping[str, Any], out_dir: str | Path, plots: bool = True
+) -> list[Path]:
     """report.json, report.md and (when matplotlib is present) PNG plots in ``out_dir``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -794,13 +1060,17 @@ def _diff_cell(d: tuple[float, float, float] | None) -> str:
 def level_table(lv: A.LevelResult) -> list[str]:
     refs = [r for r in lv.references if lv.get(r) is not None]
     head = "".join(f" r({r}) − r(metric) [95% CI] |" for r in refs)
-    rows = [f"| metric | kind | Pearson r [95% CI] | Spearman ρ [95% CI] | r({lv.primary}) − r(metric) [95% CI] |{head}",
-            "|---|---|---|---|---|" + "---|" * len(refs)]  # fmt: skip
+    rows = [
+        f"| metric | kind | Pearson r [95% CI] | Spearman ρ [95% CI] | r({lv.primary}) − r(metric) [95% CI] |{head}",
+        "|---|---|---|---|---|" + "---|" * len(refs),
+    ]
     for m in sorted(lv.metrics, key=lambda m: -(m.corr.pearson if math.isfinite(m.corr.pearson) else -9)):
         name = f"**{m.name}**" if m.name == lv.primary or m.name in refs else m.name
         more = "".join(f" {_diff_cell(m.versus.get(r))} |" for r in refs)
-        rows.append(f"| {name} | {m.kind} | {_corr_cell(m.corr)} | {_corr_cell(m.corr, 'spearman')} | "
-                    f"{_diff_cell(m.primary_minus_this)} |{more}")  # fmt: skip
+        rows.append(
+            f"| {name} | {m.kind} | {_corr_cell(m.corr)} | {_corr_cell(m.corr, 'spearman')} | "
+            f"{_diff_cell(m.primary_minus_this)} |{more}"
+        )
     return rows
 
 
@@ -816,30 +1086,39 @@ def seconds_section(a: LatencyAnalysis) -> list[str]:
     rows = [d for d in a.seconds.values() if d.get("attribution") is not None]
     if not rows:
         return []
-    L = ["## Engine seconds per request", "",
-         "GPU seconds: the request's share of each measured step it was in; latency explained: those "
-         "steps' durations + its queue time (docs/cost-model.md §5b). Medians with 95% bootstrap intervals.", "",
-         f"| phase | n | gpu_seconds / inference_s | share ≥ {TARGET_ATTRIBUTION} | p10–p90 | latency explained / "
-         f"(inference + queue) | share ≥ {TARGET_COVERAGE} | p05–p95 | interference share (median) | gap between "
-         "steps (median ms) | preempted |", "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    L = [
+        "## Engine seconds per request",
+        "",
+        "GPU seconds: the request's share of each measured step it was in; latency explained: those "
+        "steps' durations + its queue time (docs/cost-model.md §5b). Medians with 95% bootstrap intervals.",
+        "",
+        f"| phase | n | gpu_seconds / inference_s | share ≥ {TARGET_ATTRIBUTION} | p10–p90 | latency explained / "
+        f"(inference + queue) | share ≥ {TARGET_COVERAGE} | p05–p95 | interference share (median) | gap between "
+        "steps (median ms) | preempted |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, d in a.seconds.items():
         at, cov = d.get("attribution"), d.get("coverage")
         if at is None or cov is None:
             continue
         g = d.get("gaps_between_steps") or {}
         gap = "n/a" if g.get("median_s") is None else f"{g['median_s'] * 1e3:.2f}"
-        L.append(f"| {name} | {at.n} | {_ratio_cell(at)} | {at.share_at_least:.1%} | {at.quantiles['p10']:.3f}–"
-                 f"{at.quantiles['p90']:.3f} | {_ratio_cell(cov)} | {cov.share_at_least:.1%} | "
-                 f"{cov.quantiles['p05']:.3f}–{cov.quantiles['p95']:.3f} | {_fmt(d.get('interference_share_median'))} | "
-                 f"{gap} | {d.get('preempted_share', 0):.1%} |")  # fmt: skip
+        L.append(
+            f"| {name} | {at.n} | {_ratio_cell(at)} | {at.share_at_least:.1%} | {at.quantiles['p10']:.3f}–"
+            f"{at.quantiles['p90']:.3f} | {_ratio_cell(cov)} | {cov.share_at_least:.1%} | "
+            f"{cov.quantiles['p05']:.3f}–{cov.quantiles['p95']:.3f} | {_fmt(d.get('interference_share_median'))} | "
+            f"{gap} | {d.get('preempted_share', 0):.1%} |"
+        )
     L.append("")
     for name, d in a.seconds.items():
         m = d.get("matched")
         if m and m.get("n"):
-            L.append(f"- {name}: {m['n']} requests matched to the same request alone; equal prompt tokens "
-                     f"{_pct(m.get('prompt_tokens_equal'))}, output tokens {_pct(m.get('output_tokens_equal'))}, "
-                     f"computed prefill {_pct(m.get('computed_prefill_equal'))}; median GPU seconds under load ÷ "
-                     f"alone {_fmt(m.get('gpu_seconds_load_over_alone_median'))}")  # fmt: skip
+            L.append(
+                f"- {name}: {m['n']} requests matched to the same request alone; equal prompt tokens "
+                f"{_pct(m.get('prompt_tokens_equal'))}, output tokens {_pct(m.get('output_tokens_equal'))}, "
+                f"computed prefill {_pct(m.get('computed_prefill_equal'))}; median GPU seconds under load ÷ "
+                f"alone {_fmt(m.get('gpu_seconds_load_over_alone_median'))}"
+            )
     L.append("")
     return L
 
@@ -852,43 +1131,63 @@ def step_model_section(a: LatencyAnalysis) -> list[str]:
     sm = a.step_model
     if sm is None:
         return []
-    L = ["## Step-time model (four terms)", "",
-         "t_step ≈ a·prefill + b·ctx + w·memory_bound + o (docs/cost-model.md §5b), fitted on all steps of the "
-         "phases with `pte_instrument.cost.step_time.fit` (theory as the prior), scored beside theory alone, "
-         "the engine's online fit at the end of the run, the whole-log fit at the host's speed of the steps before "
-         "each, and the engine's own one-step-ahead price of each step (the step log's `model_s`: its fit of the "
-         "moment at the host's speed).", "",
-         "| model | a (s/prefill token) | b (s/context token) | w (s/memory-bound step) | o (s/step) | γ = b/a | w/a (PTE) | source |",
-         "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    L = [
+        "## Step-time model (four terms)",
+        "",
+        "t_step ≈ a·prefill + b·ctx + w·memory_bound + o (docs/cost-model.md §5b), fitted on all steps of the "
+        "phases with `pte_instrument.cost.step_time.fit` (theory as the prior), scored beside theory alone, "
+        "the engine's online fit at the end of the run, the whole-log fit at the host's speed of the steps before "
+        "each, and the engine's own one-step-ahead price of each step (the step log's `model_s`: its fit of the "
+        "moment at the host's speed).",
+        "",
+        "| model | a (s/prefill token) | b (s/context token) | w (s/memory-bound step) | o (s/step) | γ = b/a | w/a (PTE) | source |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     models = [(SM.FITTED, sm.fit.model)]
     if sm.theory is not None:
         models.append((SM.THEORY, sm.theory.model))
     if sm.online is not None:
         models.append((SM.ONLINE, sm.online))
     for name, m in models:
-        L.append(f"| {name} | {m.a:.4g} | {m.b:.4g} | {m.w:.4g} | {m.o:.4g} | {_fmt(m.gamma_measured, 5)} | "
-                 f"{_fmt(m.weights_pte, 1)} | {m.source} |")  # fmt: skip
+        L.append(
+            f"| {name} | {m.a:.4g} | {m.b:.4g} | {m.w:.4g} | {m.o:.4g} | {_fmt(m.gamma_measured, 5)} | "
+            f"{_fmt(m.weights_pte, 1)} | {m.source} |"
+        )
     if sm.fit.from_prior:
         L.append(
             f"\nTerms taken from the prior (not identifiable on these steps): {', '.join(sm.fit.from_prior)}."
         )
-    L += ["", "| model | steps | n | MAPE [95% CI] | median APE | R² | Pearson r [95% CI] | Spearman ρ |",
-          "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    L += [
+        "",
+        "| model | steps | n | MAPE [95% CI] | median APE | R² | Pearson r [95% CI] | Spearman ρ |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for sc in sm.scores:
         ci = f" [{sc.mape_ci[0]:.1%}, {sc.mape_ci[1]:.1%}]" if math.isfinite(sc.mape_ci[0]) else ""
-        L.append(f"| {sc.model} | {sc.subset} | {sc.n} | {sc.mape:.1%}{ci} | {sc.median_ape:.1%} | {_fmt(sc.r2)} | "
-                 f"{_corr_cell(sc.corr)} | {_fmt(sc.corr.spearman)} |")  # fmt: skip
-    L += ["", "Error of the four-term fit by the term that dominates each step's prediction:", "",
-          "| steps | dominant term | steps | share | MAPE | share of Σ APE | share of Σ squared error | median (pred − dt)/dt |",
-          "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        L.append(
+            f"| {sc.model} | {sc.subset} | {sc.n} | {sc.mape:.1%}{ci} | {sc.median_ape:.1%} | {_fmt(sc.r2)} | "
+            f"{_corr_cell(sc.corr)} | {_fmt(sc.corr.spearman)} |"
+        )
+    L += [
+        "",
+        "Error of the four-term fit by the term that dominates each step's prediction:",
+        "",
+        "| steps | dominant term | steps | share | MAPE | share of Σ APE | share of Σ squared error | median (pred − dt)/dt |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for subset in ("all", "decode-only"):
         for e in sm.errors.get(subset, []):
-            L.append(f"| {subset} | {SM.TERM_NAMES[e.term]} | {e.steps} | {e.step_share:.1%} | {e.mape:.1%} | "
-                     f"{e.ape_share:.1%} | {e.sq_share:.1%} | {e.bias:+.1%} |")  # fmt: skip
+            L.append(
+                f"| {subset} | {SM.TERM_NAMES[e.term]} | {e.steps} | {e.step_share:.1%} | {e.mape:.1%} | "
+                f"{e.ape_share:.1%} | {e.sq_share:.1%} | {e.bias:+.1%} |"
+            )
     leads = sm.leads.get("all") or {}
     if leads:
-        L += ["", "r of the relative residual with what the model leaves out (all steps): "
-              + ", ".join(f"{k} {_fmt(v, 2)}" for k, v in leads.items())]  # fmt: skip
+        L += [
+            "",
+            "r of the relative residual with what the model leaves out (all steps): "
+            + ", ".join(f"{k} {_fmt(v, 2)}" for k, v in leads.items()),
+        ]
     if sm.theory_errors:
         L += ["", "- " + SM.explain_theory(sm)]
     if sm.theory is not None and sm.theory.notes:
@@ -898,9 +1197,11 @@ def step_model_section(a: LatencyAnalysis) -> list[str]:
 
 
 def _cal_rows(name: str, c: Calibration) -> str:
-    return (f"| {name} | {c.n} | {c.r2:.3f} | {_fmt(c.gamma_measured, 5)} [{_fmt(c.gamma_ci[0], 5)}, "
-            f"{_fmt(c.gamma_ci[1], 5)}] | {_fmt(c.gamma_theory, 5) if c.gamma_theory else 'n/a'} | "
-            f"{_fmt(c.const_pte, 1)} | {c.formula()} |")  # fmt: skip
+    return (
+        f"| {name} | {c.n} | {c.r2:.3f} | {_fmt(c.gamma_measured, 5)} [{_fmt(c.gamma_ci[0], 5)}, "
+        f"{_fmt(c.gamma_ci[1], 5)}] | {_fmt(c.gamma_theory, 5) if c.gamma_theory else 'n/a'} | "
+        f"{_fmt(c.const_pte, 1)} | {c.formula()} |"
+    )
 
 
 def _analysed(data: Mapping[str, Any]) -> str:
@@ -917,14 +1218,19 @@ LOAD_NOTE_ABOVE = 3.0
 
 def _load_note(data: Mapping[str, Any]) -> list[str]:
     """One line when the host was loaded by other work during the run (load average > 3)."""
-    loads = [(data.get("machine") or {}).get("load_avg_1m"), data.get("load_avg_1m_end"),
-             *((p or {}).get("load_avg_1m_end") for p in data.get("phases_run") or [])]  # fmt: skip
+    loads = [
+        (data.get("machine") or {}).get("load_avg_1m"),
+        data.get("load_avg_1m_end"),
+        *((p or {}).get("load_avg_1m_end") for p in data.get("phases_run") or []),
+    ]
     loads = [float(v) for v in loads if isinstance(v, (int, float))]
     if not loads or max(loads) <= LOAD_NOTE_ABOVE:
         return []
-    return [f"**Timings were taken with other load on the machine**: 1-minute load average up to {max(loads):.1f} "
-            f"(sampled at the start, at the end of each phase and of the run) on "
-            f"{(data.get('machine') or {}).get('cpu_count')} CPUs; step and request times carry that jitter."]  # fmt: skip
+    return [
+        f"**Timings were taken with other load on the machine**: 1-minute load average up to {max(loads):.1f} "
+        f"(sampled at the start, at the end of each phase and of the run) on "
+        f"{(data.get('machine') or {}).get('cpu_count')} CPUs; step and request times carry that jitter."
+    ]
 
 
 def markdown(a: LatencyAnalysis | None, data: Mapping[str, Any], pngs: Sequence[str]) -> str:
@@ -967,17 +1273,23 @@ def markdown(a: LatencyAnalysis | None, data: Mapping[str, Any], pngs: Sequence[
     for n in [*a.notes, *data.get("notes", [])]:
         L.append(f"> {n}")
     cm = a.cost_model
-    L += ["## Cost model", "",
-          f"- γ the plugin priced with: {_fmt(cm.get('gamma_logged'), 5)} (device `{cm.get('device_logged')}`, "
-          f"HOI {_fmt(cm.get('hoi_logged'), 2)})",
-          f"- γ calibrated on measured time: {_fmt(cm.get('gamma_calibrated'), 5)} ({cm.get('gamma_calibrated_source')})"]  # fmt: skip
+    L += [
+        "## Cost model",
+        "",
+        f"- γ the plugin priced with: {_fmt(cm.get('gamma_logged'), 5)} (device `{cm.get('device_logged')}`, "
+        f"HOI {_fmt(cm.get('hoi_logged'), 2)})",
+        f"- γ calibrated on measured time: {_fmt(cm.get('gamma_calibrated'), 5)} ({cm.get('gamma_calibrated_source')})",
+    ]
     hm = cm.get("host_measured")
     if hm:
         L.append(
             f"- host measured ({hm['source']}): HOI {hm['hoi']:.2f} → γ implied {hm['gamma_implied']:.5g}"
         )
-    L += ["", "| fit | n | R² | γ measured [95% CI] | γ theory | c/a (per-step constant, prefill tokens) | model |",
-          "|---|---|---|---|---|---|---|"]  # fmt: skip
+    L += [
+        "",
+        "| fit | n | R² | γ measured [95% CI] | γ theory | c/a (per-step constant, prefill tokens) | model |",
+        "|---|---|---|---|---|---|---|",
+    ]
     if a.step_fit:
         L.append(_cal_rows("steps, all phases", a.step_fit))
     if a.step_fit_decode:
@@ -994,15 +1306,23 @@ def markdown(a: LatencyAnalysis | None, data: Mapping[str, Any], pngs: Sequence[
     L += seconds_section(a)
     L += step_model_section(a)
     for lv in a.levels:
-        title = {"step": "Step level", "request": "Request level", "turn": "Turn level",
-                 "matched": "Request level, under load vs the same request alone"}[lv.level]  # fmt: skip
+        title = {
+            "step": "Step level",
+            "request": "Request level",
+            "turn": "Turn level",
+            "matched": "Request level, under load vs the same request alone",
+        }[lv.level]
         L += [f"## {title} — {lv.phase} ({lv.time}, n = {lv.n})", ""]
         if lv.note:
             L += [lv.note, ""]
         L += [*level_table(lv), ""]
     if a.robustness:
-        L += ["## Robustness across device profiles", "",
-              "| device | HOI | γ | Spearman ρ vs default | r(PTE served, inference_s) |", "|---|---|---|---|---|"]  # fmt: skip
+        L += [
+            "## Robustness across device profiles",
+            "",
+            "| device | HOI | γ | Spearman ρ vs default | r(PTE served, inference_s) |",
+            "|---|---|---|---|---|",
+        ]
         for p in a.robustness:
             L.append(
                 f"| {p.device} | {p.hoi:.2f} | {p.gamma:.5g} | {_fmt(p.spearman_vs_default, 4)} | {_fmt(p.pearson_vs_time)} |"
@@ -1010,12 +1330,18 @@ def markdown(a: LatencyAnalysis | None, data: Mapping[str, Any], pngs: Sequence[
         L.append("")
     phases = data.get("phases_run") or []
     if phases:
-        L += ["## Phases", "", "| phase | concurrency | sessions | turns | errors | cut short | wall s | prompt tok | cached | output tok |",
-              "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        L += [
+            "## Phases",
+            "",
+            "| phase | concurrency | sessions | turns | errors | cut short | wall s | prompt tok | cached | output tok |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for p in phases:
-            L.append(f"| {p.get('name')} | {p.get('concurrency')} | {p.get('sessions')} | {p.get('turns_done')} | "
-                     f"{p.get('errors')} | {p.get('sessions_cut_short')} | {p.get('wall_s')} | {p.get('prompt_tokens')} | "
-                     f"{p.get('cached_tokens')} | {p.get('output_tokens')} |")  # fmt: skip
+            L.append(
+                f"| {p.get('name')} | {p.get('concurrency')} | {p.get('sessions')} | {p.get('turns_done')} | "
+                f"{p.get('errors')} | {p.get('sessions_cut_short')} | {p.get('wall_s')} | {p.get('prompt_tokens')} | "
+                f"{p.get('cached_tokens')} | {p.get('output_tokens')} |"
+            )
         L.append("")
     if pngs:
         L += ["## Plots", "", *(f"![{p}]({p})" for p in pngs), ""]
@@ -1036,13 +1362,27 @@ def _pyplot() -> Any:
     return plt
 
 
-REQUEST_PLOT = ("output tokens", "total tokens", "price 1:3", "PTE served", "PTE served (γ calibrated)",
-                "roofline (engine)")  # fmt: skip
+REQUEST_PLOT = (
+    "output tokens",
+    "total tokens",
+    "price 1:3",
+    "PTE served",
+    "PTE served (γ calibrated)",
+    "roofline (engine)",
+)
 STEP_PLOT = ("decode tokens", "total tokens", "PTE (logged γ)", "calibrated step model")
 
 
-def _scatter_grid(plt: Any, metrics: Sequence[A.Metric], time: np.ndarray, lv: A.LevelResult | None,
-                  title: str, ylabel: str, path: Path, log: bool = False) -> Path:  # fmt: skip
+def _scatter_grid(
+    plt: Any,
+    metrics: Sequence[A.Metric],
+    time: np.ndarray,
+    lv: A.LevelResult | None,
+    title: str,
+    ylabel: str,
+    path: Path,
+    log: bool = False,
+) -> Path:
     """One panel per metric; ``log`` puts both axes on log scales where the values allow it
     (steps span four decades: a lone decode token to a 2k-token prefill chunk)."""
     n = len(metrics)
@@ -1077,21 +1417,42 @@ def make_plots(a: LatencyAnalysis, out: Path) -> list[Path]:
         if t is None or len(t) < 3:
             continue
         ms = [m for m in A.request_metrics(t, gamma_cal, a.request_fit) if m.name in REQUEST_PLOT]
-        files.append(_scatter_grid(plt, ms, t["inference_s"], a.level("request", p.name),
-                                   f"request level, concurrency {p.concurrency}: cost vs inference time",
-                                   "inference s", out / f"scatter-request-{p.name}.png"))  # fmt: skip
+        files.append(
+            _scatter_grid(
+                plt,
+                ms,
+                t["inference_s"],
+                a.level("request", p.name),
+                f"request level, concurrency {p.concurrency}: cost vs inference time",
+                "inference s",
+                out / f"scatter-request-{p.name}.png",
+            )
+        )
     if a.steps is not None:
         ms = [m for m in _step_metrics(a.steps, a.step_fit, a.step_fit_decode) if m.name in STEP_PLOT]
-        files.append(_scatter_grid(plt, ms, a.steps["dt_s"] * 1e3, a.level("step", "all"),
-                                   "step level, all phases: predicted cost vs measured step time (log scales)",
-                                   "step ms", out / "scatter-step.png", log=True))  # fmt: skip
+        files.append(
+            _scatter_grid(
+                plt,
+                ms,
+                a.steps["dt_s"] * 1e3,
+                a.level("step", "all"),
+                "step level, all phases: predicted cost vs measured step time (log scales)",
+                "step ms",
+                out / "scatter-step.png",
+                log=True,
+            )
+        )
     if a.turn_profiles:
         n = len(a.turn_profiles)
         fig, axes = plt.subplots(1, n, figsize=(5.2 * n, 3.6), squeeze=False)
         for ax, (name, prof) in zip(axes[0], a.turn_profiles.items(), strict=True):
             turns = np.asarray(prof["turn"])
-            for key, label in (("pte_served", "PTE served"), ("prompt_tokens", "prompt tokens"),
-                               ("output_tokens", "output tokens"), ("inference_s", "inference time")):  # fmt: skip
+            for key, label in (
+                ("pte_served", "PTE served"),
+                ("prompt_tokens", "prompt tokens"),
+                ("output_tokens", "output tokens"),
+                ("inference_s", "inference time"),
+            ):
                 v = np.asarray([np.nan if x is None else x for x in prof[key]], dtype=float)
                 if np.isfinite(v).any() and np.nanmax(v) > 0:
                     ax.plot(turns, v / np.nanmax(v), marker="o", ms=3, label=label)

@@ -131,8 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-preset", choices=sorted(PRESET_DEFAULTS), default="tiny")
     p.add_argument("--model-dir", help="model directory (default models/<preset>; built if missing)")
     p.add_argument("--concurrency", help="comma-separated concurrencies, one phase each (1 … 256)")
-    p.add_argument("--sessions", type=int, help="agent sessions per phase (a phase under load runs at "
-                   "least 1.5×concurrency so the load is sustained)")  # fmt: skip
+    p.add_argument(
+        "--sessions",
+        type=int,
+        help="agent sessions per phase (a phase under load runs at "
+        "least 1.5×concurrency so the load is sustained)",
+    )
     p.add_argument("--turns", type=int, help="turns per session")
     p.add_argument("--max-tokens", help="reasoning length per turn: LO,HI tokens (uniform), or N")
     p.add_argument("--tool-short", help="short tool result: LO,HI words")
@@ -147,13 +151,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--kv-cache-gib", type=int, help="VLLM_CPU_KVCACHE_SPACE for the CPU build")
     hook = p.add_mutually_exclusive_group()
-    hook.add_argument("--engine-hook", choices=["auto", "on", "off"], default="auto",
-                      help=f"--scheduler-cls {HOOK_CLS} (step log); auto: on when the module exists")  # fmt: skip
+    hook.add_argument(
+        "--engine-hook",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help=f"--scheduler-cls {HOOK_CLS} (step log); auto: on when the module exists",
+    )
     hook.add_argument("--no-engine-hook", dest="engine_hook", action="store_const", const="off")
     p.add_argument("--pte-device", default=None, help="PTE_DEVICE for the plugin (default: its own, auto)")
-    p.add_argument("--pte-hoi", default="measured",
-                   help="PTE_HOI for the plugin: 'measured' (this host, served dtype, 1 thread — what the "
-                        "engine uses), 'none' (the device profile's), or a number")  # fmt: skip
+    p.add_argument(
+        "--pte-hoi",
+        default="measured",
+        help="PTE_HOI for the plugin: 'measured' (this host, served dtype, 1 thread — what the "
+        "engine uses), 'none' (the device profile's), or a number",
+    )
     p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--out", help="output folder (default bench/results/latency-<preset>-<host>-<date>/)")
@@ -197,11 +208,19 @@ def _driver_config(cfg: dict[str, Any], concurrency: int) -> DriverConfig:
     # still mid-way, so most of the phase runs at the stated concurrency.
     sessions = cfg["sessions"] if concurrency == 1 else max(cfg["sessions"], concurrency + concurrency // 2)
     return DriverConfig(
-        sessions=sessions, turns=cfg["turns"], concurrency=concurrency, output_tokens=cfg["max_tokens"],
-        tool_short_words=cfg["tool_short_words"], tool_long_words=cfg["tool_long_words"], p_long=cfg["p_long"],
-        task_words=cfg["task_words"], tool_pause_s=cfg["tool_pause_s"], max_model_len=cfg["max_model_len"],
-        seed=cfg["seed"], session_prefix=f"c{concurrency}",
-    )  # fmt: skip
+        sessions=sessions,
+        turns=cfg["turns"],
+        concurrency=concurrency,
+        output_tokens=cfg["max_tokens"],
+        tool_short_words=cfg["tool_short_words"],
+        tool_long_words=cfg["tool_long_words"],
+        p_long=cfg["p_long"],
+        task_words=cfg["task_words"],
+        tool_pause_s=cfg["tool_pause_s"],
+        max_model_len=cfg["max_model_len"],
+        seed=cfg["seed"],
+        session_prefix=f"c{concurrency}",
+    )
 
 
 def analyse_dir(out: Path, plots: bool = True) -> list[Path]:
@@ -215,11 +234,17 @@ def analyse_dir(out: Path, plots: bool = True) -> list[Path]:
     req_path = _log_path(out, "requests.jsonl")
     if req_path.exists():
         runs = run.get("phases_run") or []
-        analysis = analyse_logs(req_path, _log_path(out, "steps.jsonl"), phases,
-                                n_boot=cfg.get("bootstrap", 1000), seed=cfg.get("seed", 0),
-                                host_profile=host_profile, model_dir=cfg.get("model_dir"),
-                                dtype=cfg.get("dtype", "float32"),
-                                engine_step_model=runs[-1].get("step_model") if runs else None)  # fmt: skip
+        analysis = analyse_logs(
+            req_path,
+            _log_path(out, "steps.jsonl"),
+            phases,
+            n_boot=cfg.get("bootstrap", 1000),
+            seed=cfg.get("seed", 0),
+            host_profile=host_profile,
+            model_dir=cfg.get("model_dir"),
+            dtype=cfg.get("dtype", "float32"),
+            engine_step_model=runs[-1].get("step_model") if runs else None,
+        )
     meta = {k: v for k, v in run.items() if k not in ("phases",)}
     # The run's provenance is that of the measurement; the analysis may be newer code.
     meta["analysed"] = {k: v for k, v in provenance().items() if k != "machine"}
@@ -295,9 +320,15 @@ def main(argv: list[str] | None = None) -> int:
     ]
 
     def make_server(hook: bool) -> VllmServer:
-        return VllmServer(cfg["model_dir"], served_name=cfg["model_preset"], port=args.port,
-                          extra_args=base_args + (["--scheduler-cls", HOOK_CLS] if hook else []),
-                          env=env, log_path=out / "vllm.log", startup_timeout_s=600)  # fmt: skip
+        return VllmServer(
+            cfg["model_dir"],
+            served_name=cfg["model_preset"],
+            port=args.port,
+            extra_args=base_args + (["--scheduler-cls", HOOK_CLS] if hook else []),
+            env=env,
+            log_path=out / "vllm.log",
+            startup_timeout_s=600,
+        )
 
     server = make_server(use_hook)
     say(f"[latency] starting vLLM (engine hook {'on' if use_hook else 'off'}) …", flush=True)
@@ -321,9 +352,20 @@ def main(argv: list[str] | None = None) -> int:
         # Warm-up: the first requests pay one-off costs (compilation of new shapes, allocator),
         # and the engine's online step-time fit (refitted every 256 steps) needs a few hundred
         # steps, prefill and decode, before its predicted seconds are a fit's rather than theory's.
-        run_phase(server.url, server.served_name, DriverConfig(
-            sessions=6, turns=3, concurrency=2, output_tokens=(24, 64), max_model_len=cfg["max_model_len"],
-            session_prefix="warmup", seed=cfg["seed"] + 10_000), progress=False)  # fmt: skip
+        run_phase(
+            server.url,
+            server.served_name,
+            DriverConfig(
+                sessions=6,
+                turns=3,
+                concurrency=2,
+                output_tokens=(24, 64),
+                max_model_len=cfg["max_model_len"],
+                session_prefix="warmup",
+                seed=cfg["seed"] + 10_000,
+            ),
+            progress=False,
+        )
         time.sleep(0.5)
         with turns_out.open("w") as tf:
             for c in cfg["concurrency"]:
@@ -343,8 +385,14 @@ def main(argv: list[str] | None = None) -> int:
                 if got < ok:
                     notes.append(f"phase c{c}: {got} of {ok} requests reached the request log")
                 phases.append(Phase(f"c{c}", c, res.t_start, res.t_end, dcfg.session_prefix))
-                summaries.append({"name": f"c{c}", **res.summary(), "step_model": _step_model(server.url),
-                                  "load_avg_1m_end": load_avg_1m()})  # fmt: skip
+                summaries.append(
+                    {
+                        "name": f"c{c}",
+                        **res.summary(),
+                        "step_model": _step_model(server.url),
+                        "load_avg_1m_end": load_avg_1m(),
+                    }
+                )
                 say(
                     f"[latency] phase c{c} done in {res.wall_s:.1f}s ({ok} turns, {res.errors} errors)",
                     flush=True,
@@ -353,12 +401,20 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.stop()  # flushes the engine's buffered step log
         shutil.rmtree(store_dir, ignore_errors=True)
-    meta.update({
-        "phases": [p.to_dict() for p in phases], "phases_run": summaries,
-        "host_profile": asdict(host_profile) if host_profile else None,
-        "server": {"args": server.command()[3:], "env": env, "engine_hook": use_hook, "startup_s": round(startup_s, 1)},
-        "load_avg_1m_end": load_avg_1m(),
-    })  # fmt: skip
+    meta.update(
+        {
+            "phases": [p.to_dict() for p in phases],
+            "phases_run": summaries,
+            "host_profile": asdict(host_profile) if host_profile else None,
+            "server": {
+                "args": server.command()[3:],
+                "env": env,
+                "engine_hook": use_hook,
+                "startup_s": round(startup_s, 1),
+            },
+            "load_avg_1m_end": load_avg_1m(),
+        }
+    )
     meta["wall_s_until_analysis"] = round(time.time() - t_begin, 1)
     (out / "run.json").write_text(json.dumps(meta, indent=1, default=str) + "\n")
     say("[latency] analysing …", flush=True)

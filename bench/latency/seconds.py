@@ -56,10 +56,16 @@ class RatioSummary:
     share_ci: tuple[float, float]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "n": self.n, "median": _num(self.median),
-                "median_ci": [_num(v) for v in self.median_ci],
-                "quantiles": {k: _num(v) for k, v in self.quantiles.items()}, "threshold": self.threshold,
-                "share_at_least": _num(self.share_at_least), "share_ci": [_num(v) for v in self.share_ci]}  # fmt: skip
+        return {
+            "name": self.name,
+            "n": self.n,
+            "median": _num(self.median),
+            "median_ci": [_num(v) for v in self.median_ci],
+            "quantiles": {k: _num(v) for k, v in self.quantiles.items()},
+            "threshold": self.threshold,
+            "share_at_least": _num(self.share_at_least),
+            "share_ci": [_num(v) for v in self.share_ci],
+        }
 
 
 def ratios(num: Any, den: Any) -> np.ndarray:
@@ -86,8 +92,9 @@ def ratio_summary(
             shares.append(at_least[idx].mean(axis=1))
         med_ci = interval_bounds(np.concatenate(meds), level)
         share_ci = interval_bounds(np.concatenate(shares), level)
-    return RatioSummary(name, int(r.size), float(np.median(r)), med_ci, q, threshold,
-                        float(at_least.mean()), share_ci)  # fmt: skip
+    return RatioSummary(
+        name, int(r.size), float(np.median(r)), med_ci, q, threshold, float(at_least.mean()), share_ci
+    )
 
 
 ATTRIBUTION = "gpu_seconds / inference_s"
@@ -144,10 +151,13 @@ def matched_columns(
     total = np.nansum(load["gpu_seconds"][il])
     for term, col in GPU_TERMS.items():
         x, y = load[col][il], alone[col][ia]
-        out[term] = {"share_under_load": _num(float(np.nansum(x)) / total if total > 0 else math.nan),
-                     "share_alone": _num(float(np.nansum(y)) / float(np.nansum(alone["gpu_seconds"][ia])))
-                     if np.nansum(alone["gpu_seconds"][ia]) > 0 else None,
-                     "pearson_load_vs_alone": _num(pearson(x, y))}  # fmt: skip
+        out[term] = {
+            "share_under_load": _num(float(np.nansum(x)) / total if total > 0 else math.nan),
+            "share_alone": _num(float(np.nansum(y)) / float(np.nansum(alone["gpu_seconds"][ia])))
+            if np.nansum(alone["gpu_seconds"][ia]) > 0
+            else None,
+            "pearson_load_vs_alone": _num(pearson(x, y)),
+        }
     ratio = ratios(load["gpu_seconds"][il], alone["gpu_seconds"][ia])
     out["gpu_seconds_load_over_alone_median"] = _num(float(np.median(ratio))) if ratio.size else None
     return out
@@ -163,8 +173,11 @@ def same_work(load: RequestTable, alone: RequestTable, il: np.ndarray, ia: np.nd
         a, b = load[col][il], alone[col][ia]
         return _num(float(np.mean(a == b)))
 
-    return {"prompt_tokens_equal": share("prompt_tokens"), "output_tokens_equal": share("output_tokens"),
-            "computed_prefill_equal": share("computed_prefill_tokens")}  # fmt: skip
+    return {
+        "prompt_tokens_equal": share("prompt_tokens"),
+        "output_tokens_equal": share("output_tokens"),
+        "computed_prefill_equal": share("computed_prefill_tokens"),
+    }
 
 
 def gaps_between_steps(t: np.ndarray, dt: np.ndarray, max_gap_s: float = 1.0) -> dict[str, Any]:
@@ -178,9 +191,13 @@ def gaps_between_steps(t: np.ndarray, dt: np.ndarray, max_gap_s: float = 1.0) ->
     if g.size == 0:
         return {"n": 0}
     busy = np.clip(g, 0, None)
-    return {"n": int(g.size), "median_s": _num(float(np.median(busy))), "mean_s": _num(float(busy.mean())),
-            "p90_s": _num(float(np.quantile(busy, 0.9))),
-            "share_of_step_time": _num(float(busy.sum() / (busy.sum() + np.nansum(ds)))) }  # fmt: skip
+    return {
+        "n": int(g.size),
+        "median_s": _num(float(np.median(busy))),
+        "mean_s": _num(float(busy.mean())),
+        "p90_s": _num(float(np.quantile(busy, 0.9))),
+        "share_of_step_time": _num(float(busy.sum() / (busy.sum() + np.nansum(ds)))),
+    }
 
 
 def drift(predicted: Any, measured: Any, when: Any) -> float:

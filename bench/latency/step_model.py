@@ -32,8 +32,12 @@ from pte_instrument.offline.statistics import index_chunks, interval_bounds, pea
 
 from .analysis import Corr, StepTable, bootstrap_corr
 
-TERM_NAMES = {"a": "a·prefill (compute)", "b": "b·ctx (KV read)", "w": "w·memory-bound (weight read)",
-              "o": "o (per-step overhead)"}  # fmt: skip
+TERM_NAMES = {
+    "a": "a·prefill (compute)",
+    "b": "b·ctx (KV read)",
+    "w": "w·memory-bound (weight read)",
+    "o": "o (per-step overhead)",
+}
 # Features the four-term model leaves out, tested against its residuals when a target is missed.
 MISSING_FEATURES = {
     "decode_tokens": "tokens decoded in the step: each one's own matmuls, which the model has no term for",
@@ -104,8 +108,9 @@ def shape_from_model_dir(model_dir: str | Path, dtype: str) -> tuple[ModelShape,
 def host_device(host: DeviceProfile, device_type: str = "cpu") -> DeviceProfile:
     """The host's measured rates as a device: fractions 1 (measured rates are achieved rates)
     and the measured per-step overhead of its device type."""
-    return DeviceProfile(host.name, host.peak_flops, host.mem_bandwidth, host.source, True,
-                         **measured_achieved(device_type))  # type: ignore[arg-type]  # fmt: skip
+    return DeviceProfile(
+        host.name, host.peak_flops, host.mem_bandwidth, host.source, True, **measured_achieved(device_type)
+    )  # type: ignore[arg-type]
 
 
 def header_device(header: Mapping[str, Any]) -> DeviceProfile:
@@ -172,9 +177,16 @@ class ModelScore:
     corr: Corr
 
     def to_dict(self) -> dict[str, Any]:
-        return {"model": self.model, "subset": self.subset, "n": self.n, "mape": _num(self.mape),
-                "mape_ci": [_num(v) for v in self.mape_ci], "median_ape": _num(self.median_ape),
-                "r2": _num(self.r2), **{f"r_{k}": v for k, v in self.corr.to_dict().items() if k != "n"}}  # fmt: skip
+        return {
+            "model": self.model,
+            "subset": self.subset,
+            "n": self.n,
+            "mape": _num(self.mape),
+            "mape_ci": [_num(v) for v in self.mape_ci],
+            "median_ape": _num(self.median_ape),
+            "r2": _num(self.r2),
+            **{f"r_{k}": v for k, v in self.corr.to_dict().items() if k != "n"},
+        }
 
 
 def _num(v: float | None) -> float | None:
@@ -200,8 +212,16 @@ def score_model(
     pred, dt = pred[ok], dt[ok]
     r2, mape, mdape = score_predictions(pred, dt)
     ape = np.abs(pred - dt) / dt
-    return ModelScore(name, subset, int(ok.sum()), mape, bootstrap_mean(ape, n_boot, seed), mdape, r2,
-                      bootstrap_corr(pred, dt, n_boot, seed))  # fmt: skip
+    return ModelScore(
+        name,
+        subset,
+        int(ok.sum()),
+        mape,
+        bootstrap_mean(ape, n_boot, seed),
+        mdape,
+        r2,
+        bootstrap_corr(pred, dt, n_boot, seed),
+    )
 
 
 def at_host_speed(pred: np.ndarray, dt: np.ndarray, t: np.ndarray) -> np.ndarray:
@@ -234,8 +254,9 @@ class TermError:
 
 def dominant_terms(model: StepTimeModel, c: StepColumns) -> np.ndarray:
     """Index (into TERMS) of the largest term of each step's predicted time."""
-    parts = np.stack([model.a * c.prefill, model.b * c.ctx, model.w * c.memory_bound,
-                      np.full(len(c), model.o)])  # fmt: skip
+    parts = np.stack(
+        [model.a * c.prefill, model.b * c.ctx, model.w * c.memory_bound, np.full(len(c), model.o)]
+    )
     return np.argmax(parts, axis=0)
 
 
@@ -250,10 +271,17 @@ def error_terms(model: StepTimeModel, c: StepColumns) -> list[TermError]:
         m = dom == j
         if not m.any():
             continue
-        out.append(TermError(t, int(m.sum()), float(m.mean()), float(ape[m].mean()),
-                             float(ape[m].sum() / ape.sum()) if ape.sum() > 0 else math.nan,
-                             float(sq[m].sum() / sq.sum()) if sq.sum() > 0 else math.nan,
-                             float(np.median(rel[m]))))  # fmt: skip
+        out.append(
+            TermError(
+                t,
+                int(m.sum()),
+                float(m.mean()),
+                float(ape[m].mean()),
+                float(ape[m].sum() / ape.sum()) if ape.sum() > 0 else math.nan,
+                float(sq[m].sum() / sq.sum()) if sq.sum() > 0 else math.nan,
+                float(np.median(rel[m])),
+            )
+        )
     return out
 
 
@@ -305,16 +333,21 @@ class StepModelAnalysis:
     def to_dict(self) -> dict[str, Any]:
         return {
             "fit": self.fit.to_dict(),
-            "theory": None if self.theory is None else {
-                "model": self.theory.model.to_dict(), "shape_source": self.theory.shape_source,
-                "device": self.theory.device, "notes": list(self.theory.notes)},
+            "theory": None
+            if self.theory is None
+            else {
+                "model": self.theory.model.to_dict(),
+                "shape_source": self.theory.shape_source,
+                "device": self.theory.device,
+                "notes": list(self.theory.notes),
+            },
             "engine_online": None if self.online is None else self.online.to_dict(),
             "scores": [s.to_dict() for s in self.scores],
             "error_by_dominant_term": {k: [e.to_dict() for e in v] for k, v in self.errors.items()},
             "residual_correlations": {k: {f: _num(r) for f, r in v.items()} for k, v in self.leads.items()},
             "theory_error_by_term": {k: _num(v) for k, v in self.theory_errors.items()},
             "notes": self.notes,
-        }  # fmt: skip
+        }
 
 
 FITTED, THEORY, ONLINE = "four-term fit", "theory", "engine online fit"
@@ -392,5 +425,7 @@ def explain_theory(a: StepModelAnalysis) -> str:
     t = max(a.theory_errors, key=lambda k: a.theory_errors[k] if math.isfinite(a.theory_errors[k]) else -1)
     th, ft = getattr(a.theory.model, t), getattr(a.fit.model, t)
     ratio = f", {ft / th:.2g}× theory" if th > 0 else ""
-    return (f"theory's error is mostly its {TERM_NAMES[t]} term ({a.theory_errors[t]:.0%} of Σ|Δθ·x|): "
-            f"theory {th:.3g} s, fitted {ft:.3g} s{ratio}")  # fmt: skip
+    return (
+        f"theory's error is mostly its {TERM_NAMES[t]} term ({a.theory_errors[t]:.0%} of Σ|Δθ·x|): "
+        f"theory {th:.3g} s, fitted {ft:.3g} s{ratio}"
+    )

@@ -320,8 +320,12 @@ def calibration_report(
     pred = m.predict(steps.prefill, steps.ctx, steps.memory_bound)
     speed = HostSpeed()
     r2_s, mape_s, mdape_s = score_predictions(pred * speed.advance(pred, steps.dt), steps.dt)
-    at_host_speed = {"r2": _num(r2_s), "mape": _num(mape_s), "median_ape": _num(mdape_s),
-                     "final_speed": _num(speed.ratio)}  # fmt: skip
+    at_host_speed = {
+        "r2": _num(r2_s),
+        "mape": _num(mape_s),
+        "median_ape": _num(mdape_s),
+        "final_speed": _num(speed.ratio),
+    }
     gamma_theory = th.cost_model.gamma if th else None
     theory_only = None
     if t is not None:

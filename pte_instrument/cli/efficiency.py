@@ -209,8 +209,15 @@ def _positive_int(v: str) -> int:
 
 
 # Options of one kind of log only (dest → flag): given with the other kind, bad input.
-TRAJECTORY_ONLY = {"model_dir": "--model-dir", "gamma": "--gamma", "device": "--device", "variant": "--variant",
-                   "bootstrap": "--bootstrap", "seed": "--seed", "plots": "--plots"}  # fmt: skip
+TRAJECTORY_ONLY = {
+    "model_dir": "--model-dir",
+    "gamma": "--gamma",
+    "device": "--device",
+    "variant": "--variant",
+    "bootstrap": "--bootstrap",
+    "seed": "--seed",
+    "plots": "--plots",
+}
 REQUEST_LOG_ONLY = {"limit": "--limit", "sort": "--sort"}
 
 

@@ -94,8 +94,19 @@ class ModelShape:
     ) -> ModelShape:
         """A shape known only by what pricing needs (KV groups and weights), not by its
         layers: a γ given directly, or a step log's header."""
-        return cls(model_type, 0, 0, 0, 0, 0, "unknown", 0.0, kv_groups, n_active,
-                   n_active if n_total is None else n_total)  # fmt: skip
+        return cls(
+            model_type,
+            0,
+            0,
+            0,
+            0,
+            0,
+            "unknown",
+            0.0,
+            kv_groups,
+            n_active,
+            n_active if n_total is None else n_total,
+        )
 
 
 def load_config(path: str | Path) -> dict[str, Any]:

@@ -184,11 +184,14 @@ def session_turns(
     recomputed = recomputed if recomputed is not None else [0] * n
     return [
         TurnTokens(
-            prompts[i], outputs[i], cached[i], recomputed[i],
+            prompts[i],
+            outputs[i],
+            cached[i],
+            recomputed[i],
             reusable_prefix(prompts[i - 1], outputs[i - 1], prompts[i], block_size) if i else 0,
         )
         for i in range(n)
-    ]  # fmt: skip
+    ]
 
 
 def price_trajectory(model: CostModel, turns: Sequence[TurnTokens]) -> TurnCost:

@@ -308,9 +308,14 @@ def _identifiable(X: np.ndarray, y: np.ndarray) -> tuple[list[int], list[str]]:
 
 
 def _fit_free(
-    X: np.ndarray, y: np.ndarray, counts: np.ndarray | None, free: list[int], fixed: np.ndarray,
-    iterations: int, huber_k: float,
-) -> np.ndarray:  # fmt: skip
+    X: np.ndarray,
+    y: np.ndarray,
+    counts: np.ndarray | None,
+    free: list[int],
+    fixed: np.ndarray,
+    iterations: int,
+    huber_k: float,
+) -> np.ndarray:
     """The free coefficients by Huber-weighted NNLS on relative errors, the others fixed.
 
     Relative errors: step times span orders of magnitude (a decode step against a long
@@ -355,9 +360,15 @@ def _fit_free(
 
 
 def fit(
-    prefill: Any, ctx: Any, memory_bound: Any, dt: Any, prior: StepTimeModel | None = None, *,
-    iterations: int = 10, huber_k: float = HUBER_K,
-) -> FitResult:  # fmt: skip
+    prefill: Any,
+    ctx: Any,
+    memory_bound: Any,
+    dt: Any,
+    prior: StepTimeModel | None = None,
+    *,
+    iterations: int = 10,
+    huber_k: float = HUBER_K,
+) -> FitResult:
     """Calibrate the four terms on measured steps (dt in seconds; steps with dt ≤ 0 or a
     non-finite value are left out). Non-negative least squares, Huber-robust, on relative
     errors. A term the steps cannot identify (its column does not vary, or is collinear) takes
@@ -367,9 +378,14 @@ def fit(
     prior_coef = prior.coefficients() if prior is not None else np.zeros(4)
     if y.size < 2:
         return FitResult(
-            prior or StepTimeModel(0.0, 0.0, 0.0, 0.0, "no prior"), math.nan, math.nan, math.nan, int(y.size),
-            TERMS, (f"{y.size} usable step(s): nothing fitted",),
-        )  # fmt: skip
+            prior or StepTimeModel(0.0, 0.0, 0.0, 0.0, "no prior"),
+            math.nan,
+            math.nan,
+            math.nan,
+            int(y.size),
+            TERMS,
+            (f"{y.size} usable step(s): nothing fitted",),
+        )
     free, notes = _identifiable(X, y)
     from_prior = tuple(t for j, t in enumerate(TERMS) if j not in free)
     if from_prior:
@@ -384,9 +400,17 @@ def fit(
 
 
 def bootstrap_intervals(
-    prefill: Any, ctx: Any, memory_bound: Any, dt: Any, prior: StepTimeModel | None = None, *,
-    n_boot: int = 200, seed: int = 0, level: float = 0.95, iterations: int = 10,
-) -> dict[str, tuple[float, float]]:  # fmt: skip
+    prefill: Any,
+    ctx: Any,
+    memory_bound: Any,
+    dt: Any,
+    prior: StepTimeModel | None = None,
+    *,
+    n_boot: int = 200,
+    seed: int = 0,
+    level: float = 0.95,
+    iterations: int = 10,
+) -> dict[str, tuple[float, float]]:
     """Percentile intervals of a, b, w, o and γ_measured (= b/a, taken per resample) over
     ``n_boot`` resamples of the steps (seeded). The terms the full data cannot identify stay at
     the prior in every resample, so each interval is of one model. For offline use: each
@@ -487,9 +511,13 @@ class OnlineStepFit:
     """
 
     def __init__(
-        self, prior: StepTimeModel, window: int = 4096, refit_every: int | None = None, min_steps: int = 64,
+        self,
+        prior: StepTimeModel,
+        window: int = 4096,
+        refit_every: int | None = None,
+        min_steps: int = 64,
         iterations: int = 6,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if window < 2 or min_steps < 2 or (refit_every is not None and refit_every < 1):
             raise ValueError("window and min_steps must be ≥ 2, refit_every ≥ 1 (or None)")
         self.prior = prior

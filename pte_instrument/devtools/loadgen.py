@@ -21,8 +21,15 @@ class StreamOutcome:
     chunks: int
 
 
-async def _turn(client: httpx.AsyncClient, model: str, session_id: str, turn: int, prompt: str,
-                max_tokens: int, hang_up_after: int | None) -> tuple[StreamOutcome, str]:  # fmt: skip
+async def _turn(
+    client: httpx.AsyncClient,
+    model: str,
+    session_id: str,
+    turn: int,
+    prompt: str,
+    max_tokens: int,
+    hang_up_after: int | None,
+) -> tuple[StreamOutcome, str]:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
     rid, chunks, text = None, 0, ""
     async with client.stream("POST", "/v1/completions", json=body, headers={"X-Session-Id": session_id}) as r:
@@ -40,8 +47,15 @@ async def _turn(client: httpx.AsyncClient, model: str, session_id: str, turn: in
     return StreamOutcome(session_id, turn, rid, 200, False, chunks), text
 
 
-async def _session(client: httpx.AsyncClient, model: str, i: int, turns: int, max_tokens: int,
-                   disconnect_p: float, rng: random.Random) -> list[StreamOutcome]:  # fmt: skip
+async def _session(
+    client: httpx.AsyncClient,
+    model: str,
+    i: int,
+    turns: int,
+    max_tokens: int,
+    disconnect_p: float,
+    rng: random.Random,
+) -> list[StreamOutcome]:
     words = "agent tool call result search value table error".split()
     sid = f"load-{i:04d}"
     prompt = f"Task {i}: " + " ".join(rng.choice(words) for _ in range(rng.randint(40, 160)))
@@ -56,8 +70,9 @@ async def _session(client: httpx.AsyncClient, model: str, i: int, turns: int, ma
     return out
 
 
-async def _run(base_url: str, model: str, sessions: int, turns: int, max_tokens: int, disconnect_p: float,
-               seed: int) -> list[StreamOutcome]:  # fmt: skip
+async def _run(
+    base_url: str, model: str, sessions: int, turns: int, max_tokens: int, disconnect_p: float, seed: int
+) -> list[StreamOutcome]:
     rng = random.Random(seed)
     # An idle connection is dropped before the server's keep-alive timeout (uvicorn's 5 s,
     # httpx's default too): reused at that moment, the server closes it under the request.
@@ -66,14 +81,23 @@ async def _run(base_url: str, model: str, sessions: int, turns: int, max_tokens:
     )
     async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
         results = await asyncio.gather(
-            *(_session(client, model, i, turns, max_tokens, disconnect_p, random.Random(rng.random()))
-              for i in range(sessions))
-        )  # fmt: skip
+            *(
+                _session(client, model, i, turns, max_tokens, disconnect_p, random.Random(rng.random()))
+                for i in range(sessions)
+            )
+        )
     return [o for session in results for o in session]
 
 
-def run_streaming_sessions(base_url: str, model: str, sessions: int = 256, turns: int = 2, max_tokens: int = 24,
-                           disconnect_p: float = 0.1, seed: int = 0) -> list[StreamOutcome]:  # fmt: skip
+def run_streaming_sessions(
+    base_url: str,
+    model: str,
+    sessions: int = 256,
+    turns: int = 2,
+    max_tokens: int = 24,
+    disconnect_p: float = 0.1,
+    seed: int = 0,
+) -> list[StreamOutcome]:
     """All sessions at once; each turn streams, and a client hangs up after a random number
     of chunks with probability ``disconnect_p`` (then its session ends)."""
     return asyncio.run(_run(base_url, model, sessions, turns, max_tokens, disconnect_p, seed))

@@ -180,10 +180,15 @@ class EngineAccounting:
             return
         shape = self.cost_model.shape
         header = StepLogHeader(
-            engine=self.engine, gammas=self.gammas.tolist(), windows=[g.window for g in self.cost_model.groups],
-            n_active=shape.n_active, n_total=shape.n_total, hoi=self.cost_model.device.hoi,
-            device=self.cost_model.device.name, weights_pte=self.weights_pte,
-        )  # fmt: skip
+            engine=self.engine,
+            gammas=self.gammas.tolist(),
+            windows=[g.window for g in self.cost_model.groups],
+            n_active=shape.n_active,
+            n_total=shape.n_total,
+            hoi=self.cost_model.device.hoi,
+            device=self.cost_model.device.name,
+            weights_pte=self.weights_pte,
+        )
         self._log.write(encode_step_log(header))
 
     @property
@@ -354,9 +359,15 @@ class EngineAccounting:
         np.add.at(self.roofline, slot, share)  # a slot repeats across steps
         durations = self._durations(batch)
         predicted = self.timing.steps(
-            slot, sizes, offsets, contrib[ref.PREFILL], kv_pte / self._gamma_total,
-            tokens < self.weights_pte + kv_pte, memory_bound, durations,
-        )  # fmt: skip
+            slot,
+            sizes,
+            offsets,
+            contrib[ref.PREFILL],
+            kv_pte / self._gamma_total,
+            tokens < self.weights_pte + kv_pte,
+            memory_bound,
+            durations,
+        )
         if self._log is not None:
             self._log_steps(contrib, offsets, batch, first_step, step_tokens, memory, predicted, durations)
 
@@ -387,12 +398,23 @@ class EngineAccounting:
         unix = time.time() - time.perf_counter()  # the adapter's clock is perf_counter
         for i, size in enumerate(batch.sizes):
             line = StepLogLine(
-                engine=self.engine, step=first_step + i, t=unix + batch.scheduled_at[i], n_reqs=size,
-                tokens=int(tokens[i]), prefill=int(prefill[i]), recompute=int(recompute[i]),
-                decode_tokens=int(decode[i]), spec_tokens=int(spec_tokens[i]), ctx=ctx[i], pte=pte[i],
-                roofline_pte=roofline[i], weights_pte=self.weights_pte, hook_s=batch.hook_s[i],
-                dt_s=dt_s[i], model_s=model_s[i],
-            )  # fmt: skip
+                engine=self.engine,
+                step=first_step + i,
+                t=unix + batch.scheduled_at[i],
+                n_reqs=size,
+                tokens=int(tokens[i]),
+                prefill=int(prefill[i]),
+                recompute=int(recompute[i]),
+                decode_tokens=int(decode[i]),
+                spec_tokens=int(spec_tokens[i]),
+                ctx=ctx[i],
+                pte=pte[i],
+                roofline_pte=roofline[i],
+                weights_pte=self.weights_pte,
+                hook_s=batch.hook_s[i],
+                dt_s=dt_s[i],
+                model_s=model_s[i],
+            )
             write(encode_step_log(line))
 
     # --- finish -------------------------------------------------------------------------
@@ -432,32 +454,48 @@ class EngineAccounting:
         messages, k = [], 0
         for rid, reason, counts, finished_at, slot in picked:
             external, child = self.external_id(rid)
-            common = {"request_id": rid, "external_id": external, "child_index": child, "engine": self.engine,
-                      "finish_reason": reason, **counts, "finished_at": finished_at, "engine_live": self.live,
-                      "engine_steps": self.steps, "engine_hook_s": self.hook_s,
-                      "engine_busy_s": self.timing.busy_s, "engine_unattributed_s": self.timing.unattributed_s}  # fmt: skip
+            common = {
+                "request_id": rid,
+                "external_id": external,
+                "child_index": child,
+                "engine": self.engine,
+                "finish_reason": reason,
+                **counts,
+                "finished_at": finished_at,
+                "engine_live": self.live,
+                "engine_steps": self.steps,
+                "engine_hook_s": self.hook_s,
+                "engine_busy_s": self.timing.busy_s,
+                "engine_unattributed_s": self.timing.unattributed_s,
+            }
             if slot < 0:  # never scheduled: no work
                 messages.append(RequestTotals(**common, ctx=(0.0,) * self.acc.n_groups))
                 continue
             row = rows[k].tolist()
             prefill_s, kv_s, weights_s, overhead_s, latency_s, predicted_s = seconds[k]
-            messages.append(RequestTotals(
-                **common,
-                scheduled=True,
-                cached_tokens=cached[k],
-                prefill=row[ref.PREFILL],
-                recompute=row[ref.RECOMPUTE],
-                decode_tokens=row[ref.DECODE_TOKENS],
-                spec_tokens=row[ref.SPEC_TOKENS],
-                rejected_tokens=row[ref.REJECTED_TOKENS],
-                ctx=tuple(row[ref.CTX0 :]),
-                pte_served=float(served[k]),
-                pte_recompute=row[ref.RECOMPUTE],
-                pte_roofline=float(self.roofline[slot]),
-                pte_rejected=float(self.rejected_pte[slot]),
-                gpu_prefill_s=prefill_s, gpu_kv_s=kv_s, gpu_weights_s=weights_s, gpu_overhead_s=overhead_s,
-                engine_latency_s=latency_s, predicted_s=predicted_s,
-            ))  # fmt: skip
+            messages.append(
+                RequestTotals(
+                    **common,
+                    scheduled=True,
+                    cached_tokens=cached[k],
+                    prefill=row[ref.PREFILL],
+                    recompute=row[ref.RECOMPUTE],
+                    decode_tokens=row[ref.DECODE_TOKENS],
+                    spec_tokens=row[ref.SPEC_TOKENS],
+                    rejected_tokens=row[ref.REJECTED_TOKENS],
+                    ctx=tuple(row[ref.CTX0 :]),
+                    pte_served=float(served[k]),
+                    pte_recompute=row[ref.RECOMPUTE],
+                    pte_roofline=float(self.roofline[slot]),
+                    pte_rejected=float(self.rejected_pte[slot]),
+                    gpu_prefill_s=prefill_s,
+                    gpu_kv_s=kv_s,
+                    gpu_weights_s=weights_s,
+                    gpu_overhead_s=overhead_s,
+                    engine_latency_s=latency_s,
+                    predicted_s=predicted_s,
+                )
+            )
             k += 1
         self.roofline[slots] = 0.0
         self.rejected_pte[slots] = 0.0
@@ -471,11 +509,18 @@ class EngineAccounting:
         m, online = self.timing.model, self.timing.online
         fitted = online is not None and online.last_fit is not None
         return EngineCalibration(
-            self.engine, m.a, m.b, m.w, m.o, "online" if fitted else self.step_model_source,
-            gamma_theory=self.cost_model.gamma, r2=online.r2 if fitted else None,
-            mape=online.mape if fitted else None, steps=online.steps_seen if online is not None else 0,
+            self.engine,
+            m.a,
+            m.b,
+            m.w,
+            m.o,
+            "online" if fitted else self.step_model_source,
+            gamma_theory=self.cost_model.gamma,
+            r2=online.r2 if fitted else None,
+            mape=online.mape if fitted else None,
+            steps=online.steps_seen if online is not None else 0,
             speed=online.speed.ratio if online is not None else 1.0,
-        )  # fmt: skip
+        )
 
     def conservation(self) -> tuple[np.ndarray, np.ndarray]:
         """(Σ per-request rows, Σ per-update totals) of the accumulator; an update is one

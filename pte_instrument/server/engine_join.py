@@ -107,10 +107,13 @@ class EngineInbox:
                         continue
                     items = pending.items
                     i = next(
-                        (i for i, (t, _) in enumerate(items)
-                         if t.output_tokens == output_tokens and t.finish_reason == finish_reason),
+                        (
+                            i
+                            for i, (t, _) in enumerate(items)
+                            if t.output_tokens == output_tokens and t.finish_reason == finish_reason
+                        ),
                         0,
-                    )  # fmt: skip
+                    )
                     totals = items.pop(i)[0]
                     if not items:
                         store.pop(key)
@@ -250,10 +253,14 @@ class RequestJoin:
                             "engine_join", TimeoutError(f"no engine totals for {request.request_id}")
                         )
                     elif totals is None and self.inbox.hooks:  # other engines' hooks reach us
-                        self.faults.record("engine_join", LookupError(
-                            f"engine {request.engine}'s step hook has not reached this API server: its requests "
-                            "are priced without engine totals (on another node, start it with "
-                            "PTE_ENGINE_TRANSPORT=tcp; docs/deployment.md)"))  # fmt: skip
+                        self.faults.record(
+                            "engine_join",
+                            LookupError(
+                                f"engine {request.engine}'s step hook has not reached this API server: its requests "
+                                "are priced without engine totals (on another node, start it with "
+                                "PTE_ENGINE_TRANSPORT=tcp; docs/deployment.md)"
+                            ),
+                        )
                         _count(
                             self._priced_without_engine, request.request_id
                         )  # its late totals: no 2nd entry

@@ -247,9 +247,20 @@ def _engine_fields(totals: RequestTotals | None) -> dict[str, float | None]:
 # (docs/cost-model.md §5b: None without the step hook) and money (None also without
 # PTE_GPU_HOURLY_PRICE) summed with None as 0, beside the count of requests that had them,
 # so a total is never read as covering every request.
-SUMMED_TOKENS_AND_PTE = ("prompt_tokens", "cached_tokens", "computed_prefill_tokens", "recomputed_tokens",
-                         "output_tokens", "pte_reference", "pte_served", "pte_ideal", "pte_prefill",
-                         "pte_decode", "pte_recompute", "pte_eviction_tax")  # fmt: skip
+SUMMED_TOKENS_AND_PTE = (
+    "prompt_tokens",
+    "cached_tokens",
+    "computed_prefill_tokens",
+    "recomputed_tokens",
+    "output_tokens",
+    "pte_reference",
+    "pte_served",
+    "pte_ideal",
+    "pte_prefill",
+    "pte_decode",
+    "pte_recompute",
+    "pte_eviction_tax",
+)
 GPU_SECONDS_TERMS = (
     "gpu_seconds_prefill",
     "gpu_seconds_kv_read",

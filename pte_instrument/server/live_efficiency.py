@@ -61,8 +61,15 @@ class LiveEfficiency:
         self.store = store if store is not None else SessionLedger(feedback_window=window)
         self.window = self.store.feedback_window
 
-    def observe(self, request_id: str, session_id: str | None, model: str, benchmark: str,
-                output_tokens: int, finish_reason: str) -> None:  # fmt: skip
+    def observe(
+        self,
+        request_id: str,
+        session_id: str | None,
+        model: str,
+        benchmark: str,
+        output_tokens: int,
+        finish_reason: str,
+    ) -> None:
         self.store.observe(request_id, session_id, model, benchmark, output_tokens, finish_reason == "length")
 
     def label(

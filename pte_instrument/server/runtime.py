@@ -295,8 +295,13 @@ class Runtime:
 
     def _host_sessions(self) -> dict[str, Any]:
         st = self.sessions.host_stats()
-        return {"live": st["live"], "opened": st["sessions_opened"], "expired": st["sessions_expired"],
-                "evicted": st["sessions_evicted"], "turn_rows_dropped": st["turns_dropped"]}  # fmt: skip
+        return {
+            "live": st["live"],
+            "opened": st["sessions_opened"],
+            "expired": st["sessions_expired"],
+            "evicted": st["sessions_evicted"],
+            "turn_rows_dropped": st["turns_dropped"],
+        }
 
     def _host(self, what: str, read: Any, unknown: Any) -> Any:
         """A section of the summary read from the host's store; ``unknown`` if it cannot be."""

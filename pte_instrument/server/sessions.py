@@ -37,19 +37,55 @@ from pte_instrument.server.ledger import MODEL_TOTALS, RequestRecord, model_tota
 
 # Fields of a turn row shown by the HTTP routes and the demo.
 TURN_FIELDS = (
-    "turn", "request_id", "prompt_tokens", "cached_tokens", "computed_prefill_tokens",
-    "recomputed_tokens", "output_tokens", "pte_reference", "pte_served", "pte_ideal",
-    "pte_eviction_tax", "pte_recompute", "pause_s", "inference_s", "finish_reason", "finished_at",
-    "gpu_seconds", "predicted_seconds", "latency_explained_s", "interference_s", "cost_usd",
-)  # fmt: skip
+    "turn",
+    "request_id",
+    "prompt_tokens",
+    "cached_tokens",
+    "computed_prefill_tokens",
+    "recomputed_tokens",
+    "output_tokens",
+    "pte_reference",
+    "pte_served",
+    "pte_ideal",
+    "pte_eviction_tax",
+    "pte_recompute",
+    "pause_s",
+    "inference_s",
+    "finish_reason",
+    "finished_at",
+    "gpu_seconds",
+    "predicted_seconds",
+    "latency_explained_s",
+    "interference_s",
+    "cost_usd",
+)
 
-SUMMED = ("prompt_tokens", "cached_tokens", "output_tokens", "pte_reference", "pte_served", "pte_ideal",
-          "pte_eviction_tax", "pte_recompute", "pause_s", "gpu_seconds", "latency_explained_s",
-          "interference_s", "cost_usd")  # fmt: skip
+SUMMED = (
+    "prompt_tokens",
+    "cached_tokens",
+    "output_tokens",
+    "pte_reference",
+    "pte_served",
+    "pte_ideal",
+    "pte_eviction_tax",
+    "pte_recompute",
+    "pause_s",
+    "gpu_seconds",
+    "latency_explained_s",
+    "interference_s",
+    "cost_usd",
+)
 
 # Counts of one (model, benchmark) cell of the live efficiency (``live_efficiency.Outcome``).
-OUTCOME_COUNTS = ("requests", "truncated", "output_tokens", "labeled", "labeled_truncated",
-                  "labeled_output_tokens", "correct")  # fmt: skip
+OUTCOME_COUNTS = (
+    "requests",
+    "truncated",
+    "output_tokens",
+    "labeled",
+    "labeled_truncated",
+    "labeled_output_tokens",
+    "correct",
+)
 
 SCHEMA_VERSION = 1
 _SCHEMA = f"""
@@ -218,8 +254,15 @@ class SessionLedger:
         if not self._queue_record(("add", record, tail)):
             self._settle([("add", record, tail)])
 
-    def observe(self, request_id: str, session_id: str | None, model: str, benchmark: str,
-                output_tokens: int, truncated: bool) -> None:  # fmt: skip
+    def observe(
+        self,
+        request_id: str,
+        session_id: str | None,
+        model: str,
+        benchmark: str,
+        output_tokens: int,
+        truncated: bool,
+    ) -> None:
         """Queue a finished request for the feedback window and its cell's counts."""
         self._queue_record(
             ("observe", (request_id, session_id, model, benchmark, output_tokens, int(truncated)))
@@ -256,8 +299,14 @@ class SessionLedger:
                 (int(truncated), tokens, int(correct), first[1], first[2]),
             )
             db.executemany("UPDATE recent SET labeled = 1 WHERE request_id = ?", [(r[0],) for r in rows])
-        return {"model": first[1], "benchmark": first[2], "requests": len(rows), "output_tokens": tokens,
-                "truncated": truncated, "correct": correct}  # fmt: skip
+        return {
+            "model": first[1],
+            "benchmark": first[2],
+            "requests": len(rows),
+            "output_tokens": tokens,
+            "truncated": truncated,
+            "correct": correct,
+        }
 
     def outcomes(self) -> dict[tuple[str, str], dict[str, int]]:
         """The live efficiency's counts per (model, benchmark), host-wide."""
@@ -435,9 +484,12 @@ class SessionLedger:
             if expire:
                 next_expiry = time.monotonic() + _EXPIRE_EVERY_S
             closed = self._commit(
-                db, [item for item in batch if item[0] == "add"], now, expire,
+                db,
+                [item for item in batch if item[0] == "add"],
+                now,
+                expire,
                 [item[1] for item in batch if item[0] == "observe"],
-            )  # fmt: skip
+            )
             self._notify(closed)
             for item in batch:
                 if item[0] == "flush":
@@ -470,9 +522,12 @@ class SessionLedger:
         found = _file_id(self.path)
         if self._store_id is not None and found != self._store_id:
             self.stats.store_reopened += 1
-            self._error(StoreError(
-                f"session store {self.path} was deleted or replaced while the server ran; opened it again "
-                "at its path (the sessions and totals in the old file are not in it)"))  # fmt: skip
+            self._error(
+                StoreError(
+                    f"session store {self.path} was deleted or replaced while the server ran; opened it again "
+                    "at its path (the sessions and totals in the old file are not in it)"
+                )
+            )
         self._store_id = found
         return db
 
@@ -510,8 +565,11 @@ class SessionLedger:
                 failpoint("session_store")
         except Exception as e:
             self.stats.records_lost += len(adds) + len(observed)
-            self._error(StoreError(
-                f"session store {self.path}: a batch of {len(adds) + len(observed)} records was lost ({e})"))  # fmt: skip
+            self._error(
+                StoreError(
+                    f"session store {self.path}: a batch of {len(adds) + len(observed)} records was lost ({e})"
+                )
+            )
             self._settle(adds)
             return []
         self._live = batch.live
@@ -618,8 +676,10 @@ class _Batch:
         seq = self.db.execute("SELECT COALESCE(MAX(seq), 0) FROM recent").fetchone()[0]
         for rid, sid, model, benchmark, tokens, truncated in observed:
             seq += 1
-            self.db.execute("INSERT OR REPLACE INTO recent VALUES (?, ?, ?, ?, ?, ?, ?, 0)",
-                            (rid, seq, model, benchmark, tokens, truncated, sid))  # fmt: skip
+            self.db.execute(
+                "INSERT OR REPLACE INTO recent VALUES (?, ?, ?, ?, ?, ?, ?, 0)",
+                (rid, seq, model, benchmark, tokens, truncated, sid),
+            )
             self.db.execute(
                 "INSERT INTO outcomes (model, benchmark, requests, truncated, output_tokens) VALUES (?, ?, 1, ?, ?)"
                 " ON CONFLICT (model, benchmark) DO UPDATE SET requests = requests + 1,"
@@ -657,11 +717,14 @@ class _Batch:
         row = _TURN_ROW.encode({k: getattr(r, k) for k in TURN_FIELDS})
         self.db.execute("INSERT OR REPLACE INTO turns VALUES (?, ?, ?)", (r.session_id, seq, row))
         if seq > self.max_turns:
-            cur = self.db.execute("DELETE FROM turns WHERE session_id = ? AND seq <= ?",
-                                  (r.session_id, seq - self.max_turns))  # fmt: skip
+            cur = self.db.execute(
+                "DELETE FROM turns WHERE session_id = ? AND seq <= ?", (r.session_id, seq - self.max_turns)
+            )
             if cur.rowcount > 0:
-                self.db.execute("UPDATE sessions SET turns_dropped = turns_dropped + ? WHERE id = ?",
-                                (cur.rowcount, r.session_id))  # fmt: skip
+                self.db.execute(
+                    "UPDATE sessions SET turns_dropped = turns_dropped + ? WHERE id = ?",
+                    (cur.rowcount, r.session_id),
+                )
                 self.delta.turns_dropped += cur.rowcount
         if seq == 1:
             self.delta.sessions_opened += 1

@@ -50,28 +50,43 @@ def build_scheduler(
     """A scheduler of class ``cls`` (vLLM's, or one of the hook's) over a KV pool of
     ``num_blocks`` blocks. ``async_scheduling`` is set after the config is built, as the
     CPU platform turns it off; ``model``: a local model directory (its config only)."""
-    model_config = ModelConfig(model=str(model), max_model_len=max_model_len, dtype="float32",
-                               skip_tokenizer_init=True)  # fmt: skip
+    model_config = ModelConfig(
+        model=str(model), max_model_len=max_model_len, dtype="float32", skip_tokenizer_init=True
+    )
     scheduler_config = SchedulerConfig(
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-        enable_chunked_prefill=True, is_encoder_decoder=False,
-    )  # fmt: skip
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
+    )
     cache_config = CacheConfig(
         block_size=BLOCK_SIZE, cache_dtype="auto", enable_prefix_caching=prefix_caching
     )
     cache_config.num_gpu_blocks = num_blocks
     speculative = None
     if num_spec_tokens:
-        speculative = SpeculativeConfig(method="ngram", num_speculative_tokens=num_spec_tokens,
-                                        prompt_lookup_max=4, prompt_lookup_min=2)  # fmt: skip
-    cfg = VllmConfig(model_config=model_config, scheduler_config=scheduler_config, cache_config=cache_config,
-                     speculative_config=speculative)  # fmt: skip
+        speculative = SpeculativeConfig(
+            method="ngram", num_speculative_tokens=num_spec_tokens, prompt_lookup_max=4, prompt_lookup_min=2
+        )
+    cfg = VllmConfig(
+        model_config=model_config,
+        scheduler_config=scheduler_config,
+        cache_config=cache_config,
+        speculative_config=speculative,
+    )
     cfg.scheduler_config.async_scheduling = async_scheduling
     spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=64, dtype=torch.float32)
-    kv = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                       kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])  # fmt: skip
-    return cls(vllm_config=cfg, kv_cache_config=kv, structured_output_manager=StructuredOutputManager(cfg),
-               block_size=BLOCK_SIZE, log_stats=False)  # fmt: skip
+    kv = KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)]
+    )
+    return cls(
+        vllm_config=cfg,
+        kv_cache_config=kv,
+        structured_output_manager=StructuredOutputManager(cfg),
+        block_size=BLOCK_SIZE,
+        log_stats=False,
+    )
 
 
 @dataclass(frozen=True)
@@ -200,8 +215,9 @@ class Driver:
             self.generated[rid] = k + len(sampled[-1])
         record = StepRecord(rows, self._calls)
         self._calls += 1
-        return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                 sampled_token_ids=sampled), record  # fmt: skip
+        return ModelRunnerOutput(
+            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled
+        ), record
 
     # --- the engine's order -------------------------------------------------------------
 
@@ -226,8 +242,11 @@ class Driver:
         if self.clock is not None:
             self.clock.now = max(self.clock.now + 1e-3, record.done_at)
         requests = self.s.requests
-        before = {r.rid: (requests[r.rid], requests[r.rid].num_computed_tokens) for r in record.rows
-                  if r.drafts and r.rid in requests and not requests[r.rid].is_finished()}  # fmt: skip
+        before = {
+            r.rid: (requests[r.rid], requests[r.rid].num_computed_tokens)
+            for r in record.rows
+            if r.drafts and r.rid in requests and not requests[r.rid].is_finished()
+        }
         t = time.perf_counter()
         self.s.update_from_output(out, mro)
         self._pending_s += time.perf_counter() - t
@@ -241,8 +260,11 @@ class Driver:
             if c - req.num_computed_tokens > 0:
                 record.rejected[rid] = c - req.num_computed_tokens
         if self.num_spec and not self.async_scheduling:  # the proposer drafts for every sampled request
-            ids = [rid for rid, toks in zip(mro.req_ids, mro.sampled_token_ids, strict=True)
-                   if toks and rid in self.s.requests]  # fmt: skip
+            ids = [
+                rid
+                for rid, toks in zip(mro.req_ids, mro.sampled_token_ids, strict=True)
+                if toks and rid in self.s.requests
+            ]
             self.s.update_draft_token_ids(DraftTokenIds(ids, [[7] * self.num_spec for _ in ids]))
         self.schedule_s.append(self._pending_s)
         self._pending_s = 0.0

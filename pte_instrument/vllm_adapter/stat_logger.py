@@ -98,11 +98,15 @@ class PteStatLogger(AggregateStatLoggerBase):
             for engine in self.engine_indexes:
                 exporters = self.runtime.exporters_for(self.model, engine, cost_model)
                 self.accountants[engine] = Accountant(
-                    cost_model, exporters, self.runtime.faults, self.runtime.sessions,
-                    usd_per_gpu_second=usd_per_engine_second, new_trace_id=self.runtime.new_trace_id,
+                    cost_model,
+                    exporters,
+                    self.runtime.faults,
+                    self.runtime.sessions,
+                    usd_per_gpu_second=usd_per_engine_second,
+                    new_trace_id=self.runtime.new_trace_id,
                     on_state=partial(self.runtime.exporter_state, self.model, engine),
                     on_lost=partial(self.runtime.exporter_lost, self.model, engine),
-                )  # fmt: skip
+                )
         except Exception as e:  # unknown architecture, bad device name…: keep serving unpriced
             self.accountants.clear()
             self.runtime.faults.record("setup", e)

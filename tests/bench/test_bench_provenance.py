@@ -18,8 +18,22 @@ def test_provenance_has_date_code_and_machine() -> None:
     assert isinstance(p["git_commit"], str) and p["git_commit"]
     assert p["git_dirty"] in (True, False, None)
     m = p["machine"]
-    for key in ("hostname", "platform", "processor", "cpu_count", "affinity_cpus", "load_avg_1m", "python",
-                "numpy", "torch", "triton", "vllm", "transformers", "gpu", "cuda"):  # fmt: skip
+    for key in (
+        "hostname",
+        "platform",
+        "processor",
+        "cpu_count",
+        "affinity_cpus",
+        "load_avg_1m",
+        "python",
+        "numpy",
+        "torch",
+        "triton",
+        "vllm",
+        "transformers",
+        "gpu",
+        "cuda",
+    ):
         assert key in m
     assert m["numpy"]  # installed with the package
     json.dumps(p)  # serialisable as is

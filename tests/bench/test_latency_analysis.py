@@ -115,12 +115,30 @@ def test_turn_level_means_over_sessions() -> None:
 
 def _request(**kw: float) -> dict:
     base = {
-        "request_id": "cmpl-x-0", "session_id": "c1-s000", "turn": 1, "finish_reason": "length",
-        "prompt_tokens": 100, "cached_tokens": 40, "computed_prefill_tokens": 60, "recomputed_tokens": 0,
-        "output_tokens": 10, "gamma": 0.01, "hoi": 295.0, "device": "h100-sxm", "pte_reference": 110.0,
-        "pte_served": 70.5, "pte_ideal": 70.5, "pte_prefill": 60.0, "pte_decode": 10.5, "queued_s": 0.0,
-        "prefill_s": 0.1, "decode_s": 0.2, "inference_s": 0.3, "e2e_s": 0.31, "finished_at": 1.0,
-    }  # fmt: skip
+        "request_id": "cmpl-x-0",
+        "session_id": "c1-s000",
+        "turn": 1,
+        "finish_reason": "length",
+        "prompt_tokens": 100,
+        "cached_tokens": 40,
+        "computed_prefill_tokens": 60,
+        "recomputed_tokens": 0,
+        "output_tokens": 10,
+        "gamma": 0.01,
+        "hoi": 295.0,
+        "device": "h100-sxm",
+        "pte_reference": 110.0,
+        "pte_served": 70.5,
+        "pte_ideal": 70.5,
+        "pte_prefill": 60.0,
+        "pte_decode": 10.5,
+        "queued_s": 0.0,
+        "prefill_s": 0.1,
+        "decode_s": 0.2,
+        "inference_s": 0.3,
+        "e2e_s": 0.31,
+        "finished_at": 1.0,
+    }
     base.update(kw)
     return base
 
@@ -156,8 +174,9 @@ def test_unusable_requests_dropped() -> None:
 # ----------------------------------------------------------------------------- calibration
 
 
-def _synthetic_steps(n: int, a: float, b: float, c: float, noise: float, seed: int = 0,
-                     gamma_header: float = 0.01) -> list[dict]:  # fmt: skip
+def _synthetic_steps(
+    n: int, a: float, b: float, c: float, noise: float, seed: int = 0, gamma_header: float = 0.01
+) -> list[dict]:
     """Steps of a mixed batch: some prefill chunks, decode samples with varying context."""
     rng = np.random.default_rng(seed)
     prefill = np.where(rng.random(n) < 0.3, rng.integers(16, 2048, n), 0)
@@ -167,12 +186,23 @@ def _synthetic_steps(n: int, a: float, b: float, c: float, noise: float, seed: i
     t = t * (1 + noise * rng.normal(size=n))
     recs: list[dict] = [{"header": True, "gammas": [gamma_header], "windows": [None], "weights_pte": 300.0}]
     for i in range(n):
-        recs.append({
-            "engine": 0, "step": i, "t": 1000.0 + i, "dt_s": float(t[i]), "n_reqs": int(decode[i]) + 1,
-            "tokens": int(prefill[i] + decode[i]), "prefill": int(prefill[i]), "recompute": 0,
-            "decode_tokens": int(decode[i]), "ctx": [float(ctx[i])], "pte": float(prefill[i] + gamma_header * ctx[i]),
-            "roofline_pte": float(max(prefill[i] + decode[i], 300 + gamma_header * ctx[i])), "weights_pte": 300.0,
-        })  # fmt: skip
+        recs.append(
+            {
+                "engine": 0,
+                "step": i,
+                "t": 1000.0 + i,
+                "dt_s": float(t[i]),
+                "n_reqs": int(decode[i]) + 1,
+                "tokens": int(prefill[i] + decode[i]),
+                "prefill": int(prefill[i]),
+                "recompute": 0,
+                "decode_tokens": int(decode[i]),
+                "ctx": [float(ctx[i])],
+                "pte": float(prefill[i] + gamma_header * ctx[i]),
+                "roofline_pte": float(max(prefill[i] + decode[i], 300 + gamma_header * ctx[i])),
+                "weights_pte": 300.0,
+            }
+        )
     return recs
 
 
@@ -201,8 +231,10 @@ def test_fit_linear_exact_and_bootstrap_reproducible() -> None:
 
 
 def test_multi_group_context_is_gamma_weighted() -> None:
-    recs = [{"header": True, "gammas": [0.03, 0.01]},
-            {"dt_s": 1.0, "tokens": 1, "prefill": 0, "decode_tokens": 1, "ctx": [100.0, 20.0], "t": 0.0}]  # fmt: skip
+    recs = [
+        {"header": True, "gammas": [0.03, 0.01]},
+        {"dt_s": 1.0, "tokens": 1, "prefill": 0, "decode_tokens": 1, "ctx": [100.0, 20.0], "t": 0.0},
+    ]
     s = A.step_table(recs)
     assert s.gamma == pytest.approx(0.04)
     assert s.ctx_w[0] == pytest.approx((0.03 * 100 + 0.01 * 20) / 0.04)
@@ -216,8 +248,16 @@ def test_request_calibration_recovers_coefficients() -> None:
     ctx = out * rng.integers(100, 6000, n)
     a, b, c, e = 5e-5, 5e-7, 3e-3, 0.01
     inf = a * prefill + b * ctx + c * (out - 1) + e
-    recs = [_request(pte_prefill=float(p), pte_decode=float(gamma * x), output_tokens=int(o), gamma=gamma,
-                     inference_s=float(t)) for p, x, o, t in zip(prefill, ctx, out, inf, strict=True)]  # fmt: skip
+    recs = [
+        _request(
+            pte_prefill=float(p),
+            pte_decode=float(gamma * x),
+            output_tokens=int(o),
+            gamma=gamma,
+            inference_s=float(t),
+        )
+        for p, x, o, t in zip(prefill, ctx, out, inf, strict=True)
+    ]
     cal = calibrate_requests(A.request_table(recs), n_boot=50)
     assert cal.gamma_measured == pytest.approx(b / a, rel=1e-6)
     assert cal.coef["decode_steps"] == pytest.approx(c, rel=1e-6)
@@ -287,10 +327,21 @@ def _write_run(tmp: Path) -> list[Phase]:
                 pre = float(rng.integers(20, 600))
                 dec = 0.02 * (ctx * out + out * (out - 1) / 2)
                 inf = 5e-5 * pre + 2e-3 * out + 4e-6 * ctx * out + rng.normal(0, 1e-3)
-                reqs.append(_request(session_id=f"c{c}-s{s:03d}", turn=turn, prompt_tokens=int(ctx),
-                                     output_tokens=out, pte_prefill=pre, pte_decode=dec, pte_served=pre + dec,
-                                     pte_reference=ctx + 0.02 * ctx * out, gamma=0.02, inference_s=max(inf, 1e-3),
-                                     finished_at=t0 + c * 100 + turn))  # fmt: skip
+                reqs.append(
+                    _request(
+                        session_id=f"c{c}-s{s:03d}",
+                        turn=turn,
+                        prompt_tokens=int(ctx),
+                        output_tokens=out,
+                        pte_prefill=pre,
+                        pte_decode=dec,
+                        pte_served=pre + dec,
+                        pte_reference=ctx + 0.02 * ctx * out,
+                        gamma=0.02,
+                        inference_s=max(inf, 1e-3),
+                        finished_at=t0 + c * 100 + turn,
+                    )
+                )
                 ctx += out + pre
         phases.append(Phase(f"c{c}", c, t0 + c * 100 - 50, t0 + c * 100 + 50, f"c{c}"))
     (tmp / "requests.jsonl").write_text("\n".join(json.dumps(r) for r in reqs) + "\n")
@@ -307,8 +358,12 @@ def test_report_writer_produces_files_with_provenance(tmp_path: Path) -> None:
     assert a.step_fit is not None and a.request_fit is not None
     assert {lv.level for lv in a.levels} == {"step", "request", "turn"}
     assert a.targets and all(t.name for t in a.targets)
-    meta = {"date": "2026-11-30T00:00:00+00:00", "git_commit": "abc", "machine": {"platform": "x", "cpu_count": 2},
-            "config": {"model_preset": "synthetic"}}  # fmt: skip
+    meta = {
+        "date": "2026-11-30T00:00:00+00:00",
+        "git_commit": "abc",
+        "machine": {"platform": "x", "cpu_count": 2},
+        "config": {"model_preset": "synthetic"},
+    }
     pytest.importorskip("matplotlib")
     files = write_report(a, meta, tmp_path / "out")
     names = {f.name for f in files}

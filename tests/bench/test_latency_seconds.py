@@ -50,23 +50,51 @@ def test_ratio_summary_empty_and_unbootstrapped() -> None:
 
 def _req(**kw: Any) -> dict[str, Any]:
     base = {
-        "request_id": "r", "session_id": "c1-s000", "turn": 1, "finish_reason": "length", "prompt_tokens": 100,
-        "cached_tokens": 0, "computed_prefill_tokens": 100, "recomputed_tokens": 0, "output_tokens": 10,
-        "gamma": 0.01, "hoi": 3.0, "device": "h100-sxm@hoi=3", "pte_reference": 110.0, "pte_served": 110.0,
-        "pte_ideal": 110.0, "pte_prefill": 100.0, "pte_decode": 10.0, "queued_s": 0.0, "prefill_s": 0.1,
-        "decode_s": 0.9, "inference_s": 1.0, "e2e_s": 1.0, "finished_at": 1.0, "gpu_seconds": 0.98,
-        "gpu_seconds_prefill": 0.2, "gpu_seconds_kv_read": 0.08, "gpu_seconds_weights": 0.3,
-        "gpu_seconds_overhead": 0.4, "predicted_seconds": 1.0, "latency_explained_s": 0.98, "interference_s": 0.0,
-    }  # fmt: skip
+        "request_id": "r",
+        "session_id": "c1-s000",
+        "turn": 1,
+        "finish_reason": "length",
+        "prompt_tokens": 100,
+        "cached_tokens": 0,
+        "computed_prefill_tokens": 100,
+        "recomputed_tokens": 0,
+        "output_tokens": 10,
+        "gamma": 0.01,
+        "hoi": 3.0,
+        "device": "h100-sxm@hoi=3",
+        "pte_reference": 110.0,
+        "pte_served": 110.0,
+        "pte_ideal": 110.0,
+        "pte_prefill": 100.0,
+        "pte_decode": 10.0,
+        "queued_s": 0.0,
+        "prefill_s": 0.1,
+        "decode_s": 0.9,
+        "inference_s": 1.0,
+        "e2e_s": 1.0,
+        "finished_at": 1.0,
+        "gpu_seconds": 0.98,
+        "gpu_seconds_prefill": 0.2,
+        "gpu_seconds_kv_read": 0.08,
+        "gpu_seconds_weights": 0.3,
+        "gpu_seconds_overhead": 0.4,
+        "predicted_seconds": 1.0,
+        "latency_explained_s": 0.98,
+        "interference_s": 0.0,
+    }
     base.update(kw)
     return base
 
 
 def test_attribution_and_coverage_on_requests() -> None:
     # coverage divides by inference + queue: (0.5 + 0.4) / (0.6 + 0.4) = 0.9
-    t = A.request_table([_req(gpu_seconds=0.97, inference_s=1.0),
-                         _req(gpu_seconds=0.5, inference_s=0.6, queued_s=0.4, latency_explained_s=0.9),
-                         _req(gpu_seconds=None, inference_s=1.0)])  # fmt: skip
+    t = A.request_table(
+        [
+            _req(gpu_seconds=0.97, inference_s=1.0),
+            _req(gpu_seconds=0.5, inference_s=0.6, queued_s=0.4, latency_explained_s=0.9),
+            _req(gpu_seconds=None, inference_s=1.0),
+        ]
+    )
     att = S.attribution(t, 0.97, n_boot=0)
     assert att.n == 2 and att.median == pytest.approx((0.97 + 0.5 / 0.6) / 2)
     cov = S.coverage(t, 0.95, n_boot=0)
@@ -135,8 +163,9 @@ def test_gaps_between_steps_hand_computed() -> None:
 
 
 def test_alone_step_sums_take_the_steps_inside_each_request() -> None:
-    t = A.request_table([_req(arrived_at=10.0, e2e_s=1.0), _req(arrived_at=12.0, e2e_s=0.5),
-                         _req(arrived_at=None)])  # fmt: skip
+    t = A.request_table(
+        [_req(arrived_at=10.0, e2e_s=1.0), _req(arrived_at=12.0, e2e_s=0.5), _req(arrived_at=None)]
+    )
     step_t = np.array([12.5, 9.9, 10.0, 10.4, 11.0, 11.5, 12.2])
     vals = np.array([100.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0])
     got = S.alone_step_sums(t, step_t, vals)
@@ -156,8 +185,12 @@ def test_drift_tells_a_slowing_host_from_independent_errors() -> None:
 
 def test_residual_terms_name_the_term_the_error_follows() -> None:
     rng = np.random.default_rng(1)
-    recs = [_req(pte_prefill=float(p), pte_decode=float(0.01 * c), output_tokens=int(o))
-            for p, c, o in zip(rng.integers(10, 1000, 50), rng.integers(100, 9000, 50), rng.integers(5, 90, 50), strict=True)]  # fmt: skip
+    recs = [
+        _req(pte_prefill=float(p), pte_decode=float(0.01 * c), output_tokens=int(o))
+        for p, c, o in zip(
+            rng.integers(10, 1000, 50), rng.integers(100, 9000, 50), rng.integers(5, 90, 50), strict=True
+        )
+    ]
     t = A.request_table(recs)
     shares = S.residual_terms(t, 3e-4 * t["pte_prefill"])
     assert shares["prefill"] == pytest.approx(1.0, abs=1e-6)
@@ -168,12 +201,27 @@ def test_residual_terms_name_the_term_the_error_follows() -> None:
 # ----------------------------------------------------------------------------- the four-term step model
 
 TRUE = StepTimeModel(a=2e-4, b=3e-6, w=0.010, o=0.005)
-HEADER = {"header": True, "engine": 0, "gammas": [0.01], "windows": [None], "n_active": 8e7, "n_total": 9e7,
-          "hoi": 3.0, "device": "h100-sxm@hoi=3", "weights_pte": 6.75}  # fmt: skip
+HEADER = {
+    "header": True,
+    "engine": 0,
+    "gammas": [0.01],
+    "windows": [None],
+    "n_active": 8e7,
+    "n_total": 9e7,
+    "hoi": 3.0,
+    "device": "h100-sxm@hoi=3",
+    "weights_pte": 6.75,
+}
 
 
-def _steps(n: int, noise: float = 0.0, seed: int = 0, model: StepTimeModel = TRUE, drift: bool = False,
-           per_decode: float = 0.0) -> list[dict[str, Any]]:  # fmt: skip
+def _steps(
+    n: int,
+    noise: float = 0.0,
+    seed: int = 0,
+    model: StepTimeModel = TRUE,
+    drift: bool = False,
+    per_decode: float = 0.0,
+) -> list[dict[str, Any]]:
     """Steps of mixed batches whose dt follows ``model`` (+ optional noise, a host drifting in
     speed, a per-decode-token term the model does not have). Memory-bound as the engine logs
     it: roofline_pte > tokens."""
@@ -192,11 +240,25 @@ def _steps(n: int, noise: float = 0.0, seed: int = 0, model: StepTimeModel = TRU
     recs: list[dict[str, Any]] = [dict(HEADER)]
     for i in range(n):
         roof = max(float(tokens[i]), HEADER["weights_pte"] + float(kv_pte[i]))
-        recs.append({"engine": 0, "step": i, "t": 1000.0 + i, "n_reqs": int(n_reqs[i]),
-                     "tokens": int(tokens[i]), "prefill": int(prefill[i]), "recompute": 0,
-                     "decode_tokens": int(decode[i]), "spec_tokens": 0, "ctx": [float(ctx[i])],
-                     "pte": float(prefill[i] + kv_pte[i]), "roofline_pte": roof, "weights_pte": HEADER["weights_pte"],
-                     "hook_s": 1e-6, "dt_s": float(dt[i])})  # fmt: skip
+        recs.append(
+            {
+                "engine": 0,
+                "step": i,
+                "t": 1000.0 + i,
+                "n_reqs": int(n_reqs[i]),
+                "tokens": int(tokens[i]),
+                "prefill": int(prefill[i]),
+                "recompute": 0,
+                "decode_tokens": int(decode[i]),
+                "spec_tokens": 0,
+                "ctx": [float(ctx[i])],
+                "pte": float(prefill[i] + kv_pte[i]),
+                "roofline_pte": roof,
+                "weights_pte": HEADER["weights_pte"],
+                "hook_s": 1e-6,
+                "dt_s": float(dt[i]),
+            }
+        )
     return recs
 
 
@@ -234,8 +296,9 @@ def test_four_term_mape_with_known_noise() -> None:
 
 def test_dominant_terms_and_theory_error_by_term_hand_computed() -> None:
     m = StepTimeModel(a=1.0, b=0.1, w=5.0, o=2.0)
-    c = SM.StepColumns(np.array([10.0, 0, 0, 1]), np.array([0.0, 100, 1, 0]), np.array([0.0, 1, 1, 0]),
-                       np.ones(4))  # fmt: skip
+    c = SM.StepColumns(
+        np.array([10.0, 0, 0, 1]), np.array([0.0, 100, 1, 0]), np.array([0.0, 1, 1, 0]), np.ones(4)
+    )
     # step 0: a·10 = 10 (a); 1: b·100 = 10 > w 5 (b); 2: w 5 (w); 3: o 2 > a·1 (o)
     np.testing.assert_array_equal(SM.dominant_terms(m, c), [0, 1, 2, 3])
     th = StepTimeModel(a=1.0, b=0.1, w=5.0, o=3.0)  # only o differs, by 1 s per step
@@ -274,8 +337,16 @@ def test_theory_from_the_header_and_the_host() -> None:
 
 
 def test_theory_from_the_model_dir(tmp_path: Path) -> None:
-    cfg = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-           "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 100, "torch_dtype": "float32"}  # fmt: skip
+    cfg = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "vocab_size": 100,
+        "torch_dtype": "float32",
+    }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     host = DeviceProfile("measured:host", peak_flops=1e11, mem_bandwidth=1e10, source="test")
     th = SM.build_theory(None, tmp_path, "float32", host)
@@ -308,16 +379,38 @@ def _write_seconds_run(tmp: Path, with_steps: bool = False) -> list[Phase]:
         alone[(s, t)] = inf
         if s < 8:
             gpu = 0.98 * inf
-            recs.append(_req(session_id=f"c1-s{s:03d}", turn=t, pte_prefill=float(pre), output_tokens=out,
-                             pte_served=pre + 0.01 * pre * out,
-                             prompt_tokens=pre, inference_s=inf, gpu_seconds=gpu, latency_explained_s=gpu,
-                             predicted_seconds=gpu * (1 + 0.01 * rng.normal()), finished_at=100.0 + s * 10 + t))  # fmt: skip
+            recs.append(
+                _req(
+                    session_id=f"c1-s{s:03d}",
+                    turn=t,
+                    pte_prefill=float(pre),
+                    output_tokens=out,
+                    pte_served=pre + 0.01 * pre * out,
+                    prompt_tokens=pre,
+                    inference_s=inf,
+                    gpu_seconds=gpu,
+                    latency_explained_s=gpu,
+                    predicted_seconds=gpu * (1 + 0.01 * rng.normal()),
+                    finished_at=100.0 + s * 10 + t,
+                )
+            )
     for (s, t), (pre, out) in plan.items():
         inf, queued = 3.0 * alone[(s, t)], 0.05
-        recs.append(_req(session_id=f"c16-s{s:03d}", turn=t, pte_prefill=float(pre), output_tokens=out,
-                         prompt_tokens=pre, inference_s=inf, queued_s=queued, gpu_seconds=0.4 * alone[(s, t)] + 1e-9 * s,
-                         latency_explained_s=0.9 * (inf + queued), predicted_seconds=alone[(s, t)],
-                         finished_at=500.0 + s + t))  # fmt: skip
+        recs.append(
+            _req(
+                session_id=f"c16-s{s:03d}",
+                turn=t,
+                pte_prefill=float(pre),
+                output_tokens=out,
+                prompt_tokens=pre,
+                inference_s=inf,
+                queued_s=queued,
+                gpu_seconds=0.4 * alone[(s, t)] + 1e-9 * s,
+                latency_explained_s=0.9 * (inf + queued),
+                predicted_seconds=alone[(s, t)],
+                finished_at=500.0 + s + t,
+            )
+        )
     (tmp / "requests.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
     phases = [Phase("c1", 1, 50.0, 400.0, "c1"), Phase("c16", 16, 450.0, 700.0, "c16")]
     if with_steps:
@@ -350,8 +443,11 @@ def test_targets_on_a_synthetic_run(tmp_path: Path) -> None:
     dec = t["step r, four-term fit, decode-only steps"]
     assert dec.value > 0.98 and dec.met is True
     assert all(x.diagnosis for x in a.targets if x.met is False)  # every miss says why
-    meta = {"config": {"model_preset": "synthetic"}, "machine": {"load_avg_1m": 3.5, "cpu_count": 2},
-            "load_avg_1m_end": 1.0}  # fmt: skip
+    meta = {
+        "config": {"model_preset": "synthetic"},
+        "machine": {"load_avg_1m": 3.5, "cpu_count": 2},
+        "load_avg_1m_end": 1.0,
+    }
     write_report(a, meta, tmp_path / "out", plots=False)
     md = (tmp_path / "out" / "report.md").read_text()
     assert "## Engine seconds per request" in md and "## Step-time model (four terms)" in md
@@ -369,8 +465,16 @@ def test_targets_on_a_synthetic_run(tmp_path: Path) -> None:
 
 
 def test_seconds_targets_say_when_the_log_has_no_engine_seconds(tmp_path: Path) -> None:
-    recs = [_req(session_id=f"c1-s{i:03d}", gpu_seconds=None, predicted_seconds=None, latency_explained_s=None,
-                 inference_s=0.1 + i / 10) for i in range(10)]  # fmt: skip
+    recs = [
+        _req(
+            session_id=f"c1-s{i:03d}",
+            gpu_seconds=None,
+            predicted_seconds=None,
+            latency_explained_s=None,
+            inference_s=0.1 + i / 10,
+        )
+        for i in range(10)
+    ]
     (tmp_path / "requests.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
     a = analyse_logs(tmp_path / "requests.jsonl", None, [Phase("c1", 1, 0.0, 10.0, "c1")], n_boot=20)
     t = next(x for x in a.targets if x.name.startswith("c=1 r(predicted"))
@@ -394,9 +498,14 @@ def test_every_phase_sends_the_same_prompts(monkeypatch: pytest.MonkeyPatch) -> 
             )
         sent.append((request.headers["X-Session-Id"], tuple(body["prompt"])))
         n = body["max_tokens"]
-        return httpx.Response(200, json={"id": "cmpl-1", "usage": {"prompt_tokens": len(body["prompt"]),
-                                         "completion_tokens": n}, "choices": [{"token_ids": [5] * n,
-                                         "finish_reason": "length"}]})  # fmt: skip
+        return httpx.Response(
+            200,
+            json={
+                "id": "cmpl-1",
+                "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": n},
+                "choices": [{"token_ids": [5] * n, "finish_reason": "length"}],
+            },
+        )
 
     def client(**kw: Any) -> httpx.Client:
         return real(base_url=kw["base_url"], transport=httpx.MockTransport(handler))
@@ -425,8 +534,22 @@ def test_gpu_latency_cpu_smoke_mode(tmp_path: Path) -> None:
     """``python -m bench.gpu_latency --device cpu --tiny`` runs end to end and fits the four terms."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    cmd = [sys.executable, "-m", "bench.gpu_latency", "--device", "cpu", "--tiny", "--reps", "2", "--warmup", "1",
-           "--bootstrap", "20", "--out", str(tmp_path)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.gpu_latency",
+        "--device",
+        "cpu",
+        "--tiny",
+        "--reps",
+        "2",
+        "--warmup",
+        "1",
+        "--bootstrap",
+        "20",
+        "--out",
+        str(tmp_path),
+    ]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-2000:]
     (path,) = tmp_path.glob("gpu-latency-tiny-*.json")

@@ -88,8 +88,9 @@ def files(tmp_path: Path) -> dict[str, str]:
 def test_bad_input_is_one_line_and_exit_2(case, files):
     argv, needle = CASES[case]
     args = [a.format(**files) for a in argv]
-    r = subprocess.run([str(PTE), *args], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "COLUMNS": "200"})  # fmt: skip
+    r = subprocess.run(
+        [str(PTE), *args], capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"}
+    )
     assert "Traceback" not in r.stderr, r.stderr[-2000:]
     assert r.returncode == EXIT_BAD_INPUT, r.stderr
     lines = r.stderr.strip().splitlines()

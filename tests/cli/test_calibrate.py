@@ -38,9 +38,15 @@ def step_seconds(prefill: float, ctx: float, memory_bound: float) -> float:
 
 def fixture_text() -> str:
     header = StepLogHeader(
-        engine=0, gammas=[GAMMA], windows=[None], n_active=N_ACTIVE, n_total=N_ACTIVE, hoi=HOI,
-        device="h100-sxm", weights_pte=WEIGHTS_PTE,
-    )  # fmt: skip
+        engine=0,
+        gammas=[GAMMA],
+        windows=[None],
+        n_active=N_ACTIVE,
+        n_total=N_ACTIVE,
+        hoi=HOI,
+        device="h100-sxm",
+        weights_pte=WEIGHTS_PTE,
+    )
     lines = [encode_step_log(header)]
     for i, (prefill, decode, ctx) in enumerate(STEPS):
         tokens = prefill + decode
@@ -50,23 +56,45 @@ def fixture_text() -> str:
         lines.append(
             encode_step_log(
                 StepLogLine(
-                    engine=0, step=i, t=1.8e9 + i, n_reqs=max(decode, 1), tokens=tokens, prefill=prefill,
-                    recompute=0, decode_tokens=decode, spec_tokens=0, ctx=[float(ctx)], pte=prefill + kv,
-                    roofline_pte=roofline, weights_pte=WEIGHTS_PTE, hook_s=1e-6,
+                    engine=0,
+                    step=i,
+                    t=1.8e9 + i,
+                    n_reqs=max(decode, 1),
+                    tokens=tokens,
+                    prefill=prefill,
+                    recompute=0,
+                    decode_tokens=decode,
+                    spec_tokens=0,
+                    ctx=[float(ctx)],
+                    pte=prefill + kv,
+                    roofline_pte=roofline,
+                    weights_pte=WEIGHTS_PTE,
+                    hook_s=1e-6,
                     dt_s=round(step_seconds(prefill, ctx, mb), 12),
                 )
             )
-        )  # fmt: skip
+        )
     # the latest step, still running when the log was read: no dt_s, not fitted
     lines.append(
         encode_step_log(
             StepLogLine(
-                engine=0, step=len(STEPS), t=1.8e9 + len(STEPS), n_reqs=1, tokens=1, prefill=0, recompute=0,
-                decode_tokens=1, spec_tokens=0, ctx=[10.0], pte=GAMMA * 10, roofline_pte=WEIGHTS_PTE + GAMMA * 10,
-                weights_pte=WEIGHTS_PTE, hook_s=1e-6,
+                engine=0,
+                step=len(STEPS),
+                t=1.8e9 + len(STEPS),
+                n_reqs=1,
+                tokens=1,
+                prefill=0,
+                recompute=0,
+                decode_tokens=1,
+                spec_tokens=0,
+                ctx=[10.0],
+                pte=GAMMA * 10,
+                roofline_pte=WEIGHTS_PTE + GAMMA * 10,
+                weights_pte=WEIGHTS_PTE,
+                hook_s=1e-6,
             )
         )
-    )  # fmt: skip
+    )
     return "".join(lines)
 
 
@@ -128,9 +156,19 @@ def test_json_is_stable_and_sorted():
     out = json.loads(a.stdout)
     assert list(out) == sorted(out)
     assert set(out) == {
-        "at_host_speed", "bootstrap", "calibrated", "device", "from_prior", "gamma", "input", "notes", "saved",
-        "terms", "theory_only", "weight_read_pte",
-    }  # fmt: skip
+        "at_host_speed",
+        "bootstrap",
+        "calibrated",
+        "device",
+        "from_prior",
+        "gamma",
+        "input",
+        "notes",
+        "saved",
+        "terms",
+        "theory_only",
+        "weight_read_pte",
+    }
     assert set(out["terms"]) == {"a", "b", "w", "o"}
     assert set(out["terms"]["a"]) == {
         "unit",
@@ -166,10 +204,17 @@ def _csv_rows() -> list[dict[str, float]]:
     for prefill, decode, ctx in STEPS:
         tokens = prefill + decode
         mb = 1.0 if tokens < WEIGHTS_PTE + GAMMA * ctx else 0.0
-        rows.append({
-            "prefill_tokens": prefill, "ctx": ctx, "memory_bound": mb, "dt_s": step_seconds(prefill, ctx, mb),
-            "tokens": tokens, "weights_pte": WEIGHTS_PTE, "pte": prefill + GAMMA * ctx,
-        })  # fmt: skip
+        rows.append(
+            {
+                "prefill_tokens": prefill,
+                "ctx": ctx,
+                "memory_bound": mb,
+                "dt_s": step_seconds(prefill, ctx, mb),
+                "tokens": tokens,
+                "weights_pte": WEIGHTS_PTE,
+                "pte": prefill + GAMMA * ctx,
+            }
+        )
     return rows
 
 

@@ -68,8 +68,12 @@ def test_tenant_hash_of_an_api_key():
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout) == {"tenant": "ba7816bf8f01"}
     assert "ba7816bf8f01" in pte("tenant-hash", "abc").stdout  # the table
-    piped = subprocess.run([sys.executable, "-m", "pte_instrument.cli.main", "tenant-hash", "-", "--json"],
-                           input="abc\n", capture_output=True, text=True)  # fmt: skip
+    piped = subprocess.run(
+        [sys.executable, "-m", "pte_instrument.cli.main", "tenant-hash", "-", "--json"],
+        input="abc\n",
+        capture_output=True,
+        text=True,
+    )
     assert json.loads(piped.stdout) == {"tenant": "ba7816bf8f01"}  # the key from stdin, newline not hashed
 
 

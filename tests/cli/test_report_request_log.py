@@ -123,11 +123,16 @@ def test_broken_files_exit_2(tmp_path, capsys):
 
 @pytest.mark.skipif(not PTE.exists(), reason="the pte console script is not installed")
 def test_the_console_script(tmp_path):
-    good = subprocess.run([str(PTE), "report", str(write_log(tmp_path, LINES)), "--json"],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    good = subprocess.run(
+        [str(PTE), "report", str(write_log(tmp_path, LINES)), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert good.returncode == 0 and json.loads(good.stdout)["overall"]["requests"] == 5
     (tmp_path / "bin.jsonl").write_bytes(bytes(range(256)) * 8)
-    bad = subprocess.run([str(PTE), "report", str(tmp_path / "bin.jsonl")], capture_output=True, text=True,
-                         timeout=120)  # fmt: skip
+    bad = subprocess.run(
+        [str(PTE), "report", str(tmp_path / "bin.jsonl")], capture_output=True, text=True, timeout=120
+    )
     assert bad.returncode == EXIT_BAD_INPUT and bad.stdout == "" and "Traceback" not in bad.stderr
     assert bad.stderr.count("\n") == 1 and "not UTF-8" in bad.stderr

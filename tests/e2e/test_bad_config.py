@@ -60,8 +60,12 @@ def bad_config(tiny_model, tmp_path_factory):
 def test_bad_settings_fall_back_and_the_assumed_kv_heads_are_said(bad_config):
     vllm, request_log = bad_config
     client = httpx.Client(base_url=vllm.url, timeout=120)
-    body = {"model": vllm.served_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-            "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": vllm.served_name,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+        "ignore_eos": True,
+    }
     ids = {client.post("/v1/chat/completions", json=body).json()["id"] for _ in range(2)}
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:

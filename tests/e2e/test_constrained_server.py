@@ -21,15 +21,19 @@ def constrained(tiny_model, tmp_path_factory):
     work = tmp_path_factory.mktemp("constrained")
     blocker = work / "not-a-dir"
     blocker.write_text("")
-    vllm = start_server(tiny_model, work, {
-        "PTE_REQUEST_LOG": str(blocker / "requests.jsonl"),
-        "PTE_HOI": "banana",
-        "PTE_DEVICE": "h200",
-        "VLLM_PLUGINS": "pte",
-        "PTE_MAX_SESSIONS": str(MAX_SESSIONS),
-        "PTE_MAX_TURNS": "4",
-        "PTE_FEEDBACK_WINDOW": "2",
-    })  # fmt: skip
+    vllm = start_server(
+        tiny_model,
+        work,
+        {
+            "PTE_REQUEST_LOG": str(blocker / "requests.jsonl"),
+            "PTE_HOI": "banana",
+            "PTE_DEVICE": "h200",
+            "VLLM_PLUGINS": "pte",
+            "PTE_MAX_SESSIONS": str(MAX_SESSIONS),
+            "PTE_MAX_TURNS": "4",
+            "PTE_FEEDBACK_WINDOW": "2",
+        },
+    )
     try:
         yield vllm
     finally:

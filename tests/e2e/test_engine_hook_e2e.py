@@ -22,14 +22,27 @@ BLOCKS = 12  # × 128 tokens: a KV cache so small that concurrent long requests 
 @pytest.fixture(scope="module")
 def hooked(tiny_model, tmp_path_factory):
     work = tmp_path_factory.mktemp("hooked")
-    env = {"PTE_REQUEST_LOG": str(work / "requests.jsonl"), "PTE_STEP_LOG": str(work / "steps.jsonl"),
-           "PTE_DEVICE": "h100-sxm"}  # fmt: skip
-    args = ["--scheduler-cls", "pte_instrument.vllm_adapter.scheduler.PteScheduler",
-            "--enable-chunked-prefill", "--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "8",
-            "--num-gpu-blocks-override", str(BLOCKS), "--max-model-len", "1024",
-            # without prefix caching a preempted request must recompute what it had computed
-            # (with it, its own blocks may still be cached when it resumes: no recompute)
-            "--no-enable-prefix-caching"]  # fmt: skip
+    env = {
+        "PTE_REQUEST_LOG": str(work / "requests.jsonl"),
+        "PTE_STEP_LOG": str(work / "steps.jsonl"),
+        "PTE_DEVICE": "h100-sxm",
+    }
+    args = [
+        "--scheduler-cls",
+        "pte_instrument.vllm_adapter.scheduler.PteScheduler",
+        "--enable-chunked-prefill",
+        "--max-num-batched-tokens",
+        str(CHUNK),
+        "--max-num-seqs",
+        "8",
+        "--num-gpu-blocks-override",
+        str(BLOCKS),
+        "--max-model-len",
+        "1024",
+        # without prefix caching a preempted request must recompute what it had computed
+        # (with it, its own blocks may still be cached when it resumes: no recompute)
+        "--no-enable-prefix-caching",
+    ]
     vllm = start_server(tiny_model, work, env, args)
     try:
         yield vllm, work
@@ -44,8 +57,16 @@ def words(rng: random.Random, n: int) -> str:
 
 
 def complete(client: httpx.Client, model: str, prompt: str, max_tokens: int) -> dict:
-    r = client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": max_tokens,
-                                              "ignore_eos": True, "temperature": 0.0})  # fmt: skip
+    r = client.post(
+        "/v1/completions",
+        json={
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "temperature": 0.0,
+        },
+    )
     r.raise_for_status()
     return r.json()
 
@@ -111,8 +132,9 @@ def test_preemption_recompute_and_conservation(hooked, tiny_model):
     assert preempted, "the small KV cache should have forced a preemption"
     for r in recs.values():
         # served PTE exceeds the no-preemption PTE by exactly the recomputed work
-        assert r["engine_pte_served"] == pytest.approx(no_preemption_pte(gamma, r) + r["engine_recompute_tokens"],
-                                                       rel=1e-9)  # fmt: skip
+        assert r["engine_pte_served"] == pytest.approx(
+            no_preemption_pte(gamma, r) + r["engine_recompute_tokens"], rel=1e-9
+        )
         assert r["engine_decode_tokens"] == r["output_tokens"]
         assert r["recomputed_tokens"] == r["engine_recompute_tokens"]
         assert r["pte_recompute"] == r["engine_recompute_tokens"]
@@ -121,8 +143,11 @@ def test_preemption_recompute_and_conservation(hooked, tiny_model):
     # (the server ran nothing else meanwhile)
     time.sleep(0.5)
     window = steps(work)[n_before:]
-    for field, column in (("engine_prefill_tokens", "prefill"), ("engine_recompute_tokens", "recompute"),
-                          ("engine_decode_tokens", "decode_tokens")):  # fmt: skip
+    for field, column in (
+        ("engine_prefill_tokens", "prefill"),
+        ("engine_recompute_tokens", "recompute"),
+        ("engine_decode_tokens", "decode_tokens"),
+    ):
         assert sum(r[field] for r in recs.values()) == sum(s[column] for s in window), field
     assert sum(r["engine_pte_served"] for r in recs.values()) == pytest.approx(
         sum(s["pte"] for s in window), rel=1e-9
@@ -135,8 +160,13 @@ def test_client_disconnect_gives_one_flagged_entry(hooked):
     vllm, work = hooked
     client = httpx.Client(base_url=vllm.url, timeout=300)
     rng = random.Random()
-    body = {"model": vllm.served_name, "prompt": words(rng, 300), "max_tokens": 600, "ignore_eos": True,
-            "stream": True}  # fmt: skip
+    body = {
+        "model": vllm.served_name,
+        "prompt": words(rng, 300),
+        "max_tokens": 600,
+        "ignore_eos": True,
+        "stream": True,
+    }
     rid = None
     with ThreadPoolExecutor(4) as pool:
         busy = [pool.submit(complete, client, vllm.served_name, words(rng, 250), 300) for _ in range(4)]

@@ -23,8 +23,12 @@ PRICE = 2.5  # USD per GPU-hour
 @pytest.fixture(scope="module")
 def timed(tiny_model, tmp_path_factory):
     work = tmp_path_factory.mktemp("gpu-seconds")
-    env = {"PTE_REQUEST_LOG": str(work / "requests.jsonl"), "PTE_STEP_LOG": str(work / "steps.jsonl"),
-           "VLLM_PLUGINS": "pte", "PTE_GPU_HOURLY_PRICE": str(PRICE)}  # fmt: skip
+    env = {
+        "PTE_REQUEST_LOG": str(work / "requests.jsonl"),
+        "PTE_STEP_LOG": str(work / "steps.jsonl"),
+        "VLLM_PLUGINS": "pte",
+        "PTE_GPU_HOURLY_PRICE": str(PRICE),
+    }
     args = ["--scheduler-cls", "pte_instrument.vllm_adapter.scheduler.PteScheduler", "--max-num-seqs", "8"]
     with serving(tiny_model, work, env, args) as (vllm, client):
         yield vllm, work, client
@@ -38,9 +42,16 @@ def test_gpu_seconds_add_up_to_the_engines_busy_time(timed):
     def agent(session: str) -> list[str]:
         ids, history = [], words(rng, rng.randint(20, 120))
         for _ in range(3):
-            r = client.post("/v1/completions", headers={"X-Session-Id": session},
-                            json={"model": vllm.served_name, "prompt": history, "max_tokens": rng.randint(8, 40),
-                                  "ignore_eos": True})  # fmt: skip
+            r = client.post(
+                "/v1/completions",
+                headers={"X-Session-Id": session},
+                json={
+                    "model": vllm.served_name,
+                    "prompt": history,
+                    "max_tokens": rng.randint(8, 40),
+                    "ignore_eos": True,
+                },
+            )
             r.raise_for_status()
             ids.append(r.json()["id"])
             history += r.json()["choices"][0]["text"] + " " + words(rng, rng.randint(5, 30))

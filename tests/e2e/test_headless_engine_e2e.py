@@ -30,13 +30,35 @@ def two_nodes(tiny_model, tmp_path_factory):
     work = tmp_path_factory.mktemp("head")
     other = tmp_path_factory.mktemp("other-node")
     rpc = free_port()
-    dp = ["--data-parallel-size", "2", "--data-parallel-size-local", "1",
-          "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc)]  # fmt: skip
+    dp = [
+        "--data-parallel-size",
+        "2",
+        "--data-parallel-size-local",
+        "1",
+        "--data-parallel-address",
+        "127.0.0.1",
+        "--data-parallel-rpc-port",
+        str(rpc),
+    ]
     node_env = {k: v for k, v in os.environ.items() if not k.startswith(("PTE_", "VLLM_", "PROMETHEUS_"))}
     node_env.update(TMPDIR=str(other), VLLM_CPU_KVCACHE_SPACE="1", PTE_ENGINE_TRANSPORT="tcp")
-    command = [sys.executable, "-m", "pte_instrument.vllm_adapter.serve", str(tiny_model), "--served-model-name",
-               "tiny", "--headless", "--data-parallel-start-rank", "1", *dp, *HOOK,
-               "--gpu-memory-utilization", "0.2", "--max-model-len", "4096"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "pte_instrument.vllm_adapter.serve",
+        str(tiny_model),
+        "--served-model-name",
+        "tiny",
+        "--headless",
+        "--data-parallel-start-rank",
+        "1",
+        *dp,
+        *HOOK,
+        "--gpu-memory-utilization",
+        "0.2",
+        "--max-model-len",
+        "4096",
+    ]
     headless = subprocess.Popen(
         command,
         cwd=other,
@@ -46,8 +68,12 @@ def two_nodes(tiny_model, tmp_path_factory):
         start_new_session=True,
     )
     log = work / "requests.jsonl"
-    head = VllmServer(tiny_model, log_path=work / "vllm.log", env={"PTE_REQUEST_LOG": str(log), "PTE_ENGINE_TRANSPORT": "tcp", "VLLM_PLUGINS": "pte"},
-                      extra_args=["--enable-prefix-caching", "--api-server-count", "1", *dp, *HOOK])  # fmt: skip
+    head = VllmServer(
+        tiny_model,
+        log_path=work / "vllm.log",
+        env={"PTE_REQUEST_LOG": str(log), "PTE_ENGINE_TRANSPORT": "tcp", "VLLM_PLUGINS": "pte"},
+        extra_args=["--enable-prefix-caching", "--api-server-count", "1", *dp, *HOOK],
+    )
     try:
         head.start()
         yield head, log

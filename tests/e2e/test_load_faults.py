@@ -44,8 +44,12 @@ def test_256_streaming_sessions_with_disconnects(tiny_model, tmp_path):
         def drained() -> bool:
             summary.update(client.get("/pte/summary").json())
             e = summary["engine_hook"]
-            return (not any(e["live_requests"].values()) and e["results_unjoined"] == 0
-                    and e["requests_waiting"] == 0 and summary["sessions"]["pending_requests"] == 0)  # fmt: skip
+            return (
+                not any(e["live_requests"].values())
+                and e["results_unjoined"] == 0
+                and e["requests_waiting"] == 0
+                and summary["sessions"]["pending_requests"] == 0
+            )
 
         assert wait(drained, timeout_s=40), (
             f"ledgers did not drain: {summary.get('engine_hook')}, {summary.get('sessions')}"
@@ -67,9 +71,11 @@ def test_256_streaming_sessions_with_disconnects(tiny_model, tmp_path):
         assert served == pytest.approx(sum(s["pte"] for s in step_rows), rel=1e-9)
         hook = sum(s["hook_s"] for s in step_rows if "dt_s" in s)
         model_time = sum(s["dt_s"] for s in step_rows if "dt_s" in s)
-        print(f"\nload: {len(ids)} requests from 256 sessions in {load_s:.1f}s, {len(hung_up)} hang-ups, "
-              f"{len(aborted)} flagged abort, entries lost 0; hook {1e6 * hook / len(step_rows):.0f} µs/step = "
-              f"{hook / (hook + model_time):.2%} of step time over {len(step_rows)} steps")  # fmt: skip
+        print(
+            f"\nload: {len(ids)} requests from 256 sessions in {load_s:.1f}s, {len(hung_up)} hang-ups, "
+            f"{len(aborted)} flagged abort, entries lost 0; hook {1e6 * hook / len(step_rows):.0f} µs/step = "
+            f"{hook / (hook + model_time):.2%} of step time over {len(step_rows)} steps"
+        )
     finally:
         vllm.stop()
 
@@ -79,8 +85,12 @@ def test_faults_at_every_stage_do_not_stop_serving(tiny_model, tmp_path):
     partial loss may lose none) and a step in five: the API server prices without the
     engine's totals, and the engine's faults still reach it."""
     log = tmp_path / "requests.jsonl"
-    env = {"VLLM_PLUGINS": "pte", "PTE_REQUEST_LOG": str(log), "PTE_FAILPOINTS_SEED": "7",
-           "PTE_FAILPOINTS": "engine_step:0.2,transport:1,prometheus:0.1,routes:0.5"}  # fmt: skip
+    env = {
+        "VLLM_PLUGINS": "pte",
+        "PTE_REQUEST_LOG": str(log),
+        "PTE_FAILPOINTS_SEED": "7",
+        "PTE_FAILPOINTS": "engine_step:0.2,transport:1,prometheus:0.1,routes:0.5",
+    }
     vllm = start_server(tiny_model, tmp_path, env, HOOK)
     try:
         outcomes = run_streaming_sessions(vllm.url, vllm.served_name, sessions=48, turns=2, disconnect_p=0.0)
@@ -94,8 +104,11 @@ def test_faults_at_every_stage_do_not_stop_serving(tiny_model, tmp_path):
         routes = [client.get("/pte/summary").status_code for _ in range(20)]
         assert set(routes) <= {200, 500} and 500 in routes and 200 in routes
         assert client.get("/health").status_code == 200
-        faults = {dict(labels)["stage"]: v for (name, labels), v in scrape(client).items()
-                  if name == "pte_plugin_faults_total"}  # fmt: skip
+        faults = {
+            dict(labels)["stage"]: v
+            for (name, labels), v in scrape(client).items()
+            if name == "pte_plugin_faults_total"
+        }
         for stage in ("engine_step", "engine_transport", "prometheus", "routes"):
             assert faults[stage] > 0, (stage, faults)
         print(f"\nfaults injected and counted: { {k: v for k, v in faults.items() if v} }")

@@ -52,8 +52,11 @@ def by_id(path: Path) -> dict[str, int]:
 
 
 def faults(client: httpx.Client) -> dict[str, float]:
-    return {dict(labels)["stage"]: v for (name, labels), v in scrape(client).items()
-            if name == "pte_plugin_faults_total"}  # fmt: skip
+    return {
+        dict(labels)["stage"]: v
+        for (name, labels), v in scrape(client).items()
+        if name == "pte_plugin_faults_total"
+    }
 
 
 def priced(client: httpx.Client) -> float:
@@ -70,8 +73,12 @@ def rotating(tiny_model, tmp_path_factory) -> Iterator[tuple[httpx.Client, str, 
     work = tmp_path_factory.mktemp("rotating")
     logs = work / "logs"
     logs.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(logs)],
-                             capture_output=True).returncode == 0  # fmt: skip
+    mounted = (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(logs)], capture_output=True
+        ).returncode
+        == 0
+    )
     path = logs / "sub" / "requests.jsonl"
     vllm = start_server(tiny_model, work, {"PTE_REQUEST_LOG": str(path)})
     try:
@@ -146,8 +153,13 @@ def broken(tiny_model, tmp_path_factory) -> Iterator[tuple[httpx.Client, str, Pa
     }
     vllm = start_server(tiny_model, work, env, HOOK)
     try:
-        yield (httpx.Client(base_url=vllm.url, timeout=60), vllm.served_name, request_blocker,
-               request_blocker / "requests.jsonl", lambda: vllm.log_path.read_text(errors="replace"))  # fmt: skip
+        yield (
+            httpx.Client(base_url=vllm.url, timeout=60),
+            vllm.served_name,
+            request_blocker,
+            request_blocker / "requests.jsonl",
+            lambda: vllm.log_path.read_text(errors="replace"),
+        )
     finally:
         vllm.stop()
 

@@ -26,16 +26,26 @@ def words(n: int) -> str:
 
 
 def completion(server, prompt: str, max_tokens: int = 6, headers: dict | None = None) -> dict:
-    body = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
-            "temperature": 0.0}  # fmt: skip
+    body = {
+        "model": server.model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+    }
     r = server.client.post("/v1/completions", json=body, headers=headers or {})
     r.raise_for_status()
     return r.json()
 
 
 def chat(server, content: str, max_tokens: int = 4, headers: dict | None = None) -> dict:
-    body = {"model": server.model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-            "ignore_eos": True, "temperature": 0.0}  # fmt: skip
+    body = {
+        "model": server.model,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+    }
     r = server.client.post("/v1/chat/completions", json=body, headers=headers or {})
     r.raise_for_status()
     return r.json()
@@ -49,8 +59,10 @@ def record_and_span(server, response_id: str) -> tuple[dict, dict]:
 
 
 def test_span_operation_and_name_follow_the_route(server):
-    for response, operation in ((chat(server, "which operation is this"), "chat"),
-                                (completion(server, "which operation is that"), "text_completion")):  # fmt: skip
+    for response, operation in (
+        (chat(server, "which operation is this"), "chat"),
+        (completion(server, "which operation is that"), "text_completion"),
+    ):
         rec, span = record_and_span(server, response["id"])
         a = span["attributes"]
         assert a["gen_ai.operation.name"] == operation == rec["operation"]
@@ -99,8 +111,14 @@ def test_ttft_and_tpot_are_what_a_streaming_client_sees(server):
     sees each chunk a little later than vLLM sent it, and later still when the host is busy:
     the bounds are one-sided where the client's delay falls, wide enough for it, and still
     tell the first token from the whole request (``e2e_s``) or from the queue alone."""
-    body = {"model": server.model, "prompt": words(1500), "max_tokens": 64, "ignore_eos": True,
-            "temperature": 0.0, "stream": True}  # fmt: skip
+    body = {
+        "model": server.model,
+        "prompt": words(1500),
+        "max_tokens": 64,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+    }
     t0 = time.perf_counter()
     chunk_times, rid = [], None
     with server.client.stream("POST", "/v1/completions", json=body) as r:
@@ -146,8 +164,11 @@ def test_genai_server_metrics_and_pte_metrics_over_otlp(server):
     otlp = server.otlp
     model = {"gen_ai.request.model": server.model}
     op = {"gen_ai.operation.name": "text_completion", **model}
-    names = ("gen_ai.server.request.duration", "gen_ai.server.time_to_first_token",
-             "gen_ai.server.time_per_output_token")  # fmt: skip
+    names = (
+        "gen_ai.server.request.duration",
+        "gen_ai.server.time_to_first_token",
+        "gen_ai.server.time_per_output_token",
+    )
     chat(server, "so that a point exists")  # a chat point: every metric has been exported once
     before = {n: _settled(otlp, n, op) for n in names}
     served_before = {
@@ -165,8 +186,9 @@ def test_genai_server_metrics_and_pte_metrics_over_otlp(server):
         assert after is not None, name
         return after[field] - (before[name] or {field: 0})[field]
 
-    for name, bounds, field in zip(names, (DURATION_BOUNDS, TTFT_BOUNDS, TPOT_BOUNDS),
-                                   ("e2e_s", "ttft_s", "tpot_s"), strict=True):  # fmt: skip
+    for name, bounds, field in zip(
+        names, (DURATION_BOUNDS, TTFT_BOUNDS, TPOT_BOUNDS), ("e2e_s", "ttft_s", "tpot_s"), strict=True
+    ):
         point = _wait_for_count(otlp, name, op, (before[name] or {"count": 0})["count"] + 3)
         assert point["unit"] == "s" and point["kind"] == "histogram" and point["bounds"] == bounds, name
         assert point["attributes"]["gen_ai.provider.name"] == "vllm"

@@ -37,8 +37,12 @@ def served(tiny_model, tmp_path_factory):
     # one sequence at a time: a second request waits in the queue while the first runs; small
     # prefill chunks: a long prompt takes many steps, so a client can hang up in the middle. A
     # context long enough that the slot's holder (below) cannot finish before it is let go.
-    long = ["--max-model-len", str(HOLD_TOKENS + 1024), "--hf-overrides",
-            json.dumps({"max_position_embeddings": HOLD_TOKENS + 1024})]  # fmt: skip
+    long = [
+        "--max-model-len",
+        str(HOLD_TOKENS + 1024),
+        "--hf-overrides",
+        json.dumps({"max_position_embeddings": HOLD_TOKENS + 1024}),
+    ]
     args = [
         *HOOK,
         "--max-num-seqs",
@@ -73,9 +77,17 @@ def test_parallel_sampling_prices_each_child_once(served):
     vllm, log, client = served
     before = faults(client).get("engine_join", 0)
     session = f"n2-{uuid.uuid4().hex[:8]}"
-    r = client.post("/v1/completions", headers={"X-Session-Id": session},
-                    json={"model": vllm.served_name, "prompt": "agent tool call result", "n": 2,
-                          "max_tokens": 6, "temperature": 1.0})  # fmt: skip
+    r = client.post(
+        "/v1/completions",
+        headers={"X-Session-Id": session},
+        json={
+            "model": vllm.served_name,
+            "prompt": "agent tool call result",
+            "n": 2,
+            "max_tokens": 6,
+            "temperature": 1.0,
+        },
+    )
     r.raise_for_status()
     rid = r.json()["id"]  # cmpl-<id>; the prompt's request is cmpl-<id>-0
     entries = wait_for(log, lambda e: rid in e["request_id"], 2)
@@ -90,9 +102,15 @@ def test_parallel_sampling_prices_each_child_once(served):
 def test_a_list_of_prompts_is_tagged_with_its_session(served):
     vllm, log, client = served
     session = f"list-{uuid.uuid4().hex[:8]}"
-    r = client.post("/v1/completions", headers={"X-Session-Id": session},
-                    json={"model": vllm.served_name, "prompt": ["agent tool", "call result", "search python"],
-                          "max_tokens": 3})  # fmt: skip
+    r = client.post(
+        "/v1/completions",
+        headers={"X-Session-Id": session},
+        json={
+            "model": vllm.served_name,
+            "prompt": ["agent tool", "call result", "search python"],
+            "max_tokens": 3,
+        },
+    )
     r.raise_for_status()
     rid = r.json()["id"]
     entries = wait_for(log, lambda e: e["request_id"].startswith(rid), 3)
@@ -105,9 +123,16 @@ def test_a_reused_request_id_keeps_every_turn_of_its_session(served):
     session, same = f"dup-{uuid.uuid4().hex[:8]}", f"same-{uuid.uuid4().hex[:8]}"
 
     def send(_: int) -> int:  # both in flight at once: the second waits in the engine's queue
-        return client.post("/v1/chat/completions", headers={"X-Session-Id": session, "X-Request-Id": same},
-                           json={"model": vllm.served_name, "max_tokens": 40, "ignore_eos": True,
-                                 "messages": [{"role": "user", "content": "agent tool call"}]}).status_code  # fmt: skip
+        return client.post(
+            "/v1/chat/completions",
+            headers={"X-Session-Id": session, "X-Request-Id": same},
+            json={
+                "model": vllm.served_name,
+                "max_tokens": 40,
+                "ignore_eos": True,
+                "messages": [{"role": "user", "content": "agent tool call"}],
+            },
+        ).status_code
 
     with ThreadPoolExecutor(2) as pool:
         assert list(pool.map(send, range(2))) == [200, 200]
@@ -121,8 +146,13 @@ def test_a_reused_request_id_keeps_every_turn_of_its_session(served):
 def stream_then_hang_up(url: str, model: str, session: str, after_chunks: int) -> None:
     """Stream a chat completion and hang up after ``after_chunks`` chunks: closing the
     connection makes vLLM abort the request."""
-    body = {"model": model, "max_tokens": 400, "ignore_eos": True, "stream": True,
-            "messages": [{"role": "user", "content": "agent tool call result"}]}  # fmt: skip
+    body = {
+        "model": model,
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+        "messages": [{"role": "user", "content": "agent tool call result"}],
+    }
     with (
         httpx.Client(base_url=url, timeout=60) as c,
         c.stream("POST", "/v1/chat/completions", json=body, headers={"X-Session-Id": session}) as r,
@@ -175,8 +205,11 @@ print("finished", flush=True)  # never before the test kills it
 def metric_sum(client: httpx.Client, name: str, having: str = "") -> float:
     """A sample of ``/metrics`` (vLLM's own, ``vllm:num_requests_waiting``, or the plugin's),
     summed over its series whose labels include ``having`` (``phase="prefill"``)."""
-    return sum(float(line.rsplit(" ", 1)[1]) for line in client.get("/metrics").text.splitlines()
-               if line.startswith(name + "{") and having in line.split("}", 1)[0])  # fmt: skip
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in client.get("/metrics").text.splitlines()
+        if line.startswith(name + "{") and having in line.split("}", 1)[0]
+    )
 
 
 async def abort_once_queued(url: str, body: dict, headers: dict, queued, holding) -> None:
@@ -203,16 +236,22 @@ def test_a_request_aborted_while_queued_costs_nothing(served):
     step the holder's decoding makes)."""
     vllm, log, client = served
     session = f"queued-{uuid.uuid4().hex[:8]}"
-    runner = subprocess.Popen([sys.executable, "-c", RUNNER, vllm.url, vllm.served_name, str(HOLD_TOKENS)],
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    runner = subprocess.Popen(
+        [sys.executable, "-c", RUNNER, vllm.url, vllm.served_name, str(HOLD_TOKENS)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert runner.stdout is not None and runner.stdout.readline().strip() == "generating"
         deadline = time.monotonic() + 30
         while metric_sum(client, "vllm:num_requests_running") < 1:  # the engine runs the holder
             assert time.monotonic() < deadline and runner.poll() is None
             time.sleep(0.05)
-        body = {"model": vllm.served_name, "max_tokens": 5,
-                "messages": [{"role": "user", "content": "agent tool call result " * 40}]}  # fmt: skip
+        body = {
+            "model": vllm.served_name,
+            "max_tokens": 5,
+            "messages": [{"role": "user", "content": "agent tool call result " * 40}],
+        }
         asyncio.run(
             abort_once_queued(
                 vllm.url,
@@ -237,8 +276,9 @@ def test_a_request_aborted_mid_prefill_is_charged_the_prefill_that_ran(served):
     rng = random.Random(session)
     # about 3,800 tokens (one a word) the prefix cache cannot hold (the session comes first):
     # some 60 steps of prefill
-    prompt = " ".join([session, *(rng.choice("agent tool call result search python value".split())
-                                  for _ in range(3800))])  # fmt: skip
+    prompt = " ".join(
+        [session, *(rng.choice("agent tool call result search python value".split()) for _ in range(3800))]
+    )
     body = {"model": vllm.served_name, "prompt": prompt, "max_tokens": 1, "stream": True}
     admitted = metric_sum(client, "vllm:prefix_cache_queries_total")
     served_prefill = metric_sum(client, "pte_served_pte_total", 'phase="prefill"')

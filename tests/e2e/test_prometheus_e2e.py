@@ -237,8 +237,12 @@ def substitute(expr: str, variables: dict[str, str], window_s: int) -> str:
 def dashboard_variables(stack: Stack) -> dict[str, str]:
     """The variables as Grafana fills them for this server (every value of each)."""
     instances = stack.prom.label_values("instance", "pte_requests_total")
-    return {"job": "vllm", "instance": grafana_regex(instances), "model_name": grafana_regex([stack.model]),
-            "engine": "0"}  # fmt: skip
+    return {
+        "job": "vllm",
+        "instance": grafana_regex(instances),
+        "model_name": grafana_regex([stack.model]),
+        "engine": "0",
+    }
 
 
 def grafana_regex(values: list[str]) -> str:
@@ -315,11 +319,16 @@ KNOWN_ALERTS: dict[str, str] = {}
 # Recorded series that must be above 0 here: traffic went through the step hook. (The taxes,
 # wasted work and the engine gap may rightly be 0 on this server.)
 POSITIVE_HERE = {
-    "model_name:pte_requests:rate5m", "model_name:pte_served_pte:rate5m", "model_name_phase:pte_served_pte:rate5m",
-    "model_name_engine:pte_served_pte:rate5m", "model_name:pte_reference_pte:rate5m",
-    "model_name:pte_ideal_pte:rate5m", "model_name:pte_engine_served_pte:rate5m",
-    "model_name:pte_gpu_seconds:rate5m", "model_name_phase:pte_gpu_seconds:rate5m",
-}  # fmt: skip
+    "model_name:pte_requests:rate5m",
+    "model_name:pte_served_pte:rate5m",
+    "model_name_phase:pte_served_pte:rate5m",
+    "model_name_engine:pte_served_pte:rate5m",
+    "model_name:pte_reference_pte:rate5m",
+    "model_name:pte_ideal_pte:rate5m",
+    "model_name:pte_engine_served_pte:rate5m",
+    "model_name:pte_gpu_seconds:rate5m",
+    "model_name_phase:pte_gpu_seconds:rate5m",
+}
 
 
 def test_the_rule_file_loads_and_every_rule_evaluates(scraped: Stack):
@@ -365,6 +374,8 @@ def test_every_exporter_is_on_and_says_so(scraped: Stack):
     """The series PteInstrumentExporterSuspended reads: 1 for each exporter this server has."""
     result = scraped.prom.query("pte_exporter_enabled")["result"]
     assert {r["metric"]["stage"]: float(r["value"][1]) for r in result} == {
-        "prometheus": 1.0, "efficiency": 1.0, "request_log": 1.0,
-    }  # fmt: skip
+        "prometheus": 1.0,
+        "efficiency": 1.0,
+        "request_log": 1.0,
+    }
     assert {r["metric"]["model_name"] for r in result} == {scraped.model}

@@ -73,8 +73,15 @@ def test_feedback_refuses_hostile_bodies_with_4xx_and_no_traceback(server):
     chunk = b"4000\r\n" + b"x" * 0x4000 + b"\r\n"
     status, _ = raw_post(server, "/pte/feedback", {**auth, "Transfer-Encoding": "chunked"}, [chunk] * 64)
     assert status == 413
-    for bad in (b"{not json", b"\xff\xfe", b"[1]", b"null", b'{"correct": "yes", "request_id": "r"}',
-                b'{"correct": true, "request_id": ["r"]}', b'{"correct": true, "session_id": {}}'):  # fmt: skip
+    for bad in (
+        b"{not json",
+        b"\xff\xfe",
+        b"[1]",
+        b"null",
+        b'{"correct": "yes", "request_id": "r"}',
+        b'{"correct": true, "request_id": ["r"]}',
+        b'{"correct": true, "session_id": {}}',
+    ):
         r = c.post("/pte/feedback", content=bad)
         assert r.status_code == 400 and "error" in r.json(), (bad, r.status_code)
     # ids are echoed cut short

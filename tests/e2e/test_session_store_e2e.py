@@ -79,8 +79,12 @@ def test_sigkill_under_load_leaves_the_store_whole(tiny_model, tmp_path):
     stop = threading.Event()
 
     def agent(k: int) -> None:
-        session = AgentSession(f"load-{k}", WorkloadConfig(turns=100, max_tokens=4, task_words=20,
-                                                           tool_result_words=20), SYSTEM, random.Random(k))  # fmt: skip
+        session = AgentSession(
+            f"load-{k}",
+            WorkloadConfig(turns=100, max_tokens=4, task_words=20, tool_result_words=20),
+            SYSTEM,
+            random.Random(k),
+        )
         while not stop.is_set():
             sent[session.session_id] += 1
             try:

@@ -58,8 +58,15 @@ def test_cached_session_has_no_eviction_tax_and_totals_match_the_log(server):
             cur.prompt_tokens - reusable(prev) + rec["pte_decode"], rel=1e-12
         )
     # per-session totals = Σ of the session's request-log entries
-    for key in ("pte_served", "pte_ideal", "pte_reference", "pte_eviction_tax", "prompt_tokens", "cached_tokens",
-                "output_tokens"):  # fmt: skip
+    for key in (
+        "pte_served",
+        "pte_ideal",
+        "pte_reference",
+        "pte_eviction_tax",
+        "prompt_tokens",
+        "cached_tokens",
+        "output_tokens",
+    ):
         assert s[key] == pytest.approx(sum(records[r.request_id][0][key] for r in results), rel=1e-12), key
     assert s["turn_rows"][1]["pause_s"] >= 0
 

@@ -35,8 +35,11 @@ def garbage_env(classes: list[str], tmp: Path) -> dict[str, str]:
     if classes == [""]:
         env.update(dict.fromkeys(PATHS, ""))
     else:
-        env.update(PTE_REQUEST_LOG=str(tmp / "requests.jsonl"), PTE_STEP_LOG=str(tmp / "steps.jsonl"),
-                   PTE_SESSION_STORE=str(tmp / "sessions.sqlite3"))  # fmt: skip
+        env.update(
+            PTE_REQUEST_LOG=str(tmp / "requests.jsonl"),
+            PTE_STEP_LOG=str(tmp / "steps.jsonl"),
+            PTE_SESSION_STORE=str(tmp / "sessions.sqlite3"),
+        )
     return env
 
 

@@ -28,19 +28,38 @@ def lora_server(tiny_model, tmp_path_factory):
     work = tmp_path_factory.mktemp("tenants-lora")
     first = build_lora_adapter(work / "tiny-lora", tiny_model, rank=8, seed=1)
     second = build_lora_adapter(work / "tiny-lora-2", tiny_model, rank=8, seed=2)
-    env = {"PTE_REQUEST_LOG": str(work / "requests.jsonl"), "VLLM_PLUGINS": "pte", "PTE_DEVICE": "h100-sxm",
-           "PTE_TENANT_HEADER": "X-Tenant-Id", "PTE_TENANT_FROM_API_KEY": "1", "PTE_TENANTS": ",".join(TENANTS),
-           "PTE_GPU_HOURLY_PRICE": str(PRICE), "PTE_MAX_LORA_NAMES": "1"}  # fmt: skip
-    args = ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2",
-            "--lora-modules", f"tiny-lora={first}", f"tiny-lora-2={second}",
-            "--scheduler-cls", "pte_instrument.vllm_adapter.scheduler.PteScheduler"]  # fmt: skip
+    env = {
+        "PTE_REQUEST_LOG": str(work / "requests.jsonl"),
+        "VLLM_PLUGINS": "pte",
+        "PTE_DEVICE": "h100-sxm",
+        "PTE_TENANT_HEADER": "X-Tenant-Id",
+        "PTE_TENANT_FROM_API_KEY": "1",
+        "PTE_TENANTS": ",".join(TENANTS),
+        "PTE_GPU_HOURLY_PRICE": str(PRICE),
+        "PTE_MAX_LORA_NAMES": "1",
+    }
+    args = [
+        "--enable-lora",
+        "--max-lora-rank",
+        "8",
+        "--max-loras",
+        "2",
+        "--lora-modules",
+        f"tiny-lora={first}",
+        f"tiny-lora-2={second}",
+        "--scheduler-cls",
+        "pte_instrument.vllm_adapter.scheduler.PteScheduler",
+    ]
     with serving(tiny_model, work, env, args) as (vllm, client):
         yield vllm, work, client
 
 
 def complete(client, model: str, headers: dict[str, str], prompt: str = "agent tool call result") -> str:
-    r = client.post("/v1/completions", headers=headers,
-                    json={"model": model, "prompt": prompt, "max_tokens": 2, "ignore_eos": True})  # fmt: skip
+    r = client.post(
+        "/v1/completions",
+        headers=headers,
+        json={"model": model, "prompt": prompt, "max_tokens": 2, "ignore_eos": True},
+    )
     r.raise_for_status()
     return r.json()["id"]
 

@@ -39,9 +39,15 @@ def completed(steps, prompts=None, t0: float = 0.0, dt: float = 0.001) -> Comple
     batch.prompts.update(prompts or {})
     for k, rows in enumerate(steps):
         rows = [(*r, 0, 0)[:5] for r in rows]
-        batch.add([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], t0 + 2 * k * dt,
-                  t0 + (2 * k + 1) * dt, drafts={r[0]: r[3] for r in rows if r[3]},
-                  rejected={r[0]: r[4] for r in rows if r[4]})  # fmt: skip
+        batch.add(
+            [r[0] for r in rows],
+            [r[1] for r in rows],
+            [r[2] for r in rows],
+            t0 + 2 * k * dt,
+            t0 + (2 * k + 1) * dt,
+            drafts={r[0]: r[3] for r in rows if r[3]},
+            rejected={r[0]: r[4] for r in rows if r[4]},
+        )
     return batch
 
 
@@ -133,8 +139,10 @@ def test_a_held_request_is_sent_after_its_last_step_and_a_late_row_is_nobodys():
 UNIT = DeviceProfile("unit", 1.0, 1.0, "test")
 ONE_GROUP = (KVGroup(1, 2.0, None),)
 TWO_GROUPS = (KVGroup(1, 2.0, None), KVGroup(1, 1.0, 16))
-BATCH_COSTS = [CostModel(ModelShape("j", len(g), 8, 1, 1, 8, "mha", 2, g, 100.0, 137.3), UNIT)
-               for g in (ONE_GROUP, TWO_GROUPS)]  # fmt: skip
+BATCH_COSTS = [
+    CostModel(ModelShape("j", len(g), 8, 1, 1, 8, "mha", 2, g, 100.0, 137.3), UNIT)
+    for g in (ONE_GROUP, TWO_GROUPS)
+]
 TIMINGS = ("t", "hook_s", "dt_s", "model_s")
 NEEDS_TORCH = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch not installed")
 
@@ -175,8 +183,10 @@ class PerStepOracle:
         ncol = ref.n_columns(len(self.gammas))
         contrib = []
         for rid, c, n, spec, rej in rows:
-            r = self.req.setdefault(rid, {"h": 0, "P": prompts[rid], "cached": c, "cols": np.zeros(ncol),
-                                          "roof": 0.0, "wasted": 0.0})  # fmt: skip
+            r = self.req.setdefault(
+                rid,
+                {"h": 0, "P": prompts[rid], "cached": c, "cols": np.zeros(ncol), "roof": 0.0, "wasted": 0.0},
+            )
             h, P, end = r["h"], r["P"], c + n
             col = np.zeros(ncol)
             E = max(P, h)
@@ -209,13 +219,22 @@ class PerStepOracle:
             self.req[row[0]]["cols"] += contrib[:, j]
             self.req[row[0]]["roof"] += share[j]
         sums = contrib.sum(axis=1)
-        self.lines.append({
-            "engine": 0, "step": self.steps, "n_reqs": len(rows), "tokens": int(tokens),
-            "prefill": int(sums[ref.PREFILL]), "recompute": int(sums[ref.RECOMPUTE]),
-            "decode_tokens": int(sums[ref.DECODE_TOKENS]), "spec_tokens": int(sums[ref.SPEC_TOKENS]),
-            "ctx": sums[ref.CTX0 :].tolist(), "pte": float(sums[ref.PREFILL] + self.gammas @ sums[ref.CTX0 :]),
-            "roofline_pte": max(tokens, memory), "weights_pte": self.weights,
-        })  # fmt: skip
+        self.lines.append(
+            {
+                "engine": 0,
+                "step": self.steps,
+                "n_reqs": len(rows),
+                "tokens": int(tokens),
+                "prefill": int(sums[ref.PREFILL]),
+                "recompute": int(sums[ref.RECOMPUTE]),
+                "decode_tokens": int(sums[ref.DECODE_TOKENS]),
+                "spec_tokens": int(sums[ref.SPEC_TOKENS]),
+                "ctx": sums[ref.CTX0 :].tolist(),
+                "pte": float(sums[ref.PREFILL] + self.gammas @ sums[ref.CTX0 :]),
+                "roofline_pte": max(tokens, memory),
+                "weights_pte": self.weights,
+            }
+        )
         self.steps += 1
 
     def finished(self, rid: str, reason: str) -> None:
@@ -227,8 +246,13 @@ class PerStepOracle:
         else:
             cols = r["cols"]
             msg.update(zip(ref.column_names(len(self.gammas)), cols.tolist(), strict=True))
-            msg.update(cached_tokens=r["cached"], pte_recompute=cols[ref.RECOMPUTE], pte_roofline=r["roof"],
-                       pte_served=cols[ref.PREFILL] + self.gammas @ cols[ref.CTX0 :], pte_rejected=r["wasted"])  # fmt: skip
+            msg.update(
+                cached_tokens=r["cached"],
+                pte_recompute=cols[ref.RECOMPUTE],
+                pte_roofline=r["roof"],
+                pte_served=cols[ref.PREFILL] + self.gammas @ cols[ref.CTX0 :],
+                pte_rejected=r["wasted"],
+            )
         self.messages.append(msg)
 
 
@@ -300,8 +324,15 @@ def test_batches_of_steps_equal_per_step_accounting(tmp_path, seed, cost, backen
             if event[0] == "step":
                 _, rows, prompts = event
                 batch.prompts.update(prompts)
-                batch.add([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], t, t + 0.001,
-                          drafts={r[0]: r[3] for r in rows if r[3]}, rejected={r[0]: r[4] for r in rows if r[4]})  # fmt: skip
+                batch.add(
+                    [r[0] for r in rows],
+                    [r[1] for r in rows],
+                    [r[2] for r in rows],
+                    t,
+                    t + 0.001,
+                    drafts={r[0]: r[3] for r in rows if r[3]},
+                    rejected={r[0]: r[4] for r in rows if r[4]},
+                )
                 t += 0.002
                 oracle.step(rows, {**oracle_prompts(oracle), **prompts})
             else:

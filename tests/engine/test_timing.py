@@ -21,8 +21,16 @@ MODEL = StepTimeModel(a=1e-3, b=1e-4, w=5e-3, o=2e-3)
 def test_a_step_is_split_by_the_model_and_sums_to_its_measured_time():
     t = TimeAttribution(MODEL, None, capacity=4)
     # one memory-bound step: slot 0 prefills 10 tokens, slot 1 decodes reading 100 context
-    t.steps(np.array([0, 1]), [2], None, np.array([10.0, 0.0]), np.array([0.0, 100.0]),
-            np.array([False, True]), np.array([True]), [0.040])  # fmt: skip
+    t.steps(
+        np.array([0, 1]),
+        [2],
+        None,
+        np.array([10.0, 0.0]),
+        np.array([0.0, 100.0]),
+        np.array([False, True]),
+        np.array([True]),
+        [0.040],
+    )
     # modelled: 10 ms + 10 ms + 5 ms weights + 2 ms overhead = 27 ms; measured 40 ms: × 40/27
     scale = 0.040 / 0.027
     a, b = t.read(0), t.read(1)
@@ -45,16 +53,32 @@ def test_several_steps_at_once_conserve_busy_time():
     sizes = [2, 3, 1]
     slots = np.array([0, 1, 0, 1, 2, 2])
     prefill, ctx = rng.integers(0, 50, 6).astype(float), rng.integers(0, 500, 6).astype(float)
-    t.steps(slots, sizes, [0, 2, 5], prefill, ctx, np.zeros(6, bool), np.array([True, False, True]),
-            [0.01, 0.02, 0.005])  # fmt: skip
+    t.steps(
+        slots,
+        sizes,
+        [0, 2, 5],
+        prefill,
+        ctx,
+        np.zeros(6, bool),
+        np.array([True, False, True]),
+        [0.01, 0.02, 0.005],
+    )
     total = sum(t.read(s)[:4].sum() for s in range(3))
     assert total == pytest.approx(0.035) and t.busy_s == pytest.approx(0.035)
 
 
 def test_a_model_that_predicts_nothing_splits_evenly():
     t = TimeAttribution(StepTimeModel(0.0, 0.0, 0.0, 0.0), None, capacity=2)
-    t.steps(np.array([0, 1]), [2], None, np.array([5.0, 0.0]), np.array([0.0, 9.0]),
-            np.array([False, True]), np.array([False]), [0.008])  # fmt: skip
+    t.steps(
+        np.array([0, 1]),
+        [2],
+        None,
+        np.array([5.0, 0.0]),
+        np.array([0.0, 9.0]),
+        np.array([False, True]),
+        np.array([False]),
+        [0.008],
+    )
     assert t.read(0)[OVERHEAD_S] == pytest.approx(0.004) and t.read(1)[OVERHEAD_S] == pytest.approx(0.004)
 
 
@@ -78,8 +102,16 @@ def test_predicted_seconds_follow_the_host_speed_and_gpu_seconds_do_not_change()
 
 def test_without_the_online_fit_predicted_seconds_are_the_model_alone():
     t = TimeAttribution(MODEL, None, capacity=1)
-    out = t.steps(np.array([0]), [1], None, np.array([0.0]), np.array([100.0]), np.array([True]),
-                  np.array([True]), [0.1])  # fmt: skip
+    out = t.steps(
+        np.array([0]),
+        [1],
+        None,
+        np.array([0.0]),
+        np.array([100.0]),
+        np.array([True]),
+        np.array([True]),
+        [0.1],
+    )
     assert out == pytest.approx([0.017]) and t.read(0)[PREDICTED_S] == pytest.approx(0.017)
 
 
@@ -91,8 +123,16 @@ def test_the_first_online_refit_waits_for_steps_only_and_later_ones_for_the_inte
     def steps(k: int) -> None:  # k one-row decode steps whose time follows the model ×1.5
         ctx = rng.integers(100, 5000, k).astype(float)
         dts = 1.5 * (MODEL.b * ctx + MODEL.w + MODEL.o)
-        t.steps(np.zeros(k, dtype=np.int64), [1] * k, list(range(k)), np.zeros(k), ctx,
-                np.ones(k, bool), np.ones(k, bool), dts)  # fmt: skip
+        t.steps(
+            np.zeros(k, dtype=np.int64),
+            [1] * k,
+            list(range(k)),
+            np.zeros(k),
+            ctx,
+            np.ones(k, bool),
+            np.ones(k, bool),
+            dts,
+        )
 
     steps(255)
     assert online.last_fit is None  # fewer than 256 steps since the start

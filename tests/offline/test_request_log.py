@@ -23,18 +23,38 @@ from pte_instrument.offline.request_log import (
 TERMS = ("gpu_seconds_prefill", "gpu_seconds_kv_read", "gpu_seconds_weights", "gpu_seconds_overhead")
 
 
-def line(request_id: str, model: str, session: str | None, pte: float, seconds: tuple | None = None,
-         cost: float | None = None, **extra: object) -> dict:  # fmt: skip
+def line(
+    request_id: str,
+    model: str,
+    session: str | None,
+    pte: float,
+    seconds: tuple | None = None,
+    cost: float | None = None,
+    **extra: object,
+) -> dict:
     """A request-log line; ``seconds``: (prefill, kv, weights, overhead, predicted, explained)."""
-    row: dict = {"request_id": request_id, "model": model, "session_id": session, "engine": 0,
-                 "pte_served": pte, "pte_reference": pte, "finish_reason": "stop"}  # fmt: skip
+    row: dict = {
+        "request_id": request_id,
+        "model": model,
+        "session_id": session,
+        "engine": 0,
+        "pte_served": pte,
+        "pte_reference": pte,
+        "finish_reason": "stop",
+    }
     if seconds is None:
         row.update(dict.fromkeys(TIMED), cost_usd=None)
     else:
         *terms, predicted, explained = seconds
         gpu = sum(terms)
-        row.update(zip(TERMS, terms, strict=True), gpu_seconds=gpu, predicted_seconds=predicted,
-                   latency_explained_s=explained, interference_s=explained - gpu, cost_usd=cost)  # fmt: skip
+        row.update(
+            zip(TERMS, terms, strict=True),
+            gpu_seconds=gpu,
+            predicted_seconds=predicted,
+            latency_explained_s=explained,
+            interference_s=explained - gpu,
+            cost_usd=cost,
+        )
     return {**row, **extra}
 
 
@@ -157,8 +177,11 @@ def test_bad_lines_are_dropped_and_listed_or_refused(tmp_path):
     load = load_request_log(path)
     assert len(load.lines) == 5 and load.rows_read == 8
     reasons = [(p.where.rsplit(":", 1)[1], p.reason) for p in load.problems]
-    assert reasons == [("7", "invalid JSON (Expecting property name enclosed in double quotes)"),
-                       ("8", "not a JSON object"), ("9", "missing field 'pte_served'")]  # fmt: skip
+    assert reasons == [
+        ("7", "invalid JSON (Expecting property name enclosed in double quotes)"),
+        ("8", "not a JSON object"),
+        ("9", "missing field 'pte_served'"),
+    ]
     assert load.summary()["rows_dropped"] == 3
     with pytest.raises(RecordError, match=r"3 bad request-log line\(s\); first: .*:7: invalid JSON"):
         load_request_log(path, strict=True)

@@ -222,8 +222,9 @@ def test_the_exporter_gauges_follow_what_the_runtime_hears(tmp_path):
     from pte_instrument.settings import Settings
 
     registry = CollectorRegistry()
-    runtime = Runtime(Settings(session_store=str(tmp_path / "s.sqlite3"), request_log=str(tmp_path / "r.jsonl")),
-                      registry)  # fmt: skip
+    runtime = Runtime(
+        Settings(session_store=str(tmp_path / "s.sqlite3"), request_log=str(tmp_path / "r.jsonl")), registry
+    )
     try:
         cost = CostModel(parse_shape(load_config(FIX / "dense_mha.json")), PROFILES["h200"])
         stages = [stage for stage, _ in runtime.exporters_for("m", 1, cost)]

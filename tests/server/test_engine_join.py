@@ -38,14 +38,32 @@ def make_join(hook: bool = True) -> tuple[EngineInbox, RequestJoin, list[Finishe
 
 
 def stats(rid: str, output: int, reason: str = "stop", arrived: float = 100.0) -> FinishedRequest:
-    return FinishedRequest(rid, "m", prompt_tokens=10, cached_tokens=0, output_tokens=output,
-                           finish_reason=reason, arrived_at=arrived, finished_at=arrived + 1, e2e_s=1.0)  # fmt: skip
+    return FinishedRequest(
+        rid,
+        "m",
+        prompt_tokens=10,
+        cached_tokens=0,
+        output_tokens=output,
+        finish_reason=reason,
+        arrived_at=arrived,
+        finished_at=arrived + 1,
+        e2e_s=1.0,
+    )
 
 
 def totals(external: str, output: int, child: int | None = None, reason: str = "stop", **kw) -> RequestTotals:
     engine_id = f"{external}-0123abcd" if child is None else f"{child}_{external}-0123abcd"
-    return RequestTotals(engine_id, external, 0, reason, child_index=child, prompt_tokens=10,
-                         output_tokens=output, scheduled=True, **kw)  # fmt: skip
+    return RequestTotals(
+        engine_id,
+        external,
+        0,
+        reason,
+        child_index=child,
+        prompt_tokens=10,
+        output_tokens=output,
+        scheduled=True,
+        **kw,
+    )
 
 
 def test_parallel_sampling_children_are_priced_once_each_under_unique_ids():
@@ -56,7 +74,9 @@ def test_parallel_sampling_children_are_priced_once_each_under_unique_ids():
     join.finished(stats("cmpl-x-0", 3), now)
     join.price_ready(now)
     assert sorted((r.request_id, r.child_index, r.output_tokens) for r in priced) == [
-        ("0_cmpl-x-0", 0, 3), ("1_cmpl-x-0", 1, 5)]  # fmt: skip
+        ("0_cmpl-x-0", 0, 3),
+        ("1_cmpl-x-0", 1, 5),
+    ]
     assert all(r.engine_totals.output_tokens == r.output_tokens for r in priced)
     join.price_ready(now + 10)  # nothing left over to price as an orphan
     assert len(priced) == 2 and len(inbox) == 0 and faults.counts["engine_join"] == 0
@@ -154,9 +174,19 @@ def test_an_engine_whose_hook_never_reached_this_api_server_is_a_fault_priced_at
 def mid_prefill(prompt: int, prefill: float, cached: int = 0, recompute: float = 0.0) -> RequestTotals:
     """Totals of a request aborted before its first token: the engine prefilled ``prefill``
     positions (``recompute`` of them a second time) above a ``cached`` prefix."""
-    return RequestTotals("chatcmpl-p-0123abcd", "chatcmpl-p", 0, "abort", prompt_tokens=prompt, scheduled=True,
-                         cached_tokens=cached, prefill=prefill, recompute=recompute, pte_served=prefill,
-                         ctx=(0.0,))  # fmt: skip
+    return RequestTotals(
+        "chatcmpl-p-0123abcd",
+        "chatcmpl-p",
+        0,
+        "abort",
+        prompt_tokens=prompt,
+        scheduled=True,
+        cached_tokens=cached,
+        prefill=prefill,
+        recompute=recompute,
+        pte_served=prefill,
+        ctx=(0.0,),
+    )
 
 
 def test_a_request_aborted_mid_prefill_is_charged_the_prefill_that_ran(tmp_path):
@@ -167,8 +197,15 @@ def test_a_request_aborted_mid_prefill_is_charged_the_prefill_that_ran(tmp_path)
     registry = CollectorRegistry()
     sessions = SessionLedger(tmp_path / "sessions.sqlite3")
     log = tmp_path / "requests.jsonl"
-    accountant = Accountant(COST, [("prometheus", PrometheusExporter("m", 0, metrics_for(registry))),
-                                   ("request_log", RequestLogWriter(log))], FaultTracker(), sessions)  # fmt: skip
+    accountant = Accountant(
+        COST,
+        [
+            ("prometheus", PrometheusExporter("m", 0, metrics_for(registry))),
+            ("request_log", RequestLogWriter(log)),
+        ],
+        FaultTracker(),
+        sessions,
+    )
     accountant.on_finished(replace(priced[0], session_id="s"))
     [entry] = [json.loads(line) for line in log.read_text().splitlines()]
     assert (entry["prompt_tokens"], entry["output_tokens"], entry["engine_prefill_tokens"]) == (1000, 0, 256)
@@ -194,8 +231,9 @@ def test_a_mid_prefill_abort_is_priced_on_the_part_of_its_prompt_it_got_through(
     # recomputed before the abort: it got through 128 + 256 = 384 prompt tokens, of which the
     # session's previous turn had paid for 200
     t = mid_prefill(1000, 320.0, cached=128, recompute=64.0)
-    req = FinishedRequest("chatcmpl-p", "m", 1000, 128, 0, "abort", recomputed_tokens=64, reusable_tokens=200,
-                          engine_totals=t)  # fmt: skip
+    req = FinishedRequest(
+        "chatcmpl-p", "m", 1000, 128, 0, "abort", recomputed_tokens=64, reusable_tokens=200, engine_totals=t
+    )
     r = price_request(COST, req, 0.0)
     assert (r.computed_prefill_tokens, r.recomputed_tokens) == (256, 64)
     assert r.pte_served == r.pte_prefill == 320 == r.engine_pte_served

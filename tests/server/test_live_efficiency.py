@@ -71,8 +71,14 @@ def test_a_label_reaches_a_request_another_api_server_observed(tmp_path):
         served_by_a.observe("r2", "s", "m", "gsm8k", 60, "stop")
         assert a.flush()
         out = labels_on_b.label(True, session_id="s")
-        assert out == {"model": "m", "benchmark": "gsm8k", "requests": 2, "output_tokens": 100,
-                       "truncated": False, "correct": True}  # fmt: skip
+        assert out == {
+            "model": "m",
+            "benchmark": "gsm8k",
+            "requests": 2,
+            "output_tokens": 100,
+            "truncated": False,
+            "correct": True,
+        }
         with pytest.raises(FeedbackError) as err:  # once, host-wide
             served_by_a.label(True, request_ids=["r1"])
         assert err.value.status == 409

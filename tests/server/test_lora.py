@@ -27,8 +27,14 @@ def test_only_a_served_adapter_keeps_its_name_and_only_up_to_the_capacity():
     assert names.account("ad-1") is None  # the server's adapters are not known yet
     names.served = {"ad-1": 1, "ad-2": 2, "ad-3": 3}
     assert [names.account(m) for m in (None, "base", "ad-1", "ad-2", "ad-3", "ad-1", "ad-3")] == [
-        None, None, "ad-1", "ad-2", OTHER_ADAPTER, "ad-1", OTHER_ADAPTER,
-    ]  # fmt: skip
+        None,
+        None,
+        "ad-1",
+        "ad-2",
+        OTHER_ADAPTER,
+        "ad-1",
+        OTHER_ADAPTER,
+    ]
     assert len(names) == 2 and names.overflowed == 2
     with pytest.raises(ValueError):
         LoraNames(0)
@@ -60,8 +66,14 @@ async def post_all(runtime: Runtime, bodies: list[bytes]) -> list[bytes]:
         async def send(message):
             pass
 
-        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
-                 "root_path": "", "headers": [(b"x-request-id", f"r{i}".encode())]}  # fmt: skip
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/v1/completions",
+            "query_string": b"",
+            "root_path": "",
+            "headers": [(b"x-request-id", f"r{i}".encode())],
+        }
         await SessionMiddleware(downstream, runtime=runtime)(scope, receive, send)
     return received
 
@@ -124,9 +136,15 @@ def test_ten_thousand_model_names_leave_the_served_adapters_up_to_the_cap(runtim
 
 @pytest.mark.parametrize(
     "body",
-    [b"not json", b"[1, 2]", b'{"model": 7}', b'{"prompt": "x"}',
-     b'{"model": "%s"}' % (b"a" * (MAX_MODEL_NAME_LEN + 1)), b'{"model": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"],
-)  # fmt: skip
+    [
+        b"not json",
+        b"[1, 2]",
+        b'{"model": 7}',
+        b'{"prompt": "x"}',
+        b'{"model": "%s"}' % (b"a" * (MAX_MODEL_NAME_LEN + 1)),
+        b'{"model": ' + b"[" * 50_000 + b"]" * 50_000 + b"}",
+    ],
+)
 def test_a_model_field_that_names_no_adapter_is_the_base_model(runtime, body):
     runtime.lora_names.served = {"a" * (MAX_MODEL_NAME_LEN + 1): 1}
     assert asyncio.run(post_all(runtime, [body])) == [body]

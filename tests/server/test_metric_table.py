@@ -147,9 +147,23 @@ def test_a_bad_row_is_refused(row):
 
 def record(**kw) -> RequestRecord:
     base = {f.name: 1.0 for f in dataclasses.fields(RequestRecord) if f.default is dataclasses.MISSING}
-    base.update(request_id="r", session_id=None, turn=None, model="m", engine=0, finish_reason="stop",
-                device="h200", pause_s=None, prompt_tokens=100, cached_tokens=10, output_tokens=7,
-                pte_prefill=90.0, pte_decode=3.0, pte_reference=120.0, pte_served=93.0)  # fmt: skip
+    base.update(
+        request_id="r",
+        session_id=None,
+        turn=None,
+        model="m",
+        engine=0,
+        finish_reason="stop",
+        device="h200",
+        pause_s=None,
+        prompt_tokens=100,
+        cached_tokens=10,
+        output_tokens=7,
+        pte_prefill=90.0,
+        pte_decode=3.0,
+        pte_reference=120.0,
+        pte_served=93.0,
+    )
     return RequestRecord(**{**base, **kw})
 
 
@@ -177,8 +191,16 @@ def test_the_exporter_binds_once_and_exposes_series_only_with_data():
     assert value("pte_engine_served_pte_total") is None
     assert registry.get_sample_value("pte_tool_pause_seconds_count", {"model_name": "m"}) is None
 
-    exporter.export(record(pause_s=2.0, engine_pte_served=95.0, engine_pte_roofline=80.0,
-                           engine_recompute_tokens=4, engine_spec_tokens=6, engine_rejected_tokens=2))  # fmt: skip
+    exporter.export(
+        record(
+            pause_s=2.0,
+            engine_pte_served=95.0,
+            engine_pte_roofline=80.0,
+            engine_recompute_tokens=4,
+            engine_spec_tokens=6,
+            engine_rejected_tokens=2,
+        )
+    )
     assert value("pte_engine_served_pte_total") == 95
     assert value("pte_engine_estimate_gap_pte") == 2
     assert value("pte_spec_rejected_tokens_total") == 2
@@ -213,8 +235,15 @@ def test_closed_sessions_feed_the_seconds_and_money_histograms_only_when_they_ha
 def test_usage_is_attributed_to_tenant_and_adapter_and_the_cache_stays_bounded():
     registry = CollectorRegistry()
     exporter = PrometheusExporter("m", 0, PteMetrics(registry))
-    timed = dict(gpu_seconds=2.0, gpu_seconds_prefill=0.5, gpu_seconds_kv_read=0.5, gpu_seconds_weights=0.5,
-                 gpu_seconds_overhead=0.5, interference_s=0.0, cost_usd=0.25)  # fmt: skip
+    timed = dict(
+        gpu_seconds=2.0,
+        gpu_seconds_prefill=0.5,
+        gpu_seconds_kv_read=0.5,
+        gpu_seconds_weights=0.5,
+        gpu_seconds_overhead=0.5,
+        interference_s=0.0,
+        cost_usd=0.25,
+    )
     exporter.export(record(tenant="team-a", lora_name="ad", **timed))
     exporter.export(record(tenant="team-a", **timed))
     exporter.export(record(tenant="other", lora_name="ad"))
@@ -246,8 +275,14 @@ def test_cost_appears_only_once_a_request_is_priced():
     then shows "no data" rather than a free GPU."""
     registry = CollectorRegistry()
     exporter = PrometheusExporter("m", 0, PteMetrics(registry))
-    seconds = dict(gpu_seconds=0.5, gpu_seconds_prefill=0.2, gpu_seconds_kv_read=0.1, gpu_seconds_weights=0.1,
-                   gpu_seconds_overhead=0.1, interference_s=0.0)  # fmt: skip
+    seconds = dict(
+        gpu_seconds=0.5,
+        gpu_seconds_prefill=0.2,
+        gpu_seconds_kv_read=0.1,
+        gpu_seconds_weights=0.1,
+        gpu_seconds_overhead=0.1,
+        interference_s=0.0,
+    )
     exporter.export(record(**seconds, cost_usd=None))
     text = generate_latest(registry).decode()
     assert "pte_gpu_seconds_total{" in text

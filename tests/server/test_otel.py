@@ -28,10 +28,27 @@ PARENT = "00f067aa0ba902b7"
 
 def record(**kw) -> RequestRecord:
     base = {f.name: 1.0 for f in dataclasses.fields(RequestRecord) if f.default is dataclasses.MISSING}
-    base.update(request_id="cmpl-r-0", session_id=None, turn=None, model="tiny", engine=0, finish_reason="length",
-                device="h200", pause_s=None, prompt_tokens=100, cached_tokens=10, output_tokens=7, e2e_s=0.5,
-                finished_at=1_700_000_000.25, pte_prefill=90.0, pte_decode=3.0, pte_reference=120.0,
-                pte_served=93.0, ttft_s=0.125, tpot_s=0.0625)  # fmt: skip
+    base.update(
+        request_id="cmpl-r-0",
+        session_id=None,
+        turn=None,
+        model="tiny",
+        engine=0,
+        finish_reason="length",
+        device="h200",
+        pause_s=None,
+        prompt_tokens=100,
+        cached_tokens=10,
+        output_tokens=7,
+        e2e_s=0.5,
+        finished_at=1_700_000_000.25,
+        pte_prefill=90.0,
+        pte_decode=3.0,
+        pte_reference=120.0,
+        pte_served=93.0,
+        ttft_s=0.125,
+        tpot_s=0.0625,
+    )
     return RequestRecord(**{**base, **kw})
 
 
@@ -78,8 +95,10 @@ def test_a_finished_request_has_no_error(spans, reason):
 
 
 def test_span_is_a_child_of_the_callers_trace_or_a_root_of_the_records(spans):
-    child, root = spans(record(traceparent=f"00-{TRACE}-{PARENT}-01", trace_id=TRACE),
-                        record(trace_id="0123456789abcdef0123456789abcdef"))  # fmt: skip
+    child, root = spans(
+        record(traceparent=f"00-{TRACE}-{PARENT}-01", trace_id=TRACE),
+        record(trace_id="0123456789abcdef0123456789abcdef"),
+    )
     assert f"{child.context.trace_id:032x}" == TRACE and f"{child.parent.span_id:016x}" == PARENT
     assert child.parent.is_remote
     assert root.parent is None and f"{root.context.trace_id:032x}" == "0123456789abcdef0123456789abcdef"
@@ -140,20 +159,32 @@ def collect(*records: RequestRecord) -> dict[str, dict]:
     for rm in reader.get_metrics_data().resource_metrics:
         for sm in rm.scope_metrics:
             for m in sm.metrics:
-                out[m.name] = {"unit": m.unit, "points": [(dict(p.attributes), p) for p in m.data.data_points],
-                               "resource": dict(rm.resource.attributes)}  # fmt: skip
+                out[m.name] = {
+                    "unit": m.unit,
+                    "points": [(dict(p.attributes), p) for p in m.data.data_points],
+                    "resource": dict(rm.resource.attributes),
+                }
     exporter.shutdown()
     return out
 
 
 def test_server_metrics_follow_the_genai_conventions():
-    m = collect(record(operation="text_completion"), record(operation="text_completion", e2e_s=3.0, ttft_s=0.75),
-                record(operation="chat", e2e_s=0.05, ttft_s=0.02, tpot_s=None))  # fmt: skip
-    want = {"gen_ai.operation.name": "text_completion", "gen_ai.provider.name": "vllm",
-            "gen_ai.request.model": "tiny", "gen_ai.response.model": "tiny"}  # fmt: skip
-    for name, bounds, text_sum, chat_count in (("gen_ai.server.request.duration", DURATION, 3.5, 1),
-                                               ("gen_ai.server.time_to_first_token", TTFT, 0.875, 1),
-                                               ("gen_ai.server.time_per_output_token", TPOT, 0.125, 0)):  # fmt: skip
+    m = collect(
+        record(operation="text_completion"),
+        record(operation="text_completion", e2e_s=3.0, ttft_s=0.75),
+        record(operation="chat", e2e_s=0.05, ttft_s=0.02, tpot_s=None),
+    )
+    want = {
+        "gen_ai.operation.name": "text_completion",
+        "gen_ai.provider.name": "vllm",
+        "gen_ai.request.model": "tiny",
+        "gen_ai.response.model": "tiny",
+    }
+    for name, bounds, text_sum, chat_count in (
+        ("gen_ai.server.request.duration", DURATION, 3.5, 1),
+        ("gen_ai.server.time_to_first_token", TTFT, 0.875, 1),
+        ("gen_ai.server.time_per_output_token", TPOT, 0.125, 0),
+    ):
         assert m[name]["unit"] == "s"
         points = dict((attrs["gen_ai.operation.name"], (attrs, p)) for attrs, p in m[name]["points"])
         attrs, text = points["text_completion"]
@@ -173,10 +204,21 @@ def test_a_failed_request_has_an_error_type_and_no_ttft_or_tpot():
 
 
 def test_pte_counters_by_phase_seconds_by_term_and_money():
-    m = collect(record(pte_prefill=90.0, pte_decode=3.0, pte_reference=120.0, prompt_tokens=100),
-                record(pte_prefill=10.0, pte_decode=2.5, pte_reference=40.0, prompt_tokens=30,
-                       gpu_seconds=1.0, gpu_seconds_prefill=0.5, gpu_seconds_kv_read=0.25, gpu_seconds_weights=0.125,
-                       gpu_seconds_overhead=0.125, cost_usd=0.002))  # fmt: skip
+    m = collect(
+        record(pte_prefill=90.0, pte_decode=3.0, pte_reference=120.0, prompt_tokens=100),
+        record(
+            pte_prefill=10.0,
+            pte_decode=2.5,
+            pte_reference=40.0,
+            prompt_tokens=30,
+            gpu_seconds=1.0,
+            gpu_seconds_prefill=0.5,
+            gpu_seconds_kv_read=0.25,
+            gpu_seconds_weights=0.125,
+            gpu_seconds_overhead=0.125,
+            cost_usd=0.002,
+        ),
+    )
 
     def values(name: str) -> dict:
         return {attrs.get("pte.phase"): p.value for attrs, p in m[name]["points"]}
@@ -206,8 +248,17 @@ def exemplars(text: str, family: str) -> list[tuple[float, str, float]]:
 def test_the_per_request_histograms_carry_the_trace_as_an_exemplar():
     registry = CollectorRegistry()
     exporter = PrometheusExporter("tiny", 0, PteMetrics(registry))
-    exporter.export(record(trace_id=TRACE, pte_served=93.0, gpu_seconds=0.02, gpu_seconds_prefill=0.02,
-                           gpu_seconds_kv_read=0.0, gpu_seconds_weights=0.0, gpu_seconds_overhead=0.0))  # fmt: skip
+    exporter.export(
+        record(
+            trace_id=TRACE,
+            pte_served=93.0,
+            gpu_seconds=0.02,
+            gpu_seconds_prefill=0.02,
+            gpu_seconds_kv_read=0.0,
+            gpu_seconds_weights=0.0,
+            gpu_seconds_overhead=0.0,
+        )
+    )
     exporter.export(record(trace_id=None, pte_served=5000.0))  # untraced: no exemplar
     body, content_type = exposition("application/openmetrics-text; version=1.0.0", registry)
     assert content_type.startswith("application/openmetrics-text")
@@ -264,8 +315,10 @@ def test_failed_otlp_batches_are_faults_and_their_records_lost_until_the_collect
 
     from pte_instrument.server.exporters.otel import OtelLogExporter
 
-    for make_exporter, result in ((lambda e, cb: OtelExporter(span_exporter=e, on_failed=cb), SpanExportResult),
-                                  (lambda e, cb: OtelLogExporter(log_exporter=e, on_failed=cb), LogRecordExportResult)):  # fmt: skip
+    for make_exporter, result in (
+        (lambda e, cb: OtelExporter(span_exporter=e, on_failed=cb), SpanExportResult),
+        (lambda e, cb: OtelLogExporter(log_exporter=e, on_failed=cb), LogRecordExportResult),
+    ):
         flaky = Flaky(result, down=2)
         failures: list[tuple[Exception, dict]] = []
         exporter = make_exporter(flaky, lambda e, lost, failures=failures: failures.append((e, dict(lost))))

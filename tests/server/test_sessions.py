@@ -40,8 +40,19 @@ def turn(
     e2e: float = 1.0,
 ):
     ctx = ledger.context_for(sid, finished_at - e2e, prompt)
-    req = FinishedRequest(f"{sid}-{ctx.turn}", "m", prompt, cached, output, "stop", session_id=sid, turn=ctx.turn,
-                          reusable_tokens=ctx.reusable_tokens, pause_s=ctx.pause_s, e2e_s=e2e)  # fmt: skip
+    req = FinishedRequest(
+        f"{sid}-{ctx.turn}",
+        "m",
+        prompt,
+        cached,
+        output,
+        "stop",
+        session_id=sid,
+        turn=ctx.turn,
+        reusable_tokens=ctx.reusable_tokens,
+        pause_s=ctx.pause_s,
+        e2e_s=e2e,
+    )
     record = price_request(COST, req, finished_at)
     ledger.add(record)
     return record

@@ -22,9 +22,20 @@ def totals():
 
 def record(model: str = "m", **kw: object) -> RequestRecord:
     base = {f.name: 0.0 for f in dataclasses.fields(RequestRecord) if f.default is dataclasses.MISSING}
-    base.update(request_id="r", session_id=None, turn=None, model=model, engine=0, finish_reason="stop",
-                device="h200", pause_s=None, prompt_tokens=100, cached_tokens=20, output_tokens=10,
-                pte_served=90.0)  # fmt: skip
+    base.update(
+        request_id="r",
+        session_id=None,
+        turn=None,
+        model=model,
+        engine=0,
+        finish_reason="stop",
+        device="h200",
+        pause_s=None,
+        prompt_tokens=100,
+        cached_tokens=20,
+        output_tokens=10,
+        pte_served=90.0,
+    )
     return RequestRecord(**{**base, **kw})
 
 
@@ -33,9 +44,18 @@ def timed(
 ) -> RequestRecord:
     prefill, kv, weights, overhead = gpu
     total = prefill + kv + weights + overhead
-    return record(gpu_seconds=total, gpu_seconds_prefill=prefill, gpu_seconds_kv_read=kv,
-                  gpu_seconds_weights=weights, gpu_seconds_overhead=overhead, predicted_seconds=0.9 * total,
-                  latency_explained_s=explained, interference_s=explained - total, cost_usd=cost, **kw)  # fmt: skip
+    return record(
+        gpu_seconds=total,
+        gpu_seconds_prefill=prefill,
+        gpu_seconds_kv_read=kv,
+        gpu_seconds_weights=weights,
+        gpu_seconds_overhead=overhead,
+        predicted_seconds=0.9 * total,
+        latency_explained_s=explained,
+        interference_s=explained - total,
+        cost_usd=cost,
+        **kw,
+    )
 
 
 def test_seconds_and_money_are_summed_over_the_requests_that_had_them(totals):
@@ -118,8 +138,16 @@ def test_tenant_and_adapter_totals_are_host_wide(tmp_path):
     a, b = SessionLedger(path), SessionLedger(path)
     try:
         a.add(timed((1.0, 0.0, 0.0, 0.0), explained=1.0, cost=0.5, tenant="team-a", pte_served=10.0))
-        b.add(timed((2.0, 0.0, 0.0, 0.0), explained=2.0, cost=1.0, tenant="team-a", lora_name="ad",
-                    pte_served=20.0))  # fmt: skip
+        b.add(
+            timed(
+                (2.0, 0.0, 0.0, 0.0),
+                explained=2.0,
+                cost=1.0,
+                tenant="team-a",
+                lora_name="ad",
+                pte_served=20.0,
+            )
+        )
         b.add(record(tenant="other", lora_name="ad", pte_served=40.0))
         a.add(record(pte_served=80.0))  # tenants off: no tenant
         assert a.flush() and b.flush()

@@ -46,9 +46,16 @@ def test_the_hash_is_the_first_twelve_hex_digits_of_sha256():
 
 @pytest.mark.parametrize(
     ("header", "key"),
-    [(b"Bearer k1", b"k1"), (b"bearer k1", b"k1"), (b"BEARER a b", b"a b"), (b"Basic k1", None),
-     (b"Bearer", None), (b"Bearer ", None), (b"k1", None)],
-)  # fmt: skip
+    [
+        (b"Bearer k1", b"k1"),
+        (b"bearer k1", b"k1"),
+        (b"BEARER a b", b"a b"),
+        (b"Basic k1", None),
+        (b"Bearer", None),
+        (b"Bearer ", None),
+        (b"k1", None),
+    ],
+)
 def test_bearer_token(header, key):
     assert bearer_token(header) == key
 
@@ -118,8 +125,12 @@ def test_tenant_settings_default_to_off():
 
 def test_unusable_allow_list_entries_are_named_and_left_out():
     long = "x" * (MAX_TENANT_LEN + 1)
-    s = Settings.from_env({"PTE_TENANT_HEADER": "X-Tenant-Id",
-                           "PTE_TENANTS": f" team-a , ,team-b,team-a,other,{long},t\u00e9am,a b"})  # fmt: skip
+    s = Settings.from_env(
+        {
+            "PTE_TENANT_HEADER": "X-Tenant-Id",
+            "PTE_TENANTS": f" team-a , ,team-b,team-a,other,{long},t\u00e9am,a b",
+        }
+    )
     assert s.tenants == frozenset({"team-a", "team-b"})
     assert len(s.errors) == 4, s.errors
     assert all(e.startswith("PTE_TENANTS: ") and "left out" in e for e in s.errors)
@@ -129,8 +140,9 @@ def test_unusable_allow_list_entries_are_named_and_left_out():
 
 
 def test_the_allow_list_is_capped():
-    s = Settings.from_env({"PTE_TENANT_FROM_API_KEY": "1",
-                           "PTE_TENANTS": ",".join(f"t{i}" for i in range(MAX_TENANTS + 5))})  # fmt: skip
+    s = Settings.from_env(
+        {"PTE_TENANT_FROM_API_KEY": "1", "PTE_TENANTS": ",".join(f"t{i}" for i in range(MAX_TENANTS + 5))}
+    )
     assert len(s.tenants) == MAX_TENANTS and "t0" in s.tenants and f"t{MAX_TENANTS}" not in s.tenants
     assert len(s.errors) == 1 and f"more than {MAX_TENANTS}" in s.errors[0]
 
@@ -179,8 +191,14 @@ async def post_all(app, requests: list[list[tuple[bytes, bytes]]]) -> None:
         async def send(message):
             pass
 
-        scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": headers,
-                 "query_string": b"", "root_path": ""}  # fmt: skip
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/v1/chat/completions",
+            "headers": headers,
+            "query_string": b"",
+            "root_path": "",
+        }
         await app(scope, receive, send)
 
 
@@ -197,8 +215,13 @@ def registry() -> CollectorRegistry:
 
 @pytest.fixture
 def runtime(tmp_path, registry):
-    settings = Settings(tenant_header="X-Tenant-Id", tenant_from_api_key=True, tenants=ALLOWED,
-                        request_log=str(tmp_path / "requests.jsonl"), session_store=None)  # fmt: skip
+    settings = Settings(
+        tenant_header="X-Tenant-Id",
+        tenant_from_api_key=True,
+        tenants=ALLOWED,
+        request_log=str(tmp_path / "requests.jsonl"),
+        session_store=None,
+    )
     rt = Runtime(settings, registry=registry)
     yield rt
     rt.sessions.close()
@@ -236,8 +259,9 @@ def test_ten_thousand_distinct_tenants_leave_the_allow_list_plus_other(runtime, 
 
     text = generate_latest(registry).decode()
     assert tenant_label_values(text) == set(expected)  # |allow-list| + 1
-    requests_by_tenant = {dict(k[1])["tenant"]: v for k, v in exposition.samples(text).items()
-                          if k[0] == "pte_requests_total"}  # fmt: skip
+    requests_by_tenant = {
+        dict(k[1])["tenant"]: v for k, v in exposition.samples(text).items() if k[0] == "pte_requests_total"
+    }
     assert requests_by_tenant == expected
     # the stores stay bounded: the families' label children, the exporter's caches
     assert len(runtime.metrics.served._metrics) == 2 * len(expected)  # phase × tenant
@@ -258,8 +282,12 @@ def test_ten_thousand_distinct_tenants_leave_the_allow_list_plus_other(runtime, 
 def test_with_tenants_off_there_is_no_tenant_and_no_tag(registry):
     rt = Runtime(Settings(session_store=None), registry=registry)
     try:
-        asyncio.run(post_all(SessionMiddleware(generation_app, runtime=rt),
-                             [[(b"x-request-id", b"r1"), (b"x-tenant-id", b"team-a")]]))  # fmt: skip
+        asyncio.run(
+            post_all(
+                SessionMiddleware(generation_app, runtime=rt),
+                [[(b"x-request-id", b"r1"), (b"x-tenant-id", b"team-a")]],
+            )
+        )
         assert rt.pending.claim("r1") is None  # nothing to remember: no session, benchmark or tenant
         request = rt.tagged(FinishedRequest("chatcmpl-r1", "m", 100, 0, 5, "stop"), None)
         assert request.tenant is None

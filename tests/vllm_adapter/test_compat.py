@@ -34,8 +34,12 @@ def test_engine_transport_tcp_is_derived_from_the_data_parallel_settings():
 
     from pte_instrument.vllm_adapter.compat import engine_transport
 
-    parallel = ParallelConfig(data_parallel_size=2, data_parallel_size_local=1,
-                              data_parallel_master_ip="10.1.2.3", data_parallel_rpc_port=13345)  # fmt: skip
+    parallel = ParallelConfig(
+        data_parallel_size=2,
+        data_parallel_size_local=1,
+        data_parallel_master_ip="10.1.2.3",
+        data_parallel_rpc_port=13345,
+    )
     config = SimpleNamespace(parallel_config=parallel)  # the one part of VllmConfig it reads
     assert engine_transport(config, "tcp") == "tcp://10.1.2.3:13445"
     assert engine_transport(config, " TCP ") == "tcp://10.1.2.3:13445"

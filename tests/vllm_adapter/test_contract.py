@@ -171,11 +171,26 @@ def adapter_class(module: str, name: str) -> dict[str, ast.FunctionDef | ast.Asy
     ("module", "cls", "where", "own"),
     [
         # the hook's __init__ passes everything through; its _pte* helpers are its own
-        ("scheduler", "_PteHook", "vllm.v1.core.sched.scheduler:Scheduler", lambda n: n.startswith("_pte") or n == "__init__"),
-        ("stat_logger", "PteStatLogger", "vllm.v1.metrics.loggers:AggregateStatLoggerBase", lambda n: n in ("_tagged", "_price")),
-        ("endpoints", "PteEndpoints", "vllm.plugins.endpoint_plugins.interface:EndpointPlugin", lambda n: False),
+        (
+            "scheduler",
+            "_PteHook",
+            "vllm.v1.core.sched.scheduler:Scheduler",
+            lambda n: n.startswith("_pte") or n == "__init__",
+        ),
+        (
+            "stat_logger",
+            "PteStatLogger",
+            "vllm.v1.metrics.loggers:AggregateStatLoggerBase",
+            lambda n: n in ("_tagged", "_price"),
+        ),
+        (
+            "endpoints",
+            "PteEndpoints",
+            "vllm.plugins.endpoint_plugins.interface:EndpointPlugin",
+            lambda n: False,
+        ),
     ],
-)  # fmt: skip
+)
 def test_the_declared_methods_are_the_adapters_overrides(contract, module, cls, where, own):
     """Every vLLM method the adapter overrides is declared, with the parameters it takes."""
     declared = {contract.parse_signature(spec)[0]: spec for spec in item(contract, where).methods}

@@ -9,10 +9,17 @@ from pte_instrument.vllm_adapter.stat_logger import finished_request
 
 def stats(tokens: int, e2e: float, decode: float) -> FinishedRequestStats:
     return FinishedRequestStats(
-        finish_reason="length", request_id="cmpl-r-0", e2e_latency=e2e, num_prompt_tokens=40,
-        num_generation_tokens=tokens, queued_time=0.25, prefill_time=0.5, decode_time=decode,
-        inference_time=0.5 + decode, mean_time_per_output_token=decode / (tokens - 1) if tokens > 1 else 0,
-    )  # fmt: skip
+        finish_reason="length",
+        request_id="cmpl-r-0",
+        e2e_latency=e2e,
+        num_prompt_tokens=40,
+        num_generation_tokens=tokens,
+        queued_time=0.25,
+        prefill_time=0.5,
+        decode_time=decode,
+        inference_time=0.5 + decode,
+        mean_time_per_output_token=decode / (tokens - 1) if tokens > 1 else 0,
+    )
 
 
 def test_time_to_first_token_and_per_output_token():

@@ -68,9 +68,15 @@ STREAMS = {
 
 
 def drive(kind: type, asynchronous: bool, case: dict, clock: StepClock | None = None) -> tuple[Driver, list]:
-    s = build_scheduler(kind, MODEL, async_scheduling=asynchronous, num_blocks=case["num_blocks"],
-                        num_spec_tokens=case["num_spec_tokens"], prefix_caching=case["prefix_caching"],
-                        max_num_batched_tokens=256)  # fmt: skip
+    s = build_scheduler(
+        kind,
+        MODEL,
+        async_scheduling=asynchronous,
+        num_blocks=case["num_blocks"],
+        num_spec_tokens=case["num_spec_tokens"],
+        prefix_caching=case["prefix_caching"],
+        max_num_batched_tokens=256,
+    )
     sent: list = []
     if isinstance(s, PteScheduler):  # the hook's own accounting, totals into a list
         s._pte = s._pte_accounting(s.vllm_config, Settings.from_env(), 0, sent.extend)
@@ -92,12 +98,16 @@ def independent_totals(d: Driver, overrun: bool = True) -> dict[str, dict]:
             fin = d.finished_in.get(row.rid)
             if not overrun and fin is not None and step.scheduled > fin:
                 continue
-            back = sum(p.rejected.get(row.rid, 0) for p in d.steps
-                       if p.scheduled < step.scheduled < p.delivered)  # fmt: skip
+            back = sum(
+                p.rejected.get(row.rid, 0) for p in d.steps if p.scheduled < step.scheduled < p.delivered
+            )
             c, P = row.c - back, prompts[row.rid]
             end, h = c + row.n, high.get(row.rid, 0)
-            t = out.setdefault(row.rid, dict.fromkeys(("prefill", "recompute", "decode", "ctx", "spec", "rejected"), 0)
-                               | {"cached": c})  # fmt: skip
+            t = out.setdefault(
+                row.rid,
+                dict.fromkeys(("prefill", "recompute", "decode", "ctx", "spec", "rejected"), 0)
+                | {"cached": c},
+            )
             for p in range(c, end):
                 if p < max(P, h):
                     t["prefill"] += 1
@@ -116,9 +126,19 @@ def independent_totals(d: Driver, overrun: bool = True) -> dict[str, dict]:
 
 
 def hook_totals(sent: list) -> dict[str, dict]:
-    return {m.request_id: {"prefill": m.prefill, "recompute": m.recompute, "decode": m.decode_tokens,
-                           "ctx": m.ctx[0], "spec": m.spec_tokens, "rejected": m.rejected_tokens,
-                           "cached": m.cached_tokens} for m in sent if m.scheduled}  # fmt: skip
+    return {
+        m.request_id: {
+            "prefill": m.prefill,
+            "recompute": m.recompute,
+            "decode": m.decode_tokens,
+            "ctx": m.ctx[0],
+            "spec": m.spec_tokens,
+            "rejected": m.rejected_tokens,
+            "cached": m.cached_tokens,
+        }
+        for m in sent
+        if m.scheduled
+    }
 
 
 @pytest.fixture(scope="module")
@@ -256,8 +276,14 @@ def test_a_fault_reaches_the_api_server_without_waiting_for_more_traffic(monkeyp
     inbox: queue.Queue = queue.Queue()
     receiver = Receiver(address_for(base, 0), inbox.put)
     case = STREAMS["mixed"]
-    s = build_scheduler(PteScheduler, MODEL, async_scheduling=False, num_blocks=case["num_blocks"],
-                        prefix_caching=True, max_num_batched_tokens=256)  # fmt: skip
+    s = build_scheduler(
+        PteScheduler,
+        MODEL,
+        async_scheduling=False,
+        num_blocks=case["num_blocks"],
+        prefix_caching=True,
+        max_num_batched_tokens=256,
+    )
     s._pte_reporter = EngineReporter(Sender(base), 0, s._pte_faults)
     s._pte = s._pte_accounting(s.vllm_config, Settings.from_env(), 0, s._pte_send)
     Driver(s, async_scheduling=False).run(case["stream"])
@@ -268,8 +294,9 @@ def test_a_fault_reaches_the_api_server_without_waiting_for_more_traffic(monkeyp
     def take() -> bool:
         nonlocal reported
         while not inbox.empty():
-            reported += sum(m.counts.get("engine_transport", 0) for m in inbox.get()
-                            if isinstance(m, EngineFaults))  # fmt: skip
+            reported += sum(
+                m.counts.get("engine_transport", 0) for m in inbox.get() if isinstance(m, EngineFaults)
+            )
         return reported == lost
 
     assert wait(take, timeout_s=10), (reported, lost)

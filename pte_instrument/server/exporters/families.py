@@ -23,8 +23,9 @@ from typing import Literal
 Kind = Literal["counter", "gauge", "histogram"]
 Source = Literal["request", "ledger"]
 # How prometheus_client's multiprocess mode merges a gauge across processes.
-GaugeMode = Literal["all", "liveall", "min", "livemin", "max", "livemax", "sum", "livesum",
-                    "mostrecent", "livemostrecent"]  # fmt: skip
+GaugeMode = Literal[
+    "all", "liveall", "min", "livemin", "max", "livemax", "sum", "livesum", "mostrecent", "livemostrecent"
+]
 
 INF = float("inf")
 

@@ -198,9 +198,13 @@ def span_attributes(r: RequestRecord) -> dict[str, Any]:
         attrs["pte.tenant"] = r.tenant
     if r.lora_name is not None:  # gen_ai.request.model stays the base model the adapter is priced as
         attrs["pte.lora_name"] = r.lora_name
-    for key, value in (("pte.gpu_seconds", r.gpu_seconds), ("pte.predicted_seconds", r.predicted_seconds),
-                       ("pte.latency_explained_s", r.latency_explained_s), ("pte.interference_s", r.interference_s),
-                       ("pte.cost_usd", r.cost_usd)):  # fmt: skip
+    for key, value in (
+        ("pte.gpu_seconds", r.gpu_seconds),
+        ("pte.predicted_seconds", r.predicted_seconds),
+        ("pte.latency_explained_s", r.latency_explained_s),
+        ("pte.interference_s", r.interference_s),
+        ("pte.cost_usd", r.cost_usd),
+    ):
         if value is not None:
             attrs[key] = value
     return attrs
@@ -307,8 +311,9 @@ class OtelLogExporter:
 
 def _histogram(meter: Any, name: str, buckets: tuple[float, ...], description: str) -> Any:
     """A GenAI server histogram in seconds, with the conventions' bucket advice."""
-    return meter.create_histogram(name, unit="s", description=description,
-                                  explicit_bucket_boundaries_advisory=buckets)  # fmt: skip
+    return meter.create_histogram(
+        name, unit="s", description=description, explicit_bucket_boundaries_advisory=buckets
+    )
 
 
 class OtelMetricsExporter:
@@ -320,17 +325,23 @@ class OtelMetricsExporter:
         self.provider = build_meter_provider(reader, on_failed)
         meter = self.provider.get_meter("pte_instrument")
         self.duration = _histogram(
-            meter, "gen_ai.server.request.duration", REQUEST_DURATION_BUCKETS,
+            meter,
+            "gen_ai.server.request.duration",
+            REQUEST_DURATION_BUCKETS,
             "Generative AI server request duration such as time-to-last byte or last output token.",
-        )  # fmt: skip
+        )
         self.ttft = _histogram(
-            meter, "gen_ai.server.time_to_first_token", TTFT_BUCKETS,
+            meter,
+            "gen_ai.server.time_to_first_token",
+            TTFT_BUCKETS,
             "Time to generate first token for successful responses.",
-        )  # fmt: skip
+        )
         self.tpot = _histogram(
-            meter, "gen_ai.server.time_per_output_token", TPOT_BUCKETS,
+            meter,
+            "gen_ai.server.time_per_output_token",
+            TPOT_BUCKETS,
             "Time per output token generated after the first token for successful responses.",
-        )  # fmt: skip
+        )
         self.served = meter.create_counter(
             "pte.served", unit="{pte}", description="Served PTE of finished requests, by phase."
         )
@@ -338,9 +349,10 @@ class OtelMetricsExporter:
             "pte.reference", unit="{pte}", description="Reference PTE of finished requests, by phase."
         )
         self.gpu_time = meter.create_counter(
-            "pte.gpu.time", unit="s",
+            "pte.gpu.time",
+            unit="s",
             description="Engine busy time charged to finished requests, by term of the step-time model.",
-        )  # fmt: skip
+        )
         self.cost = meter.create_counter(
             "pte.cost", unit="{USD}", description="Cost of finished requests in US dollars."
         )
@@ -354,8 +366,10 @@ class OtelMetricsExporter:
             if r.tpot_s is not None:
                 self.tpot.record(r.tpot_s, attrs)
         model = {"gen_ai.request.model": r.model}
-        for phase, served, reference in (("prefill", r.pte_prefill, r.pte_reference_prefill),
-                                         ("decode", r.pte_decode, r.pte_reference - r.pte_reference_prefill)):  # fmt: skip
+        for phase, served, reference in (
+            ("prefill", r.pte_prefill, r.pte_reference_prefill),
+            ("decode", r.pte_decode, r.pte_reference - r.pte_reference_prefill),
+        ):
             self.served.add(served, {**model, "pte.phase": phase})
             self.reference.add(reference, {**model, "pte.phase": phase})
         if r.gpu_seconds is not None:

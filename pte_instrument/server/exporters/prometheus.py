@@ -110,8 +110,13 @@ class PteMetrics:
             setattr(self, spec.attr, create(spec, registry))
 
     def evaluated(self, model: str, benchmark: str, output_tokens: int, truncated: bool) -> None:
-        for labeled in (self.eval_labeled, self.eval_labeled_truncated, self.eval_labeled_output_tokens,
-                        self.correct_answers, self.eval_truncated):  # fmt: skip
+        for labeled in (
+            self.eval_labeled,
+            self.eval_labeled_truncated,
+            self.eval_labeled_output_tokens,
+            self.correct_answers,
+            self.eval_truncated,
+        ):
             labeled.labels(model, benchmark)  # exist at 0 before the first label, so rate() sees it
         self.eval_requests.labels(model, benchmark).inc()
         self.eval_output_tokens.labels(model, benchmark).inc(output_tokens)
