@@ -5,12 +5,11 @@ and a malformed seed means 0: the settings name either in one line."""
 
 from __future__ import annotations
 
-import math
-import os
 import random
 
-# The stages with a failpoint (``request_log``: a disk that fills in the middle of a record).
-STAGES = ("engine_step", "prometheus", "request_log", "routes", "session_store", "transport")
+from pte_instrument import settings
+
+STAGES = settings.FAILPOINT_STAGES
 SPEC_ENV = "PTE_FAILPOINTS"
 SEED_ENV = "PTE_FAILPOINTS_SEED"
 
@@ -19,34 +18,8 @@ class InjectedFault(RuntimeError):
     pass
 
 
-def parse(spec: str | None) -> tuple[dict[str, float], str | None]:
-    """The points of a spec, and why it is unusable (None: it is; else no point at all)."""
-    points: dict[str, float] = {}
-    for item in filter(None, (s.strip() for s in (spec or "").split(","))):
-        stage, _, raw = item.partition(":")
-        try:
-            prob = float(raw) if raw.strip() else 1.0
-        except ValueError:
-            prob = math.nan
-        if stage.strip() not in STAGES or not 0.0 <= prob <= 1.0:  # NaN fails both
-            return {}, (
-                f"{item[:40]!r} is not stage:probability (a stage of {', '.join(STAGES)}; a number "
-                "from 0 to 1); no fault is injected"
-            )
-        points[stage.strip()] = prob
-    return points, None
-
-
-def parse_seed(raw: str | None) -> tuple[int, str | None]:
-    if raw is None:
-        return 0, None
-    if raw.strip().isdigit():
-        return int(raw), None
-    return 0, "not a whole number of 0 or more; using 0"
-
-
-_points, _ = parse(os.environ.get(SPEC_ENV))
-_rng = random.Random(parse_seed(os.environ.get(SEED_ENV))[0])
+_points = dict(settings.read(SPEC_ENV)[0])
+_rng = random.Random(settings.read(SEED_ENV)[0])
 
 
 def fires(stage: str) -> bool:

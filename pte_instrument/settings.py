@@ -1,4 +1,7 @@
-"""Plugin configuration from environment variables (documented in the README).
+"""Plugin configuration from environment variables, declared once in ``TABLE``: each
+setting's variable, field, type, default, parser (with its bounds) and help. ``Settings``,
+the README's and docs/configuration.md's tables (``scripts/settings_tables.py``) are made
+from it. Every read of a ``PTE_*`` variable goes through this module.
 
 A malformed value never stops the server: it is reported in ``errors`` (one clear line
 each) and the default is used instead.
@@ -6,24 +9,41 @@ each) and the default is used instead.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import tempfile
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
-from pte_instrument import failpoints, transport
 from pte_instrument.cost.architecture import N_ACTIVE_MAX, N_ACTIVE_MIN
 from pte_instrument.cost.devices import HOI_MAX, device_names
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
+# The request header a client names its evaluation's label in (PTE_BENCHMARK_LABELS).
+BENCHMARK_HEADER = "X-PTE-Benchmark"
+
+# Tenants: allow-listed values of a metric label, so both their length and their number are capped.
+OTHER_TENANT = "other"  # every value not on the allow-list (or none), when tenants are on
+MAX_TENANT_LEN = 64
+MAX_TENANTS = 1000
+
+# The OpenTelemetry SDK's own variables that decide the OTel settings' defaults.
+OTLP_ENDPOINT = "OTEL_EXPORTER_OTLP_ENDPOINT"
+OTEL_SDK_DISABLED = "OTEL_SDK_DISABLED"
+
+
+class Invalid(ValueError):
+    """A value a parser rejects; its message completes ``<NAME>=<value> …``."""
+
 
 @dataclass(frozen=True)
 class Bounds:
-    """The documented range of a numeric setting (docs/configuration.md). Finite always:
-    a value such as 1e308 parses as a float but overflows γ or the ledgers' arithmetic."""
+    """The documented range of a numeric setting. Finite always: a value such as 1e308
+    parses as a float but overflows γ or the ledgers' arithmetic."""
 
     low: float
     high: float
@@ -41,247 +61,146 @@ class Bounds:
             return f"a positive {kind} of at most {_plain(self.high)}{self.unit}"
         return f"a {kind} from {_plain(self.low)} to {_plain(self.high)}{self.unit}"
 
+    def interval(self) -> str:
+        """The range as the docs write it: ``number in (0, 100000] FLOP/byte``."""
+        kind = "whole number" if self.whole else "number"
+        low, high = _written(self.low), _written(self.high)
+        return f"{kind} in {'(' if self.low_open else '['}{low}, {high}]{self.unit}"
+
 
 def _plain(x: float) -> str:
     """1000000 rather than 1e+06 where the digits stay readable."""
     return str(int(x)) if x == int(x) and abs(x) < 1e9 else f"{x:g}"
 
 
-BOUNDS: dict[str, Bounds] = {
-    "PTE_HOI": Bounds(0.0, HOI_MAX, low_open=True, unit=" FLOP/byte"),
-    "PTE_N_ACTIVE": Bounds(N_ACTIVE_MIN, N_ACTIVE_MAX, unit=" parameters"),
-    "PTE_MAX_SESSIONS": Bounds(1, 1_000_000, whole=True),
-    "PTE_MAX_TURNS": Bounds(1, 100_000, whole=True),
-    "PTE_FEEDBACK_WINDOW": Bounds(1, 10_000_000, whole=True),
-    "PTE_SESSION_IDLE_TTL_S": Bounds(0.0, 31_536_000, low_open=True, unit=" s"),  # one year
-    "PTE_GPU_HOURLY_PRICE": Bounds(0.0, 10_000, low_open=True, unit=" USD per GPU-hour"),
-    "PTE_MAX_LORA_NAMES": Bounds(1, 10_000, whole=True),
-}
-
-# Every PTE_* variable the plugin reads (docs/configuration.md): any other is named as a typo.
-NAMES = frozenset(
-    {
-        "PTE_ACCUMULATOR",
-        "PTE_BENCHMARK_LABELS",
-        "PTE_CALIBRATION",
-        "PTE_DEVICE",
-        "PTE_ENABLED",
-        "PTE_ENGINE_TRANSPORT",
-        "PTE_FAILPOINTS",
-        "PTE_FAILPOINTS_SEED",
-        "PTE_FEEDBACK_WINDOW",
-        "PTE_GPU_HOURLY_PRICE",
-        "PTE_HOI",
-        "PTE_MAX_LORA_NAMES",
-        "PTE_MAX_SESSIONS",
-        "PTE_MAX_TURNS",
-        "PTE_N_ACTIVE",
-        "PTE_OTEL",
-        "PTE_OTEL_LOGS",
-        "PTE_OTEL_METRICS",
-        "PTE_REQUEST_LOG",
-        "PTE_SESSION_FROM_USER",
-        "PTE_SESSION_HEADER",
-        "PTE_SESSION_IDLE_TTL_S",
-        "PTE_SESSION_STORE",
-        "PTE_STEP_LOG",
-        "PTE_TENANTS",
-        "PTE_TENANT_FROM_API_KEY",
-        "PTE_TENANT_HEADER",
-    }
-)
-
-# Tenants: allow-listed values of a metric label, so both their length and their number are capped.
-OTHER_TENANT = "other"  # every value not on the allow-list (or none), when tenants are on
-MAX_TENANT_LEN = 64
-MAX_TENANTS = 1000
+def _written(x: float) -> str:
+    """``_plain``, but a large power of ten as 10¹⁴."""
+    exponent = round(math.log10(x)) if x >= 1e9 else 0
+    if exponent and x == 10.0**exponent:
+        return "10" + str(exponent).translate(str.maketrans("0123456789", "⁰¹²³⁴⁵⁶⁷⁸⁹"))
+    return _plain(x)
 
 
-def default_session_store(port: int | None = None) -> str:
-    """One file per server (its port) and user, in the temporary directory: every API
-    server of one ``vllm serve`` finds it, another server on the host has its own, and it
-    survives the server's restart."""
-    uid = os.getuid() if hasattr(os, "getuid") else 0
-    name = "sessions.sqlite3" if port is None else f"sessions-{port}.sqlite3"
-    return os.path.join(tempfile.gettempdir(), f"pte-instrument-{uid}", name)
+# --- parsers: a stripped, non-empty value → the setting's value, or Invalid -----------------
+
+Parser = Callable[[str, list[str]], Any]  # (value, lines of a partial acceptance) → value
 
 
-@dataclass(frozen=True)
-class Settings:
-    enabled: bool = True
-    device: str = "auto"
-    hoi: float | None = None
-    n_active: float | None = None
-    request_log: str | None = None
-    session_header: str = "X-Session-Id"
-    session_from_user: bool = False
-    max_sessions: int = 5000
-    session_store: str | None = None  # the host's session store (None: a private one per process)
-    session_idle_ttl_s: float = 3600.0
-    max_turns: int = 64
-    feedback_window: int = 50_000
-    otel: bool = False
-    otel_logs: bool = False  # a log record per priced request (OTLP), for a fleet's collector
-    otel_metrics: bool = False  # GenAI server and pte.* metrics over OTLP
-    accumulator_backend: str = "auto"
-    step_log: str | None = None
-    benchmark_header: str = "X-PTE-Benchmark"
-    benchmark_labels: frozenset[str] = frozenset()
-    gpu_hourly_price: float | None = None  # USD per GPU-hour: money off when unset
-    calibration: str = "online"  # off | online | the path of a saved step-time fit
-    tenant_header: str | None = None  # request header naming the tenant (None: not read)
-    tenant_from_api_key: bool = False  # the tenant is a short hash of the request's API key
-    tenants: frozenset[str] = frozenset()  # the allow-list; any other tenant is OTHER_TENANT
-    max_lora_names: int = 64  # LoRA adapters accounted under their own name, per API server
-    errors: tuple[str, ...] = field(default_factory=tuple)
+class number:
+    """A number within its bounds (a whole one where ``whole``)."""
 
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
-        env = os.environ if env is None else env
-        errors: list[str] = []
-        for name in sorted(n for n in env if n.startswith("PTE_")):
-            if name not in NAMES:
-                errors.append(f"{name[:64]} is not a pte-instrument setting (a typo?); ignoring it")
-            elif not env[name].strip():
-                errors.append(f"{name} is empty; using its default")
-        env = {k: v for k, v in env.items() if (k in NAMES and v.strip()) or not k.startswith("PTE_")}
+    def __init__(
+        self, low: float, high: float, *, low_open: bool = False, whole: bool = False, unit: str = ""
+    ) -> None:
+        self.bounds = Bounds(low, high, low_open, whole, unit)
 
-        def flag(name: str, default: bool) -> bool:
-            raw = env.get(name)
-            if raw is None:
-                return default
-            low = raw.strip().lower()
-            if low in _TRUE:
-                return True
-            if low in _FALSE:
-                return False
-            errors.append(f"{name}={shown(raw)} is not a boolean (use 1/0, true/false); using {default}")
-            return default
+    def __call__(self, raw: str, _: list[str]) -> float | int:
+        try:
+            value = float(raw)
+        except ValueError:
+            value = math.nan
+        if not self.bounds.admits(value):
+            raise Invalid(f"must be {self.bounds.describe()}")
+        return int(value) if self.bounds.whole else value
 
-        def number(name: str, default: float | None) -> float | None:
-            """The value within BOUNDS[name], else ``default`` (None: no override)."""
-            raw = env.get(name)
-            if raw is None:
-                return default
-            bounds = BOUNDS[name]
-            try:
-                value = float(raw)
-            except ValueError:
-                value = math.nan
-            if bounds.admits(value):
-                return int(value) if bounds.whole else value
-            fallback = "ignoring it" if default is None else f"using {default:g}"
-            errors.append(f"{name}={shown(raw)} must be {bounds.describe()}; {fallback}")
-            return default
 
-        def count(name: str, default: int) -> int:
-            return int(number(name, default) or default)
+class choice:
+    def __init__(self, *options: str) -> None:
+        self.options = options
 
-        device = (env.get("PTE_DEVICE") or "auto").strip()
-        if device.lower() not in device_names():  # else the cost model could not be built
-            errors.append(
-                f"PTE_DEVICE={shown(device)} is not a device profile (known: {', '.join(device_names())}); using auto"
+    def __call__(self, raw: str, _: list[str]) -> str:
+        if raw.lower() not in self.options:
+            raise Invalid(f"is not one of {', '.join(self.options)}")
+        return raw.lower()
+
+
+def _flag(raw: str, _: list[str]) -> bool:
+    low = raw.lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise Invalid("is not a boolean (use 1/0, true/false)")
+
+
+def _text(raw: str, _: list[str]) -> str:
+    return raw
+
+
+def _labels(raw: str, _: list[str]) -> frozenset[str]:
+    return frozenset(label.strip() for label in raw.split(",") if label.strip())
+
+
+def _header(raw: str, _: list[str]) -> str:
+    if not (raw.isascii() and raw.replace("-", "").replace("_", "").isalnum()):
+        raise Invalid("is not a valid header name")
+    return raw
+
+
+def _device(raw: str, _: list[str]) -> str:
+    if raw.lower() not in device_names():  # else the cost model could not be built
+        raise Invalid(f"is not a device profile (known: {', '.join(device_names())})")
+    return raw
+
+
+def _calibration(raw: str, _: list[str]) -> str:
+    if raw.lower() in ("off", "online"):
+        return raw.lower()
+    if not os.path.isfile(raw):
+        raise Invalid("is not off, online or a saved fit's file")
+    return raw
+
+
+# The stages with a failpoint (``request_log``: a disk that fills in the middle of a record).
+FAILPOINT_STAGES = ("engine_step", "prometheus", "request_log", "routes", "session_store", "transport")
+
+
+def parse_failpoints(spec: str | None) -> tuple[dict[str, float], str | None]:
+    """The points of a spec, and why it is unusable (None: it is; else no point at all)."""
+    points: dict[str, float] = {}
+    for item in filter(None, (s.strip() for s in (spec or "").split(","))):
+        stage, _, raw = item.partition(":")
+        try:
+            prob = float(raw) if raw.strip() else 1.0
+        except ValueError:
+            prob = math.nan
+        if stage.strip() not in FAILPOINT_STAGES or not 0.0 <= prob <= 1.0:  # NaN fails both
+            return {}, (
+                f"has {item[:40]!r}, which is not stage:probability (a stage of {', '.join(FAILPOINT_STAGES)}; "
+                "a number from 0 to 1)"
             )
-            device = "auto"
-
-        header = (env.get("PTE_SESSION_HEADER") or "X-Session-Id").strip()
-        if not _header_name(header):
-            errors.append(
-                f"PTE_SESSION_HEADER={shown(header)} is not a valid header name; using X-Session-Id"
-            )
-            header = "X-Session-Id"
-        tenant_header: str | None = (env.get("PTE_TENANT_HEADER") or "").strip() or None
-        if tenant_header is not None and not _header_name(tenant_header):
-            errors.append(f"PTE_TENANT_HEADER={shown(tenant_header)} is not a valid header name; ignoring it")
-            tenant_header = None
-        tenant_from_api_key = flag("PTE_TENANT_FROM_API_KEY", False)
-        tenants = _tenant_list(env.get("PTE_TENANTS") or "", errors)
-        if tenants and tenant_header is None and not tenant_from_api_key:
-            errors.append(
-                "PTE_TENANTS is set but neither PTE_TENANT_HEADER nor PTE_TENANT_FROM_API_KEY: "
-                "tenants are off"
-            )
-        elif not tenants and (tenant_header is not None or tenant_from_api_key):
-            errors.append(
-                f"PTE_TENANTS lists no tenant: every request is accounted to tenant {OTHER_TENANT!r}"
-            )
-        # OpenTelemetry follows its own standard variables: on when an OTLP endpoint is set.
-        otel_default = bool(
-            env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-        )
-        backend = (env.get("PTE_ACCUMULATOR") or "auto").strip().lower()
-        if backend not in ("auto", "numpy", "torch", "triton"):
-            errors.append(
-                f"PTE_ACCUMULATOR={shown(backend)} is not one of auto, numpy, torch, triton; using auto"
-            )
-            backend = "auto"
-        calibration = (env.get("PTE_CALIBRATION") or "online").strip()
-        if calibration.lower() in ("off", "online"):
-            calibration = calibration.lower()
-        elif not os.path.isfile(calibration):
-            errors.append(
-                f"PTE_CALIBRATION={shown(calibration)} is not off, online or a saved fit's file; using online"
-            )
-            calibration = "online"
-        for name, check in (
-            (failpoints.SPEC_ENV, lambda v: failpoints.parse(v)[1]),
-            (failpoints.SEED_ENV, lambda v: failpoints.parse_seed(v)[1]),
-            (transport.ADDRESS_ENV, transport.address_problem),
-        ):
-            raw = env.get(name)
-            if raw is not None and (problem := check(raw)) is not None:
-                fix = "; using a local ipc:// address" if name == transport.ADDRESS_ENV else ""
-                errors.append(f"{name}={shown(raw)}: {problem}{fix}")
-        return cls(
-            enabled=flag("PTE_ENABLED", True),
-            device=device,
-            hoi=number("PTE_HOI", None),
-            n_active=number("PTE_N_ACTIVE", None),
-            request_log=(env.get("PTE_REQUEST_LOG") or "").strip() or None,
-            session_header=header,
-            session_from_user=flag("PTE_SESSION_FROM_USER", False),
-            max_sessions=count("PTE_MAX_SESSIONS", 5000),
-            session_store=(env.get("PTE_SESSION_STORE") or "").strip() or default_session_store(),
-            session_idle_ttl_s=number("PTE_SESSION_IDLE_TTL_S", 3600.0) or 3600.0,
-            max_turns=count("PTE_MAX_TURNS", 64),
-            feedback_window=count("PTE_FEEDBACK_WINDOW", 50_000),
-            otel=flag("PTE_OTEL", otel_default) and not flag("OTEL_SDK_DISABLED", False),
-            # on where logs have somewhere to go: the base endpoint or the logs endpoint
-            otel_logs=flag(
-                "PTE_OTEL_LOGS",
-                bool(env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_LOGS_ENDPOINT")),
-            )
-            and not flag("OTEL_SDK_DISABLED", False),
-            # likewise: the base endpoint or the metrics endpoint
-            otel_metrics=flag(
-                "PTE_OTEL_METRICS",
-                bool(
-                    env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")
-                ),
-            )
-            and not flag("OTEL_SDK_DISABLED", False),
-            accumulator_backend=backend,
-            step_log=(env.get("PTE_STEP_LOG") or "").strip() or None,
-            benchmark_labels=frozenset(
-                label.strip() for label in (env.get("PTE_BENCHMARK_LABELS") or "").split(",") if label.strip()
-            ),
-            gpu_hourly_price=number("PTE_GPU_HOURLY_PRICE", None),
-            calibration=calibration,
-            tenant_header=tenant_header,
-            tenant_from_api_key=tenant_from_api_key,
-            tenants=tenants,
-            max_lora_names=count("PTE_MAX_LORA_NAMES", 64),
-            errors=tuple(errors),
-        )
+        points[stage.strip()] = prob
+    return points, None
 
 
-def shown(value: str, limit: int = 64) -> str:
-    """A setting's value quoted for a log line, cut to ``limit`` characters."""
-    return repr(value) if len(value) <= limit else repr(value[:limit]) + "…"
+def parse_failpoint_seed(raw: str | None) -> tuple[int, str | None]:
+    if raw is None:
+        return 0, None
+    if raw.strip().isdigit():
+        return int(raw), None
+    return 0, "is not a whole number of 0 or more"
 
 
-def _header_name(name: str) -> bool:
-    return bool(name) and name.isascii() and name.replace("-", "").replace("_", "").isalnum()
+def _failpoints(raw: str, _: list[str]) -> tuple[tuple[str, float], ...]:
+    points, problem = parse_failpoints(raw)
+    if problem is not None:
+        raise Invalid(problem)
+    return tuple(points.items())
+
+
+def _seed(raw: str, _: list[str]) -> int:
+    seed, problem = parse_failpoint_seed(raw)
+    if problem is not None:
+        raise Invalid(problem)
+    return seed
+
+
+def _transport(raw: str, _: list[str]) -> str:
+    from pte_instrument import transport
+
+    if (problem := transport.address_problem(raw)) is not None:
+        raise Invalid(f"is not an address: {problem}")
+    return raw
 
 
 def tenant_name_problem(name: str) -> str | None:
@@ -296,23 +215,451 @@ def tenant_name_problem(name: str) -> str | None:
     return None
 
 
-def _tenant_list(raw: str, errors: list[str]) -> frozenset[str]:
-    """``PTE_TENANTS``: comma-separated names; an unusable one is named in one line and left
-    out, the others kept (one typo should not put every team under ``other``)."""
+def _tenants(raw: str, lines: list[str]) -> frozenset[str]:
+    """Comma-separated names; an unusable one is named in one line and left out, the others
+    kept (one typo should not put every team under ``other``)."""
     names: list[str] = []
     for name in (part.strip() for part in raw.split(",")):
         if not name or name in names:
             continue
         problem = tenant_name_problem(name)
         if problem is not None:
-            errors.append(
+            lines.append(
                 f"PTE_TENANTS: {name[:MAX_TENANT_LEN]!r} is not a usable tenant ({problem}); left out"
             )
         elif len(names) == MAX_TENANTS:
-            errors.append(
+            lines.append(
                 f"PTE_TENANTS lists more than {MAX_TENANTS} tenants; the first {MAX_TENANTS} are kept"
             )
             break
         else:
             names.append(name)
     return frozenset(names)
+
+
+def default_session_store(port: int | None = None) -> str:
+    """One file per server (its port) and user, in the temporary directory: every API
+    server of one ``vllm serve`` finds it, another server on the host has its own, and it
+    survives the server's restart."""
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    name = "sessions.sqlite3" if port is None else f"sessions-{port}.sqlite3"
+    return os.path.join(tempfile.gettempdir(), f"pte-instrument-{uid}", name)
+
+
+def _otlp_endpoint(signal: str) -> Callable[[Mapping[str, str]], bool]:
+    """On where the signal has somewhere to go: the base OTLP endpoint or the signal's own."""
+    return lambda env: bool(env.get(OTLP_ENDPOINT) or env.get(f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT"))
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One environment variable: what it sets, how it is read, and what the docs say of it."""
+
+    name: str
+    attr: str  # the Settings field
+    type: Any
+    default: Any  # unset, empty or malformed (and Settings()'s)
+    parse: Parser
+    help: str  # docs/configuration.md
+    accepted: str | None = None  # None: a number's bounds say it
+    summary: str | None = None  # the README's line (None: docs/configuration.md only)
+    default_from: Callable[[Mapping[str, str]], Any] | None = None  # a default the environment decides
+    fallback: str | None = None  # what a malformed value leads to, where not the default
+    default_shown: str | None = None  # the docs' default, where not the value itself
+    readme_default: str | None = None  # the README's, where shorter than the docs'
+
+    def accepted_text(self) -> str:
+        if self.accepted is not None:
+            return self.accepted
+        assert isinstance(self.parse, number)
+        return self.parse.bounds.interval()
+
+    def default_text(self, readme: bool = False) -> str:
+        if readme and self.readme_default is not None:
+            return self.readme_default
+        if self.default_shown is not None:
+            return self.default_shown
+        d = self.default
+        if d is None or d == frozenset() or d == ():
+            return "–"
+        if isinstance(d, bool):
+            return "`1`" if d else "`0`"
+        return f"`{_plain(d) if isinstance(d, float) else d}`"
+
+    def fallback_text(self, default: Any) -> str:
+        if self.fallback is not None:
+            return self.fallback
+        if default is None:
+            return "ignoring it"
+        if isinstance(default, bool):
+            return f"using {'1' if default else '0'}"
+        return f"using {_plain(default) if isinstance(default, float) else default}"
+
+
+TABLE: tuple[Setting, ...] = (
+    Setting(
+        "PTE_ENABLED",
+        "enabled",
+        bool,
+        True,
+        _flag,
+        accepted="`1`/`0`, `true`/`false`, `yes`/`no`, `on`/`off`",
+        help="`0`: the plugin only logs that it is off; nothing is priced or exported",
+        summary="`0` turns the plugin off (it then only logs that it is off)",
+    ),
+    Setting(
+        "PTE_DEVICE",
+        "device",
+        str,
+        "auto",
+        _device,
+        accepted="`auto`, `measured`, or a profile name from `pte devices` (`h100-sxm`, `h100-pcie`, `h200`, …; case-insensitive); another name is reported and `auto` used",
+        help="device profile behind γ and HOI. `auto`: the local GPU when recognised, else `h100-sxm` (so a CPU server prices work as an H100 would); `measured`: time this host at start-up ([cost-model.md §3](cost-model.md#3-γ-from-first-principles))",
+        summary="device profile for γ: `auto` (the local GPU; `h100-sxm` when none is recognised), `measured` (time this host at start-up), or a name from `pte devices`",
+    ),
+    Setting(
+        "PTE_HOI",
+        "hoi",
+        float | None,
+        None,
+        number(0.0, HOI_MAX, low_open=True, unit=" FLOP/byte"),
+        help="override the hardware operational intensity (peak FLOP/s ÷ memory bandwidth, FLOP/byte) of the profile",
+        summary="override the hardware operational intensity (FLOP/byte)",
+    ),
+    Setting(
+        "PTE_N_ACTIVE",
+        "n_active",
+        float | None,
+        None,
+        number(N_ACTIVE_MIN, N_ACTIVE_MAX, unit=" parameters"),
+        help="override N_active, the matmul weights used per token (e.g. the model card's active-parameter count)",
+        summary="override N_active (active parameters per token, e.g. the model card's figure)",
+    ),
+    Setting(
+        "PTE_REQUEST_LOG",
+        "request_log",
+        str | None,
+        None,
+        _text,
+        accepted="file path",
+        help='write one JSON object per finished request (fields in the README); unset: no log. Checked at start-up (one log line if it cannot be written; serving goes on and each entry lost is counted in `pte_plugin_faults_total{stage="request_log"}`); rotation and a full disk: [below](#request-log-rotation-and-a-full-disk)',
+        summary="path of the JSONL request log; unset = no log",
+    ),
+    Setting(
+        "PTE_SESSION_HEADER",
+        "session_header",
+        str,
+        "X-Session-Id",
+        _header,
+        accepted="an HTTP header name (ASCII letters, digits, `-`, `_`)",
+        help="request header naming the agent session; needs the session middleware: `VLLM_PLUGINS=pte,<every other plugin you use>` (an allow-list: plugins it does not name are off) or vLLM's `--middleware` flag",
+        summary="request header naming the agent session (needs the session middleware: `VLLM_PLUGINS=pte,<every other plugin you use>`, or vLLM's `--middleware` flag without `VLLM_PLUGINS`; [above](#agent-sessions-and-http-routes))",
+    ),
+    Setting(
+        "PTE_SESSION_FROM_USER",
+        "session_from_user",
+        bool,
+        False,
+        _flag,
+        accepted="boolean",
+        help="`1`: take the session from the OpenAI `user` field when the header is absent",
+        summary="`1`: take the session from the OpenAI `user` field when the header is absent",
+    ),
+    Setting(
+        "PTE_SESSION_STORE",
+        "session_store",
+        str | None,
+        None,
+        _text,
+        accepted="file path",
+        help="the host's session store: one SQLite file (WAL) that every API server of the server shares, so a session's turns are one session whichever process each reaches, and that outlives a restart (a session continues its turn numbers; its first turn after the restart shows the eviction tax it paid). The default is private to the server (by the `--port` of `vllm serve`), so two servers on one host keep apart; two servers given the same file merge their sessions and totals, and a server that starts while another one writes to its file says so in one line. A file that cannot be opened (a directory, not a session store, an unwritable place): one log line, a fault counted in `pte_plugin_faults_total{stage=\"sessions\"}`, and a private store per process instead ([below](#the-session-store))",
+        summary="the server's session store: one SQLite file all its API servers share (a session is one session whichever process each turn reaches) and that outlives a restart. The default is the server's own (by its `--port`); two servers given one file share sessions and totals, and the one that starts second says so in a line",
+        default_shown="`<temp dir>/pte-instrument-<uid>/sessions-<port>.sqlite3`",
+        default_from=lambda env: default_session_store(),
+    ),
+    Setting(
+        "PTE_MAX_SESSIONS",
+        "max_sessions",
+        int,
+        5000,
+        number(1, 1_000_000, whole=True),
+        help='live sessions kept; past it the least recently active is closed (`pte_sessions_closed_total{reason="evicted"}`)',
+        summary="live sessions kept; the least recently active is closed past it (counted)",
+    ),
+    Setting(
+        "PTE_SESSION_IDLE_TTL_S",
+        "session_idle_ttl_s",
+        float,
+        3600.0,
+        number(0.0, 31_536_000, low_open=True, unit=" s"),
+        help='a session without a turn for this long is closed (`reason="idle"`); session histograms are observed at close',
+        summary="a session without a turn for this long is closed (counted)",
+    ),
+    Setting(
+        "PTE_MAX_TURNS",
+        "max_turns",
+        int,
+        64,
+        number(1, 100_000, whole=True),
+        help="turn rows kept per session; totals keep counting, dropped rows are counted",
+        summary="turn rows kept per session (totals keep counting; dropped rows counted)",
+    ),
+    Setting(
+        "PTE_FEEDBACK_WINDOW",
+        "feedback_window",
+        int,
+        50_000,
+        number(1, 10_000_000, whole=True),
+        help="finished requests (and sessions) `POST /pte/feedback` can still label; older ones answer 404. Under 1 KB each (measured below: RSS +41 MiB over the first 50,000 ids, everything included)",
+    ),
+    Setting(
+        "PTE_OTEL",
+        "otel",
+        bool,
+        False,
+        _flag,
+        accepted="boolean",
+        help="export one OpenTelemetry span per finished request; `OTEL_SDK_DISABLED=true` turns it off whatever this says",
+        summary="`0`/`1`: export one OpenTelemetry span per request",
+        default_shown="on when an OTLP endpoint is set",
+        default_from=_otlp_endpoint("TRACES"),
+    ),
+    Setting(
+        "PTE_OTEL_METRICS",
+        "otel_metrics",
+        bool,
+        False,
+        _flag,
+        accepted="boolean",
+        help="export the GenAI model-server metrics (`gen_ai.server.request.duration`, `gen_ai.server.time_to_first_token`, `gen_ai.server.time_per_output_token`) and the `pte.*` counters (`pte.served`, `pte.reference`, `pte.gpu.time`, `pte.cost`) over OTLP (README, OpenTelemetry); `OTEL_SDK_DISABLED=true` turns it off",
+        summary="`0`/`1`: export the GenAI server metrics and `pte.*` counters over OTLP ([below](#opentelemetry))",
+        default_shown="on when `OTEL_EXPORTER_OTLP_ENDPOINT` or `OTEL_EXPORTER_OTLP_METRICS_ENDPOINT` is set",
+        readme_default="on when `OTEL_EXPORTER_OTLP_ENDPOINT` or `…_METRICS_ENDPOINT` is set",
+        default_from=_otlp_endpoint("METRICS"),
+    ),
+    Setting(
+        "PTE_OTEL_LOGS",
+        "otel_logs",
+        bool,
+        False,
+        _flag,
+        accepted="boolean",
+        help="export one OpenTelemetry log record per priced request (event `pte.request`, attributes: the request log's fields under the same names, unknown values left out), so a collector gathers every replica's ledger; `OTEL_SDK_DISABLED=true` turns it off",
+        summary="`0`/`1`: export one OpenTelemetry log record per priced request, with the request log's fields (a fleet's collector gathers every replica's ledger)",
+        default_shown="on when `OTEL_EXPORTER_OTLP_ENDPOINT` or `OTEL_EXPORTER_OTLP_LOGS_ENDPOINT` is set",
+        readme_default="on when `OTEL_EXPORTER_OTLP_ENDPOINT` or `…_LOGS_ENDPOINT` is set",
+        default_from=_otlp_endpoint("LOGS"),
+    ),
+    Setting(
+        "PTE_BENCHMARK_LABELS",
+        "benchmark_labels",
+        frozenset[str],
+        frozenset(),
+        _labels,
+        accepted="comma-separated labels",
+        help="benchmark labels allowed on live efficiency metrics; a client sends one in `X-PTE-Benchmark`, any other value is counted as `other`, none as `none` (metric labels stay bounded)",
+        summary="allow-listed benchmark labels (`X-PTE-Benchmark` header) for the live efficiency metrics",
+    ),
+    Setting(
+        "PTE_TENANT_HEADER",
+        "tenant_header",
+        str | None,
+        None,
+        _header,
+        accepted="an HTTP header name (ASCII letters, digits, `-`, `_`); another value is reported and ignored",
+        help="request header naming the tenant ([below](#tenants-and-lora-adapters)); read by the session middleware (`VLLM_PLUGINS=pte` or `--middleware`). When a request carries it, it decides the tenant",
+        summary="request header naming the tenant ([Tenants](#tenants))",
+    ),
+    Setting(
+        "PTE_TENANT_FROM_API_KEY",
+        "tenant_from_api_key",
+        bool,
+        False,
+        _flag,
+        accepted="boolean",
+        help="`1`: a request without the tenant header is accounted to the hash of its API key (`Authorization: Bearer <key>`): the first 12 hex digits of its SHA-256 (`pte tenant-hash KEY`); the key itself is never kept",
+        summary="`1`: the tenant is the API key's hash (`pte tenant-hash KEY`) when the header is absent",
+    ),
+    Setting(
+        "PTE_TENANTS",
+        "tenants",
+        frozenset[str],
+        frozenset(),
+        _tenants,
+        accepted="comma-separated names, at most 1,000, each at most 64 visible ASCII characters and not `other`; an unusable entry is named in one log line and left out, the others kept",
+        help="the tenants kept as `tenant` label values (names, or API-key hashes); any other value, a malformed one or none is `other`. Set without a tenant source: one log line, tenants off; a source without this list: one log line, every request `other`",
+        summary="allow-listed tenants (names or key hashes, comma-separated, at most 1,000 of at most 64 visible ASCII characters); any other is `other`",
+    ),
+    Setting(
+        "PTE_MAX_LORA_NAMES",
+        "max_lora_names",
+        int,
+        64,
+        number(1, 10_000, whole=True),
+        help="LoRA adapters accounted under their own name (`lora_name`) in each API server, the first that finish a request; later ones are `other`",
+        summary="LoRA adapters accounted under their own name per API server ([LoRA adapters](#lora-adapters)); later ones are `other`",
+    ),
+    Setting(
+        "PTE_FAILPOINTS",
+        "failpoints",
+        tuple[tuple[str, float], ...],
+        (),
+        _failpoints,
+        accepted="`stage:probability,…`",
+        help="testing only: inject faults (`engine_step`, `transport`, `prometheus`, `routes`; `request_log`: a full disk, half a record written then `ENOSPC`) to prove serving continues; a malformed spec (a probability outside [0, 1], no stage) is reported and injects nothing",
+        fallback="no fault is injected",
+    ),
+    Setting(
+        "PTE_FAILPOINTS_SEED",
+        "failpoints_seed",
+        int,
+        0,
+        _seed,
+        accepted="whole number ≥ 0; another value is reported and 0 used",
+        help="seed of the fault injection",
+    ),
+    Setting(
+        "PTE_ACCUMULATOR",
+        "accumulator_backend",
+        str,
+        "auto",
+        choice("auto", "numpy", "torch", "triton"),
+        accepted="`auto`, `numpy`, `torch`, `triton`",
+        help="backend of the engine-side step accumulator (the `--scheduler-cls` hook); `auto`: Triton on CUDA when importable, else torch on CUDA, else numpy",
+        summary="engine hook's accumulator: `numpy`, `torch`, `triton` (`auto`: Triton on CUDA, else numpy)",
+    ),
+    Setting(
+        "PTE_STEP_LOG",
+        "step_log",
+        str | None,
+        None,
+        _text,
+        accepted="file path",
+        help='engine-side step log (JSONL: a header, then one line per scheduler step) for validation and γ calibration; engine *i* > 0 writes `<path>.engine<i>` (fields: [cost-model.md §5](cost-model.md#5-roofline-attribution)). A path that cannot be opened turns off the step log only, with one log line per engine, counted in `pte_plugin_faults_total{stage="engine_step_log"}`; the hook\'s accounting goes on',
+        summary="engine-side step log (JSONL), for validation and γ calibration",
+    ),
+    Setting(
+        "PTE_GPU_HOURLY_PRICE",
+        "gpu_hourly_price",
+        float | None,
+        None,
+        number(0.0, 10_000, low_open=True, unit=" USD per GPU-hour"),
+        help="price of one GPU-hour: every request's and session's `cost_usd` = GPU seconds × GPUs per engine (tensor × pipeline parallel) × price ÷ 3600, and `pte_cost_usd_total`; unset: no money (needs the step hook for GPU seconds)",
+        summary="USD per GPU-hour: turns on `cost_usd` per request and session and `pte_cost_usd_total` (GPUs per engine from tensor × pipeline parallel)",
+    ),
+    Setting(
+        "PTE_CALIBRATION",
+        "calibration",
+        str,
+        "online",
+        _calibration,
+        accepted="`off`, `online`, or a file",
+        help="the engine's step-time model ([cost-model.md §5b](cost-model.md)), which splits each step's measured time over its requests: `off` keeps the theory values from the architecture and the device profile; `online` starts from them and refits the last 4,096 steps every 256 steps; a file written by `pte calibrate --save` starts from that fit and refits online too. A file that does not exist: one log line, `online`",
+        summary="the engine's step-time model: `off` (theory only), `online` (fitted to the engine's own steps), or a fit saved by `pte calibrate --save`",
+    ),
+    Setting(
+        "PTE_ENGINE_TRANSPORT",
+        "engine_transport",
+        str | None,
+        None,
+        _transport,
+        accepted="`tcp`, `tcp://host:port`, or an `ipc://…` base",
+        help="the engine → API-server sockets. Unset: IPC; the plugin's `vllm.general_plugins` hook creates a base in the first vLLM process, the others inherit it, and API server `i` binds `<base>-i`. `tcp`: for engines on other nodes (`vllm serve … --headless`, started as a command of their own, which inherit nothing): set it on **every** node; each side derives `tcp://<--data-parallel-address>:<--data-parallel-rpc-port + 100>` from vLLM's data-parallel settings, and API server `i` listens on that port + `i`. `tcp://host:port`: that base, as given. Any other value is reported in one line and replaced by a local `ipc://` base (every process of one `vllm serve` inherits the replacement). An engine whose hook cannot reach the API server while other engines' hooks can: its requests are priced at once without engine totals, each counted in `pte_plugin_faults_total{stage=\"engine_join\"}` with a log line that says so",
+        default_shown="set automatically",
+        fallback="using a local ipc:// address",
+    ),
+)
+
+
+BY_NAME: dict[str, Setting] = {s.name: s for s in TABLE}
+# Every PTE_* variable the plugin reads: any other is named as a typo.
+NAMES = frozenset(BY_NAME)
+
+
+def _read(setting: Setting, env: Mapping[str, str], errors: list[str]) -> Any:
+    default = setting.default_from(env) if setting.default_from is not None else setting.default
+    raw = env.get(setting.name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        return setting.parse(raw.strip(), errors)
+    except Invalid as e:
+        errors.append(f"{setting.name}={shown(raw)} {e}; {setting.fallback_text(default)}")
+        return default
+
+
+def read(name: str, env: Mapping[str, str] | None = None) -> tuple[Any, str | None]:
+    """One setting, for a module that needs it before ``Settings`` exist (at import, or in
+    vLLM's launcher): its value (the default when unset, empty or malformed) and the line
+    naming a malformed value (None: there is none)."""
+    errors: list[str] = []
+    value = _read(BY_NAME[name], os.environ if env is None else env, errors)
+    return value, errors[0] if errors else None
+
+
+def is_set(name: str, env: Mapping[str, str] | None = None) -> bool:
+    """Whether the environment gives ``name`` a value of its own (not empty)."""
+    assert name in NAMES, name
+    return bool((os.environ if env is None else env).get(name, "").strip())
+
+
+def _from_env(cls: type, env: Mapping[str, str] | None = None) -> Any:
+    """The settings of this process's environment (``env``: another one)."""
+    env = os.environ if env is None else env
+    errors: list[str] = []
+    for name in sorted(n for n in env if n.startswith("PTE_")):
+        if name not in NAMES:
+            errors.append(f"{name[:64]} is not a pte-instrument setting (a typo?); ignoring it")
+        elif not env[name].strip():
+            errors.append(f"{name} is empty; using its default")
+    values = {s.attr: _read(s, env, errors) for s in TABLE}
+    if values["tenants"] and values["tenant_header"] is None and not values["tenant_from_api_key"]:
+        errors.append(
+            "PTE_TENANTS is set but neither PTE_TENANT_HEADER nor PTE_TENANT_FROM_API_KEY: tenants are off"
+        )
+    elif not values["tenants"] and (values["tenant_header"] is not None or values["tenant_from_api_key"]):
+        errors.append(f"PTE_TENANTS lists no tenant: every request is accounted to tenant {OTHER_TENANT!r}")
+    raw = env.get(OTEL_SDK_DISABLED)
+    try:
+        otel_disabled = raw is not None and bool(raw.strip()) and _flag(raw.strip(), errors)
+    except Invalid as e:
+        errors.append(f"{OTEL_SDK_DISABLED}={shown(raw or '')} {e}; using 0")
+        otel_disabled = False
+    if otel_disabled:  # the OpenTelemetry SDK's own switch overrides ours
+        values.update(otel=False, otel_logs=False, otel_metrics=False)
+    return cls(**values, errors=tuple(errors))
+
+
+Settings = dataclasses.make_dataclass(
+    "Settings",
+    [(s.attr, s.type, dataclasses.field(default=s.default)) for s in TABLE]
+    + [("errors", tuple[str, ...], dataclasses.field(default=()))],
+    frozen=True,
+    namespace={"from_env": classmethod(_from_env)},
+)
+Settings.__module__ = __name__
+Settings.__doc__ = "The plugin's settings: one field per row of ``TABLE``, and ``errors``, the lines naming what was malformed."
+
+
+def shown(value: str, limit: int = 64) -> str:
+    """A setting's value quoted for a log line, cut to ``limit`` characters."""
+    return repr(value) if len(value) <= limit else repr(value[:limit]) + "…"
+
+
+def markdown_table(readme: bool = False) -> str:
+    """docs/configuration.md's table of every setting, or the README's shorter one."""
+
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    if readme:
+        rows = ["| variable | default | meaning |", "|---|---|---|"]
+        rows += [
+            f"| `{s.name}` | {s.default_text(readme=True)} | {cell(s.summary)} |" for s in TABLE if s.summary
+        ]
+    else:
+        rows = ["| variable | default | accepted values | meaning |", "|---|---|---|---|"]
+        rows += [
+            f"| `{s.name}` | {s.default_text()} | {cell(s.accepted_text())} | {cell(s.help)} |" for s in TABLE
+        ]
+    return "\n".join(rows) + "\n"

@@ -49,22 +49,17 @@ def address_problem(addr: str) -> str | None:
     return "not tcp, tcp://<host>:<port> or ipc://<path>"
 
 
-def ensure_address() -> str:
+def ensure_address(setting: tuple[str | None, str | None]) -> str:
     """The base transport address, created (and exported to child processes) if missing or
     unusable: an unusable one is named in one line, and the processes of this server share
-    a working one instead."""
-    addr = os.environ.get(ADDRESS_ENV)
-    problem = None if not addr else address_problem(addr)
+    a working one instead. ``setting``: ``PTE_ENGINE_TRANSPORT`` as the settings read it
+    (its value, and the line naming a malformed one)."""
+    addr, problem = setting
     if problem is not None:
         from pte_instrument.faults import log
 
-        log.error(
-            "pte-instrument configuration: %s=%r: %s; using a local ipc:// address",
-            ADDRESS_ENV,
-            addr,
-            problem,
-        )
-    if not addr or problem is not None:
+        log.error("pte-instrument configuration: %s", problem)
+    if addr is None:
         path = os.path.join(tempfile.gettempdir(), f"pte-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         addr = os.environ[ADDRESS_ENV] = f"ipc://{path}"
     return addr

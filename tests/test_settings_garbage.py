@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from pte_instrument import failpoints, transport
+from pte_instrument import failpoints, settings, transport
 from pte_instrument.settings import NAMES, Settings
 
 FLAGS = [
@@ -38,27 +38,27 @@ def test_an_empty_pte_enabled_keeps_the_plugin_on():
 
 @pytest.mark.parametrize("raw", ["abc", "", "1.5", "nan", "1e308", "-1"])
 def test_a_bad_failpoint_seed_is_named_and_seed_0_used(raw):
-    seed, problem = failpoints.parse_seed(raw)
+    seed, problem = settings.parse_failpoint_seed(raw)
     assert seed == 0 and problem is not None
     assert any("PTE_FAILPOINTS_SEED" in e for e in Settings.from_env({"PTE_FAILPOINTS_SEED": raw}).errors)
 
 
 def test_a_good_failpoint_seed_is_taken():
-    assert failpoints.parse_seed("7") == (7, None)
-    assert failpoints.parse_seed(None) == (0, None)
+    assert settings.parse_failpoint_seed("7") == (7, None)
+    assert settings.parse_failpoint_seed(None) == (0, None)
 
 
 @pytest.mark.parametrize(
     "spec", ["prometheus:x", "routes:2", "routes:-0.5", ":0.5", "routes:nan", "no_such_stage"]
 )
 def test_a_malformed_failpoint_spec_is_named_and_injects_nothing(spec):
-    points, problem = failpoints.parse(spec)
+    points, problem = settings.parse_failpoints(spec)
     assert points == {} and problem is not None
     assert any("PTE_FAILPOINTS=" in e for e in Settings.from_env({"PTE_FAILPOINTS": spec}).errors)
 
 
 def test_a_good_failpoint_spec_is_taken():
-    assert failpoints.parse("prometheus:0.25, routes") == ({"prometheus": 0.25, "routes": 1.0}, None)
+    assert settings.parse_failpoints("prometheus:0.25, routes") == ({"prometheus": 0.25, "routes": 1.0}, None)
 
 
 @pytest.mark.parametrize(
@@ -76,7 +76,7 @@ def test_a_good_failpoint_spec_is_taken():
 def test_an_engine_transport_that_is_not_an_address_is_named_and_replaced(address, monkeypatch):
     monkeypatch.setenv(transport.ADDRESS_ENV, address)
     assert transport.address_problem(address) is not None
-    fixed = transport.ensure_address()
+    fixed = transport.ensure_address(settings.read(transport.ADDRESS_ENV))
     assert fixed.startswith("ipc://") and transport.address_problem(fixed) is None
     assert transport.address_for(fixed, 1) == f"{fixed}-1"
     assert any(transport.ADDRESS_ENV in e for e in Settings.from_env({transport.ADDRESS_ENV: address}).errors)
@@ -85,7 +85,10 @@ def test_an_engine_transport_that_is_not_an_address_is_named_and_replaced(addres
 @pytest.mark.parametrize("address", ["tcp", "TCP", "tcp://10.0.0.1:5555", "ipc:///tmp/pte-x"])
 def test_a_good_engine_transport_is_kept(address, monkeypatch):
     monkeypatch.setenv(transport.ADDRESS_ENV, address)
-    assert transport.address_problem(address) is None and transport.ensure_address() == address
+    assert (
+        transport.address_problem(address) is None
+        and transport.ensure_address(settings.read(transport.ADDRESS_ENV)) == address
+    )
     assert not Settings.from_env({transport.ADDRESS_ENV: address}).errors
 
 
@@ -127,13 +130,5 @@ def test_every_setting_takes_every_garbage_value_or_names_it_in_one_line(name, g
     taken = dataclasses.replace(settings, errors=()) != dataclasses.replace(
         Settings.from_env(context), errors=()
     )
-    if name in (failpoints.SPEC_ENV, failpoints.SEED_ENV, transport.ADDRESS_ENV):  # read outside Settings
-        taken = value.strip() != "" and (
-            failpoints.parse(value)[1] is None
-            if name == failpoints.SPEC_ENV
-            else failpoints.parse_seed(value)[1] is None
-            if name == failpoints.SEED_ENV
-            else transport.address_problem(value) is None
-        )
     assert taken != bool(named), (name, garbage, settings.errors)
     assert all(len(e) < 600 for e in settings.errors)  # a huge value is not echoed whole

@@ -30,7 +30,7 @@ from pte_instrument.server.request_tags import PendingTags, RequestTag
 from pte_instrument.server.sessions import SessionLedger, StoreError
 from pte_instrument.server.tenants import TenantPolicy
 from pte_instrument.settings import Settings
-from pte_instrument.transport import ADDRESS_ENV, Receiver, address_for
+from pte_instrument.transport import Receiver, address_for
 from pte_instrument.wire import EngineCalibration
 
 STAGES = (
@@ -161,7 +161,7 @@ class Runtime:
             feedback_window=settings.feedback_window,
             on_close=self._session_closed,
             on_error=lambda e: self.faults.record("sessions", e),
-            server_id=os.environ.get(ADDRESS_ENV),  # one per vllm serve, shared by its API servers
+            server_id=settings.engine_transport,  # one per vllm serve, shared by its API servers
         )
         try:
             ledger = SessionLedger(settings.session_store, **kwargs)

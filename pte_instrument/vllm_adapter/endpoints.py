@@ -39,6 +39,7 @@ from pte_instrument.server.request_tags import (
     validate_session_id,
 )
 from pte_instrument.server.runtime import Runtime, get_runtime
+from pte_instrument.settings import BENCHMARK_HEADER
 from pte_instrument.vllm_adapter import compat
 
 # Paths whose requests reach the engine and so finish in the stat logger, with the GenAI
@@ -71,7 +72,7 @@ class SessionMiddleware:
         self.app = app
         self.runtime = runtime or get_runtime()
         self.header = self.runtime.settings.session_header.lower().encode("ascii")
-        self.benchmark_header = self.runtime.settings.benchmark_header.lower().encode("ascii")
+        self.benchmark_header = BENCHMARK_HEADER.lower().encode("ascii")
         self._keys_read = False
 
     def _authorized(self, scope: Scope, headers: list[tuple[bytes, bytes]]) -> bool:

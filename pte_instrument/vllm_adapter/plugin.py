@@ -13,11 +13,11 @@ VLLM_DEFAULT_PORT = 8000
 
 
 def register() -> None:
-    from pte_instrument.settings import default_session_store
-    from pte_instrument.transport import ensure_address
+    from pte_instrument.settings import default_session_store, is_set, read
+    from pte_instrument.transport import ADDRESS_ENV, ensure_address
 
-    ensure_address()
-    if not (os.environ.get("PTE_SESSION_STORE") or "").strip():
+    ensure_address(read(ADDRESS_ENV))
+    if not is_set("PTE_SESSION_STORE"):
         port = serve_port(sys.argv)
         if port is not None:
             os.environ["PTE_SESSION_STORE"] = default_session_store(port)

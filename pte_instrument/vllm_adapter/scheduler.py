@@ -17,7 +17,6 @@ itself off.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections import deque
 from typing import Any
@@ -68,7 +67,7 @@ class _PteHook:
             settings = Settings.from_env()
             cfg = self.vllm_config  # type: ignore[attr-defined]
             self._pte_check_kind(cfg)
-            address = compat.engine_transport(cfg, os.environ.get(ADDRESS_ENV))
+            address = compat.engine_transport(cfg, settings.engine_transport)
             if not settings.enabled or not address:
                 log.warning(
                     "pte-instrument engine hook inactive (%s)",

@@ -8,7 +8,6 @@ indexes as the ``engine`` label). Nothing here may raise into vLLM: a fault is c
 
 from __future__ import annotations
 
-import os
 import time
 from functools import partial
 from typing import Any
@@ -22,7 +21,6 @@ from pte_instrument.server.accountant import Accountant
 from pte_instrument.server.engine_join import RequestJoin
 from pte_instrument.server.ledger import FinishedRequest
 from pte_instrument.server.runtime import get_runtime
-from pte_instrument.transport import ADDRESS_ENV
 from pte_instrument.vllm_adapter import compat
 
 
@@ -114,7 +112,7 @@ class PteStatLogger(AggregateStatLoggerBase):
             return
         self.runtime.listen(
             compat.api_server_index(vllm_config),
-            compat.engine_transport(vllm_config, os.environ.get(ADDRESS_ENV)),
+            compat.engine_transport(vllm_config, self.runtime.settings.engine_transport),
         )
         self.runtime.joins.append(self.join)
         self.join.start_timer()
