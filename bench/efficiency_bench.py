@@ -25,7 +25,7 @@ import numpy as np
 from bench.provenance import load_avg_1m, provenance, write_results
 from pte_instrument.offline.decomposition import analyze
 from pte_instrument.offline.records import build_tables, load_records
-from pte_instrument.offline.report import efficiency_json
+from pte_instrument.offline.render import efficiency_json
 
 WORDS = np.array("the of so we let check sum then value answer step thus is x y z".split())
 

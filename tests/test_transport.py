@@ -27,27 +27,27 @@ def test_each_api_server_receives_only_its_messages(tmp_path):
     assert receivers[0].errors == receivers[1].errors == 0
 
 
-def test_a_full_queue_drops_and_the_reporter_counts_it(tmp_path, monkeypatch):
+def test_a_full_queue_drops_and_the_engine_sender_counts_it(tmp_path, monkeypatch):
     """Nobody receiving and a tiny queue: sends that cannot be queued are dropped, never
     block, and each dropped batch is a fault the hook reports later."""
     from pte_instrument import transport
-    from pte_instrument.engine.report import EngineReporter
+    from pte_instrument.engine.sender import EngineSender
     from pte_instrument.faults import FaultTracker
     from pte_instrument.wire import EngineFaults
 
     monkeypatch.setattr(transport, "HIGH_WATER_MARK", 1)
     base = f"ipc://{tmp_path}/pte-{uuid.uuid4().hex[:6]}"
     faults = FaultTracker()
-    reporter = EngineReporter(Sender(base), engine=0, faults=faults)
+    engine_sender = EngineSender(Sender(base), engine=0, faults=faults)
     for i in range(50):
-        reporter.send([totals(f"r{i}")])
-    assert reporter.sender.dropped > 0
-    assert faults.counts["engine_transport"] == reporter.sender.dropped_batches > 0
+        engine_sender.send([totals(f"r{i}")])
+    assert engine_sender.sender.dropped > 0
+    assert faults.counts["engine_transport"] == engine_sender.sender.dropped_batches > 0
     inbox: queue.Queue = queue.Queue()  # the API server comes up: the drops reach it, counted
     receiver = Receiver(address_for(base, 0), inbox.put)
     reported = 0
     for _ in range(100):
-        reporter.send([])
+        engine_sender.send([])
         while not inbox.empty():
             reported += sum(
                 m.counts.get("engine_transport", 0) for m in inbox.get() if isinstance(m, EngineFaults)
@@ -56,7 +56,7 @@ def test_a_full_queue_drops_and_the_reporter_counts_it(tmp_path, monkeypatch):
             break
         time.sleep(0.05)
     assert reported == faults.counts["engine_transport"]
-    reporter.close()
+    engine_sender.close()
     assert receiver.errors == 0
 
 

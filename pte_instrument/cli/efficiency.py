@@ -155,7 +155,7 @@ def _efficiency(args: argparse.Namespace) -> int:
         )
         for t in tables.values()
     ]
-    from pte_instrument.offline.report import efficiency_json, efficiency_markdown
+    from pte_instrument.offline.render import efficiency_json, efficiency_markdown
 
     if args.plots:
         from pte_instrument.offline.plots import efficiency_plots
@@ -314,7 +314,7 @@ def _report_requests(args: argparse.Namespace) -> int:
 
 def _report_trajectories(args: argparse.Namespace) -> int:
     from pte_instrument.offline.patterns import load_trajectories, trajectory_report
-    from pte_instrument.offline.report import trajectory_json, trajectory_markdown
+    from pte_instrument.offline.render import trajectory_json, trajectory_markdown
 
     variant = args.variant or "served"
     bootstrap = DEFAULT_BOOTSTRAP if args.bootstrap is None else args.bootstrap

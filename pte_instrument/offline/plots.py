@@ -11,7 +11,7 @@ from typing import Any
 
 from pte_instrument.offline.decomposition import BenchmarkResult
 from pte_instrument.offline.patterns import GroupReport
-from pte_instrument.offline.report import TERM_LABELS
+from pte_instrument.offline.render import TERM_LABELS
 
 
 class PlotError(RuntimeError):

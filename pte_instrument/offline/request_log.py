@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pte_instrument.offline.records import Problem, RecordError, json_lines, parse_rows, refuse_bad_load
-from pte_instrument.offline.report import fmt, md_table, problems_markdown
+from pte_instrument.offline.render import fmt, md_table, problems_markdown
 from pte_instrument.server.ledger import TIMED
 
 SCHEMA = "pte-request-log-report/1"

@@ -20,9 +20,9 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from pte_instrument.cost.model import CostModel
 from pte_instrument.faults import FaultTracker, install_log_handler, log
 from pte_instrument.server.engine_join import EngineInbox, RequestJoin
+from pte_instrument.server.exporters.efficiency import EfficiencyExporter
 from pte_instrument.server.exporters.prometheus import LedgerMetrics, PrometheusExporter, metrics_for
 from pte_instrument.server.exporters.request_log import RequestLogWriter
-from pte_instrument.server.exporters.summary import EfficiencyExporter
 from pte_instrument.server.ledger import FinishedRequest
 from pte_instrument.server.live_efficiency import LiveEfficiency
 from pte_instrument.server.lora import LoraNames

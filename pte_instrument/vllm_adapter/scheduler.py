@@ -26,7 +26,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from pte_instrument.cost.step_time import StepTimeModel
 from pte_instrument.engine.accounting import CompletedSteps, EngineAccounting
-from pte_instrument.engine.report import EngineReporter
+from pte_instrument.engine.sender import EngineSender
 from pte_instrument.failpoints import failpoint
 from pte_instrument.faults import FaultTracker, install_log_handler, log
 from pte_instrument.settings import Settings
@@ -57,7 +57,7 @@ class _PteHook:
         install_log_handler()
         self._pte: EngineAccounting | None = None
         self._pte_faults = FaultTracker()
-        self._pte_reporter: EngineReporter | None = None
+        self._pte_sender: EngineSender | None = None
         self._pte_clock = time.perf_counter
         self._pte_inflight: deque[list[Any]] = deque()  # scheduled, outputs not back (in order)
         self._pte_done: list[list[Any]] = []  # outputs back, not priced yet
@@ -75,11 +75,11 @@ class _PteHook:
                 )
                 return
             engine = compat.engine_index(cfg)
-            self._pte_reporter = EngineReporter(Sender(address), engine, self._pte_faults)
+            self._pte_sender = EngineSender(Sender(address), engine, self._pte_faults)
             self._pte = self._pte_accounting(cfg, settings, engine, self._pte_send)
             if self._pte.step_log_error is not None:
                 self._pte_step_log_off(settings.step_log, self._pte.step_log_error)
-            self._pte_reporter.hello(compat.api_server_count(cfg), self._pte.calibration())
+            self._pte_sender.hello(compat.api_server_count(cfg), self._pte.calibration())
             log.info(
                 "pte-instrument engine hook active (engine %d, %s scheduling, %s accumulator, totals to %s)",
                 engine,
@@ -136,17 +136,17 @@ class _PteHook:
     def _pte_send(self, totals: list[RequestTotals]) -> None:
         try:
             failpoint("transport")
-            if self._pte_reporter is not None:
-                self._pte_reporter.send(totals, self._pte.calibration() if self._pte is not None else None)
+            if self._pte_sender is not None:
+                self._pte_sender.send(totals, self._pte.calibration() if self._pte is not None else None)
         except Exception as e:  # those totals are lost; the API server prices without them
             self._pte_fault("transport", e)
 
     def _pte_fault(self, stage: str, e: Exception) -> None:
         """Counted, and reported now: no later totals need follow (an idle engine sends none)."""
         self._pte_faults.record(f"engine_{stage}", e)
-        if self._pte_reporter is not None:
+        if self._pte_sender is not None:
             with contextlib.suppress(Exception):  # still counted; reported with the next batch
-                self._pte_reporter.send([])
+                self._pte_sender.send([])
         if sum(self._pte_faults.counts.values()) >= MAX_FAULTS and self._pte is not None:
             log.error("pte-instrument engine hook switched off after %d faults", MAX_FAULTS)
             self._pte = None
@@ -253,8 +253,8 @@ class _PteHook:
                 self._pte_fault("finish", e)
             if self._pte is not None:
                 self._pte.close()
-        if self._pte_reporter is not None:
-            self._pte_reporter.close()
+        if self._pte_sender is not None:
+            self._pte_sender.close()
         super().shutdown()  # type: ignore[misc]
 
     # --- the hook's own work ------------------------------------------------------------

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from pte_instrument.engine.accounting import EngineAccounting
-from pte_instrument.engine.report import EngineReporter
+from pte_instrument.engine.sender import EngineSender
 from pte_instrument.faults import FaultTracker
 from pte_instrument.wire import EngineFaults, EngineHello
 from tests.engine.test_engine_accounting import COST, collect, completed
@@ -48,11 +48,11 @@ class FakeSender:
 def test_faults_at_set_up_travel_with_the_hello():
     sender, faults = FakeSender(), FaultTracker()
     faults.record("engine_step_log", OSError("unwritable"), logged=True)
-    reporter = EngineReporter(sender, 0, faults)  # type: ignore[arg-type]
-    reporter.hello(2)
+    engine_sender = EngineSender(sender, 0, faults)  # type: ignore[arg-type]
+    engine_sender.hello(2)
     messages = [(i, m) for i, batch in sender.batches for m in batch]
     assert (0, EngineHello(0)) in messages and (1, EngineHello(0)) in messages
     assert (0, EngineFaults(0, {"engine_step_log": 1})) in messages
     n = len(sender.batches)
-    reporter.send([])  # already reported: not again
+    engine_sender.send([])  # already reported: not again
     assert not any(isinstance(m, EngineFaults) for _, batch in sender.batches[n:] for m in batch)

@@ -267,7 +267,7 @@ def test_a_fault_reaches_the_api_server_without_waiting_for_more_traffic(monkeyp
     import uuid
 
     from pte_instrument import failpoints
-    from pte_instrument.engine.report import EngineReporter
+    from pte_instrument.engine.sender import EngineSender
     from pte_instrument.transport import Receiver, Sender, address_for
     from pte_instrument.wire import EngineFaults
 
@@ -284,7 +284,7 @@ def test_a_fault_reaches_the_api_server_without_waiting_for_more_traffic(monkeyp
         prefix_caching=True,
         max_num_batched_tokens=256,
     )
-    s._pte_reporter = EngineReporter(Sender(base), 0, s._pte_faults)
+    s._pte_sender = EngineSender(Sender(base), 0, s._pte_faults)
     s._pte = s._pte_accounting(s.vllm_config, Settings.from_env(), 0, s._pte_send)
     Driver(s, async_scheduling=False).run(case["stream"])
     lost = s._pte_faults.counts["engine_transport"]
@@ -300,5 +300,5 @@ def test_a_fault_reaches_the_api_server_without_waiting_for_more_traffic(monkeyp
         return reported == lost
 
     assert wait(take, timeout_s=10), (reported, lost)
-    s._pte_reporter.close()
+    s._pte_sender.close()
     assert receiver.errors == 0

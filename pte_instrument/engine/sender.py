@@ -15,7 +15,7 @@ class TransportDropped(RuntimeError):
     """A batch the API server's queue had no room for (the API server is down or behind)."""
 
 
-class EngineReporter:
+class EngineSender:
     def __init__(self, sender: Sender, engine: int, faults: FaultTracker) -> None:
         self.sender = sender
         self.engine = engine
