@@ -479,6 +479,8 @@ PRICE_RATIOS = (1.5, 3.0, 4.0)
 PRIMARY = "PTE served"
 PREDICTED = "predicted seconds"  # the step-time model's cost of the request's own work alone
 GPU_SECONDS = "GPU seconds"  # the request's share of the measured step times
+STEP_PTE = "PTE (logged γ)"  # a step's PTE at the γ the plugin priced with
+STEP_MODEL = "calibrated step model"  # the step-time model fitted to the steps
 
 
 @dataclass(frozen=True)
@@ -581,7 +583,7 @@ def step_metrics(s: StepTable, fit: Any | None = None) -> list[Metric]:
             Metric(f"price 1:{r:g}", "baseline", price_weighted(prefill, dec, r), f"prefill + {r:g}·decode")
             for r in PRICE_RATIOS
         ),
-        Metric("PTE (logged γ)", "pte", s["pte"], "prefill + Σ_g γ_g·ctx_g"),
+        Metric(STEP_PTE, "pte", s["pte"], "prefill + Σ_g γ_g·ctx_g"),
     ]
     if fit is not None and math.isfinite(fit.gamma_measured) and fit.gamma_measured > 0:
         m.append(
@@ -596,7 +598,7 @@ def step_metrics(s: StepTable, fit: Any | None = None) -> list[Metric]:
         roofline_note = "max(tokens, weights + KV), docs/cost-model.md §5"
         m.append(Metric("roofline (logged)", "model", s["roofline_pte"], roofline_note))
     if fit is not None:
-        m.append(Metric("calibrated step model", "model", fit.predict_steps(s), fit.formula()))
+        m.append(Metric(STEP_MODEL, "model", fit.predict_steps(s), fit.formula()))
     return m
 
 

@@ -226,7 +226,7 @@ def analyse_logs(
                     "dt_s",
                     s["dt_s"],
                     _step_metrics(s, step_fit, step_fit_dec),
-                    "PTE (logged γ)",
+                    A.STEP_PTE,
                     n_boot,
                     seed,
                 )
@@ -379,6 +379,7 @@ def _offline_alone_metrics(t: A.RequestTable, steps: A.StepTable, sm: SM.StepMod
 
 
 MATCHED_PRIMARY = "GPU seconds (under load)"
+MATCHED_INFERENCE = "inference_s under load"  # the matched request's own time under load
 
 
 def _seconds(
@@ -430,9 +431,7 @@ def _matched(p: Phase, load: A.RequestTable, alone: A.RequestTable, n_boot: int,
             lt["predicted_seconds"],
             "its own work alone, as the engine priced it under load",
         ),
-        A.Metric(
-            "inference_s under load", "measured", lt["inference_s"], "the same request's own time under load"
-        ),
+        A.Metric(MATCHED_INFERENCE, "measured", lt["inference_s"], "the same request's own time under load"),
         A.Metric(
             "latency explained (under load)", "measured", lt["latency_explained_s"], "steps it was in + queue"
         ),
@@ -710,7 +709,7 @@ def diagnose_matched(a: LatencyAnalysis, phase: str, lv: A.LevelResult | None) -
             "prefix cache hit differently under load): the work itself differed."
         )
     if lv is not None:
-        r_inf = lv.get("inference_s under load")
+        r_inf = lv.get(MATCHED_INFERENCE)
         if r_inf is not None:
             parts.append(
                 f"For comparison, the request's own inference time under load ranks it ρ = "
@@ -930,7 +929,7 @@ def evaluate_targets(a: LatencyAnalysis) -> list[Target]:
             )
     lv = a.level("step", "all")
     if lv is not None:
-        m = lv.get("calibrated step model")
+        m = lv.get(A.STEP_MODEL)
         r = m.corr.pearson if m else math.nan
         met = bool(r >= TARGET_R) if math.isfinite(r) else None
         out.append(
@@ -944,7 +943,7 @@ def evaluate_targets(a: LatencyAnalysis) -> list[Target]:
                 m.corr.pearson_ci if m else None,
             )
         )
-        pm = lv.get("PTE (logged γ)")
+        pm = lv.get(A.STEP_PTE)
         if pm is not None:
             r2 = pm.corr.pearson
             out.append(
@@ -1370,7 +1369,7 @@ REQUEST_PLOT = (
     "PTE served (γ calibrated)",
     "roofline (engine)",
 )
-STEP_PLOT = ("decode tokens", "total tokens", "PTE (logged γ)", "calibrated step model")
+STEP_PLOT = ("decode tokens", "total tokens", A.STEP_PTE, A.STEP_MODEL)
 
 
 def _scatter_grid(

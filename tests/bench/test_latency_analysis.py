@@ -378,6 +378,21 @@ def test_report_writer_produces_files_with_provenance(tmp_path: Path) -> None:
     assert all(t.diagnosis for t in missed)  # every miss says why
 
 
+def test_the_targets_find_their_metrics_by_identifier_not_by_label(tmp_path: Path, monkeypatch) -> None:
+    """A metric's display label renamed where it is declared: every target still finds it."""
+    phases = _write_run(tmp_path)
+
+    def step_targets() -> dict[str, float]:
+        a = analyse_logs(tmp_path / "requests.jsonl", tmp_path / "steps.jsonl", phases, n_boot=20)
+        return {t.name: t.value for t in a.targets if t.name.startswith("step r(")}
+
+    before = step_targets()
+    assert len(before) == 2 and all(math.isfinite(v) for v in before.values())
+    monkeypatch.setattr(A, "STEP_MODEL", "the step model, renamed")
+    monkeypatch.setattr(A, "STEP_PTE", "PTE, renamed")
+    assert step_targets() == before
+
+
 def test_report_degrades_without_step_log(tmp_path: Path) -> None:
     phases = _write_run(tmp_path)
     a = analyse_logs(tmp_path / "requests.jsonl", tmp_path / "nope.jsonl", phases, n_boot=20)
