@@ -1,0 +1,54 @@
+"""bench/scheduler_bench.py runs end to end at its smallest size and writes what it reports:
+vLLM's time per step, the hook's added time with intervals around it, and the hook's own
+account, for each scheduler kind, with the hook's totals delivered over its transport."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.skipif(
+    not (ROOT / "models" / "tiny" / "config.json").exists(), reason="needs the tiny model (make test)"
+)
+
+
+def test_the_scheduler_bench_writes_one_case_per_kind_with_provenance(tmp_path):
+    out = tmp_path / "scheduler.json"
+    args = [
+        "--sizes",
+        "1",
+        "--kinds",
+        "sync",
+        "async",
+        "--repeats",
+        "1",
+        "--model-ms",
+        "0",
+        "--out",
+        str(out),
+    ]
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.scheduler_bench", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "scheduler_overhead" and data["git_commit"] and data["machine"]["cpu_count"]
+    assert [(c["kind"], c["batch"]) for c in data["cases"]] == [("sync", 1), ("async", 1)]
+    for c in data["cases"]:
+        assert c["steps"] > 1000 and c["vllm_us"] > 0 and c["hook_s_us"] > 0
+        lo, hi = c["added_mean_ci"]
+        assert lo <= c["added_mean_us"] <= hi and math.isfinite(c["ratio"])
+        assert c["ratio"] == pytest.approx(c["added_mean_us"] / c["vllm_us"])
+        assert 0 < c["finished_per_step"] < 1  # requests finish, and a new one takes each place
+    assert data["messages_received"] > 0  # the hook's totals went over its transport
+    assert f"written: {out}" in run.stdout
