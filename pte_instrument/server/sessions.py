@@ -1,13 +1,14 @@
 """Per-session (multi-turn agent) accounting, in one store per host that every API-server
-process of the server shares: a session's turns are numbered, its pauses and eviction tax
-computed, whichever process each turn reaches, and the ledger outlives a restart.
+process of the server shares (``session_store``): a session's turns are numbered, its pauses
+and eviction tax computed, whichever process each turn reaches, and the ledger outlives a
+restart. The same writer's transactions carry the host's totals (``totals``) and the
+feedback window (``feedback_window``).
 
-The store is a SQLite file in WAL mode (the standard library's; no server to run). Writes
-leave the request path: ``add`` queues the record and a writer thread commits what has
-queued in one transaction. Readers see every committed batch of every process; a process's
-own queued turns are seen at once by ``context_for`` (a small overlay of them) and by the
-reads that flush first (``get``, ``top``, ``summary``). A crash loses at most the batch being
-written; SQLite's journal keeps the file whole.
+Writes leave the request path: ``add`` queues the record and a writer thread commits what
+has queued in one transaction. Readers see every committed batch of every process; a
+process's own queued turns are seen at once by ``context_for`` (a small overlay of them) and
+by the reads that flush first (``get``, ``top``, ``summary``). A crash loses at most the batch
+being written; SQLite's journal keeps the file whole.
 
 Bounded as before: at most ``max_sessions`` live sessions (the least recently active closes
 first), each closed after ``idle_ttl_s`` without a turn, at most ``max_turns`` turn rows per
@@ -33,98 +34,19 @@ import msgspec
 
 from pte_instrument.cost.model import reusable_prefix
 from pte_instrument.failpoints import failpoint
-from pte_instrument.server.ledger import MODEL_TOTALS, RequestRecord, model_totals_row
-
-# Fields of a turn row shown by the HTTP routes and the demo.
-TURN_FIELDS = (
-    "turn",
-    "request_id",
-    "prompt_tokens",
-    "cached_tokens",
-    "computed_prefill_tokens",
-    "recomputed_tokens",
-    "output_tokens",
-    "pte_reference",
-    "pte_served",
-    "pte_ideal",
-    "pte_eviction_tax",
-    "pte_recompute",
-    "pause_s",
-    "inference_s",
-    "finish_reason",
-    "finished_at",
-    "gpu_seconds",
-    "predicted_seconds",
-    "latency_explained_s",
-    "interference_s",
-    "cost_usd",
+from pte_instrument.server import feedback_window, totals
+from pte_instrument.server.ledger import RequestRecord
+from pte_instrument.server.session_store import (
+    COUNTED,
+    SUMMARY_COLUMNS,
+    SUMMED,
+    TURN_FIELDS,
+    StoreError,
+    connect,
+    file_id,
+    session_summary,
 )
 
-SUMMED = (
-    "prompt_tokens",
-    "cached_tokens",
-    "output_tokens",
-    "pte_reference",
-    "pte_served",
-    "pte_ideal",
-    "pte_eviction_tax",
-    "pte_recompute",
-    "pause_s",
-    "gpu_seconds",
-    "latency_explained_s",
-    "interference_s",
-    "cost_usd",
-)
-
-# Counts of one (model, benchmark) cell of the live efficiency (``live_efficiency.Outcome``).
-OUTCOME_COUNTS = (
-    "requests",
-    "truncated",
-    "output_tokens",
-    "labeled",
-    "labeled_truncated",
-    "labeled_output_tokens",
-    "correct",
-)
-
-SCHEMA_VERSION = 1
-_SCHEMA = f"""
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS sessions (
-    id TEXT PRIMARY KEY, model TEXT NOT NULL, first_seen REAL NOT NULL, last_seen REAL NOT NULL,
-    touched INTEGER NOT NULL, n_turns INTEGER NOT NULL, turns_dropped INTEGER NOT NULL,
-    last_prompt INTEGER NOT NULL, last_output INTEGER NOT NULL, last_finished_at REAL,
-    {", ".join(f"{k} REAL NOT NULL DEFAULT 0" for k in SUMMED)}
-) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS sessions_touched ON sessions (touched);
-CREATE INDEX IF NOT EXISTS sessions_last_seen ON sessions (last_seen);
-CREATE TABLE IF NOT EXISTS turns (
-    session_id TEXT NOT NULL, seq INTEGER NOT NULL, row TEXT NOT NULL, PRIMARY KEY (session_id, seq)
-) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS servers (id TEXT PRIMARY KEY, last_seen REAL NOT NULL) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS recent (
-    request_id TEXT PRIMARY KEY, seq INTEGER NOT NULL, model TEXT NOT NULL, benchmark TEXT NOT NULL,
-    output_tokens INTEGER NOT NULL, truncated INTEGER NOT NULL, session_id TEXT, labeled INTEGER NOT NULL
-) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS recent_seq ON recent (seq);
-CREATE INDEX IF NOT EXISTS recent_session ON recent (session_id, seq);
-CREATE TABLE IF NOT EXISTS outcomes (
-    model TEXT NOT NULL, benchmark TEXT NOT NULL, {", ".join(f"{k} INTEGER NOT NULL DEFAULT 0" for k in OUTCOME_COUNTS)},
-    PRIMARY KEY (model, benchmark)
-) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS model_totals (
-    model TEXT PRIMARY KEY, {", ".join(f"{k} NOT NULL DEFAULT 0" for k in MODEL_TOTALS)}
-) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS tenant_totals (
-    tenant TEXT PRIMARY KEY, {", ".join(f"{k} NOT NULL DEFAULT 0" for k in MODEL_TOTALS)}
-) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS lora_totals (
-    lora_name TEXT PRIMARY KEY, model TEXT NOT NULL, {", ".join(f"{k} NOT NULL DEFAULT 0" for k in MODEL_TOTALS)}
-) WITHOUT ROWID;
-"""  # tables added later are created in an existing store as they are in a new one
-_COUNTED = ("sessions_opened", "sessions_expired", "sessions_evicted", "turns_dropped")
-_SUMMARY_COLUMNS = ("id", "model", "n_turns", "turns_dropped", "first_seen", "last_seen", *SUMMED)
 MAX_QUEUED = 10_000  # records waiting for the writer; past it a record is lost and counted
 _BATCH = 1024  # records per transaction at most
 _EXPIRE_EVERY_S = 1.0  # the writer closes idle sessions at least this often, turns or not
@@ -161,10 +83,6 @@ class LedgerStats:
     turns_dropped: int = 0  # rows beyond max_turns (their totals are kept)
     records_lost: int = 0  # not stored: the queue was full or the batch failed
     store_reopened: int = 0  # the store's file was deleted or replaced, and created again
-
-
-class StoreError(RuntimeError):
-    """The session store cannot be opened or used (the message names the file and why)."""
 
 
 class SessionLedger:
@@ -204,8 +122,8 @@ class SessionLedger:
             os.close(fd)
             path = name
         self.path = Path(path)
-        self._reader_db = _connect(self.path)
-        self._store_id = self._reader_id = _file_id(self.path)  # the file the connections use
+        self._reader_db = connect(self.path)
+        self._store_id = self._reader_id = file_id(self.path)  # the file the connections use
         self._reader_lock = threading.Lock()
         self._overlay: dict[str, _Tail] = {}  # this process's turns not yet committed
         self._overlay_lock = threading.Lock()
@@ -221,7 +139,7 @@ class SessionLedger:
         if self._reader_id != self._store_id:
             with contextlib.suppress(sqlite3.Error):
                 self._reader_db.close()
-            self._reader_db, self._reader_id = _connect(self.path), self._store_id
+            self._reader_db, self._reader_id = connect(self.path), self._store_id
         return self._reader_db
 
     def __len__(self) -> int:
@@ -275,47 +193,14 @@ class SessionLedger:
         requests in it, as one instance: its outcome; None if none is in the window; [] if
         already labeled. One transaction, so two API servers cannot label one instance twice."""
         self.flush()
-        with self._reader_lock, self._reader as db:
-            db.execute("BEGIN IMMEDIATE")
-            if request_ids:  # spellings of one id: the first the window holds
-                found = (
-                    db.execute(_RECENT + " WHERE request_id = ?", (rid,)).fetchall() for rid in request_ids
-                )
-                rows = next((r for r in found if r), [])
-            else:
-                rows = db.execute(_RECENT + " WHERE session_id = ? ORDER BY seq", (session_id,)).fetchall()
-            if not rows:
-                return None
-            if any(r[5] for r in rows):
-                return []
-            first, last = rows[0], rows[-1]
-            tokens = sum(r[3] for r in rows)
-            truncated = bool(last[4])
-            correct = bool(correct) and not truncated  # a truncated answer is never correct
-            db.execute(
-                "UPDATE outcomes SET labeled = labeled + 1, labeled_truncated = labeled_truncated + ?,"
-                " labeled_output_tokens = labeled_output_tokens + ?, correct = correct + ?"
-                " WHERE model = ? AND benchmark = ?",
-                (int(truncated), tokens, int(correct), first[1], first[2]),
-            )
-            db.executemany("UPDATE recent SET labeled = 1 WHERE request_id = ?", [(r[0],) for r in rows])
-        return {
-            "model": first[1],
-            "benchmark": first[2],
-            "requests": len(rows),
-            "output_tokens": tokens,
-            "truncated": truncated,
-            "correct": correct,
-        }
+        with self._reader_lock:
+            return feedback_window.label(self._reader, correct, request_ids, session_id)
 
     def outcomes(self) -> dict[tuple[str, str], dict[str, int]]:
         """The live efficiency's counts per (model, benchmark), host-wide."""
         self.flush()
         with self._reader_lock:
-            rows = self._reader.execute(
-                f"SELECT model, benchmark, {', '.join(OUTCOME_COUNTS)} FROM outcomes"
-            ).fetchall()
-        return {(r[0], r[1]): dict(zip(OUTCOME_COUNTS, r[2:], strict=True)) for r in rows}
+            return feedback_window.outcomes(self._reader)
 
     def expire(self) -> None:
         """Ask the writer to close sessions idle for longer than the TTL now (it also does so
@@ -362,14 +247,14 @@ class SessionLedger:
         self.flush()
         with self._reader_lock:
             row = self._reader.execute(
-                f"SELECT {', '.join(_SUMMARY_COLUMNS)} FROM sessions WHERE id = ?", (session_id,)
+                f"SELECT {', '.join(SUMMARY_COLUMNS)} FROM sessions WHERE id = ?", (session_id,)
             ).fetchone()
             if row is None:
                 return None
             turns = self._reader.execute(
                 "SELECT row FROM turns WHERE session_id = ? ORDER BY seq", (session_id,)
             ).fetchall()
-        return {**_summary(row), "turn_rows": [json.loads(t[0]) for t in turns]}
+        return {**session_summary(row), "turn_rows": [json.loads(t[0]) for t in turns]}
 
     def top(
         self, limit: int = 50, offset: int = 0, key: str = "pte_served"
@@ -381,38 +266,29 @@ class SessionLedger:
         with self._reader_lock:
             total = self._reader.execute("SELECT COUNT(*) FROM sessions").fetchone()[0]
             rows = self._reader.execute(
-                f"SELECT {', '.join(_SUMMARY_COLUMNS)} FROM sessions ORDER BY {key} DESC, id LIMIT ? OFFSET ?",
+                f"SELECT {', '.join(SUMMARY_COLUMNS)} FROM sessions ORDER BY {key} DESC, id LIMIT ? OFFSET ?",
                 (limit, offset),
             ).fetchall()
-        return total, [_summary(r) for r in rows]
+        return total, [session_summary(r) for r in rows]
 
     def model_totals(self) -> dict[str, dict[str, float]]:
         """Per-model sums over every request the host priced (``MODEL_TOTALS``)."""
         self.flush()
         with self._reader_lock:
-            rows = self._reader.execute(
-                f"SELECT model, {', '.join(MODEL_TOTALS)} FROM model_totals"
-            ).fetchall()
-        return {row[0]: dict(zip(MODEL_TOTALS, row[1:], strict=True)) for row in rows}
+            return totals.by_model(self._reader)
 
     def tenant_totals(self) -> dict[str, dict[str, float]]:
         """Per-tenant sums (``MODEL_TOTALS``) over every request the host priced with tenants on."""
         self.flush()
         with self._reader_lock:
-            rows = self._reader.execute(
-                f"SELECT tenant, {', '.join(MODEL_TOTALS)} FROM tenant_totals"
-            ).fetchall()
-        return {row[0]: dict(zip(MODEL_TOTALS, row[1:], strict=True)) for row in rows}
+            return totals.by_tenant(self._reader)
 
     def lora_totals(self) -> dict[str, dict[str, Any]]:
         """Per-adapter sums (``MODEL_TOTALS``, and the base ``model``) over every request the
         host priced for a LoRA adapter; they are part of their base model's totals too."""
         self.flush()
         with self._reader_lock:
-            rows = self._reader.execute(
-                f"SELECT lora_name, model, {', '.join(MODEL_TOTALS)} FROM lora_totals"
-            ).fetchall()
-        return {row[0]: {"model": row[1], **dict(zip(MODEL_TOTALS, row[2:], strict=True))} for row in rows}
+            return totals.by_lora(self._reader)
 
     def host_stats(self) -> dict[str, int]:
         """Counts over every process of the host since the store was created."""
@@ -420,7 +296,7 @@ class SessionLedger:
         with self._reader_lock:
             counts = dict(self._reader.execute("SELECT name, value FROM counters").fetchall())
             live = self._reader.execute("SELECT COUNT(*) FROM sessions").fetchone()[0]
-        return {"live": live, **{k: int(counts.get(k, 0)) for k in _COUNTED}}
+        return {"live": live, **{k: int(counts.get(k, 0)) for k in COUNTED}}
 
     # --- the writer thread ---
 
@@ -462,7 +338,7 @@ class SessionLedger:
 
     def _run(self) -> None:
         try:
-            db = _connect(self.path)
+            db = connect(self.path)
         except Exception as e:
             self._error(e)
             db = None
@@ -509,17 +385,17 @@ class SessionLedger:
         replaced while the server runs (SQLite would go on writing the unlinked file, lost at
         restart) is opened again at its path, created if need be, as the request log is;
         the first write that finds it so says it and counts it."""
-        if db is not None and _file_id(self.path) == self._store_id:
+        if db is not None and file_id(self.path) == self._store_id:
             return db
         if db is not None:
             with contextlib.suppress(sqlite3.Error):
                 db.close()
         try:
-            db = _connect(self.path)
+            db = connect(self.path)
         except StoreError as e:
             self._error(e)
             return None
-        found = _file_id(self.path)
+        found = file_id(self.path)
         if self._store_id is not None and found != self._store_id:
             self.stats.store_reopened += 1
             self._error(
@@ -548,13 +424,13 @@ class SessionLedger:
                 db.execute("BEGIN IMMEDIATE")
                 batch = _Batch(db, self.max_turns)
                 for _, record, _ in adds:
-                    batch.total(record)
+                    totals.add(db, record)
                     if record.session_id is None:
                         continue
                     if batch.apply(record, now) and batch.live > self.max_sessions:
                         batch.close("ORDER BY touched LIMIT ?", (batch.live - self.max_sessions,), "evicted")
                 if observed:
-                    batch.observe(observed, self.feedback_window)
+                    feedback_window.observe(db, observed, self.feedback_window)
                 if expire:
                     batch.close("WHERE last_seen < ?", (now - self.idle_ttl_s,), "idle")
                 batch.count()
@@ -573,7 +449,7 @@ class SessionLedger:
             self._settle(adds)
             return []
         self._live = batch.live
-        for name in _COUNTED:
+        for name in COUNTED:
             setattr(self.stats, name, getattr(self.stats, name) + getattr(batch.delta, name))
         self._settle(adds)
         return batch.closed
@@ -601,36 +477,6 @@ class SessionLedger:
                 self.on_error(e)
 
 
-def _file_id(path: Path) -> tuple[int, int] | None:
-    """(device, inode) of the file at ``path``; None when there is none."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
-
-
-def _connect(path: Path) -> sqlite3.Connection:
-    """A connection to the store, created with its schema if new; a file that is not a
-    session store of this version is a :class:`StoreError` naming it."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        db = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False)
-        db.execute("PRAGMA journal_mode = WAL")
-        db.execute("PRAGMA synchronous = NORMAL")  # WAL: a process crash loses nothing committed
-        db.executescript(_SCHEMA)
-        db.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (SCHEMA_VERSION,))
-        version = db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()[0]
-    except (sqlite3.Error, OSError) as e:
-        raise StoreError(f"cannot open the session store {path}: {e}") from None
-    if version != SCHEMA_VERSION:
-        db.close()
-        raise StoreError(
-            f"the session store {path} has schema {version!r}, this version reads {SCHEMA_VERSION}"
-        )
-    return db
-
-
 _UPSERT = (
     "INSERT INTO sessions (id, model, first_seen, last_seen, touched, n_turns, turns_dropped, last_prompt,"
     f" last_output, last_finished_at, {', '.join(SUMMED)}) VALUES (?, ?, ?, ?, ?, 1, 0, ?, ?, ?,"
@@ -640,22 +486,8 @@ _UPSERT = (
     + ", ".join(f"{k} = {k} + excluded.{k}" for k in SUMMED)
     + " RETURNING n_turns"
 )
-_ADD_TOTALS = (
-    f"INSERT INTO model_totals (model, {', '.join(MODEL_TOTALS)}) VALUES (?, {', '.join('?' * len(MODEL_TOTALS))})"
-    " ON CONFLICT (model) DO UPDATE SET " + ", ".join(f"{k} = {k} + excluded.{k}" for k in MODEL_TOTALS)
-)
-_ADD_TENANT_TOTALS = (
-    f"INSERT INTO tenant_totals (tenant, {', '.join(MODEL_TOTALS)}) VALUES (?, {', '.join('?' * len(MODEL_TOTALS))})"
-    " ON CONFLICT (tenant) DO UPDATE SET " + ", ".join(f"{k} = {k} + excluded.{k}" for k in MODEL_TOTALS)
-)
-_ADD_LORA_TOTALS = (
-    f"INSERT INTO lora_totals (lora_name, model, {', '.join(MODEL_TOTALS)})"
-    f" VALUES (?, ?, {', '.join('?' * len(MODEL_TOTALS))}) ON CONFLICT (lora_name) DO UPDATE SET model = excluded.model, "
-    + ", ".join(f"{k} = {k} + excluded.{k}" for k in MODEL_TOTALS)
-)
 _TURN_ROW = msgspec.json.Encoder()
-_RECENT = "SELECT request_id, model, benchmark, output_tokens, truncated, labeled FROM recent"
-_CLOSE = f"DELETE FROM sessions WHERE id = ? RETURNING {', '.join(_SUMMARY_COLUMNS)}"
+_CLOSE = f"DELETE FROM sessions WHERE id = ? RETURNING {', '.join(SUMMARY_COLUMNS)}"
 
 
 class _Batch:
@@ -669,32 +501,6 @@ class _Batch:
         self.live = db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0]
         # Least recently active first: one counter for the host, read once under the write lock.
         self.touched = db.execute("SELECT COALESCE(MAX(touched), 0) FROM sessions").fetchone()[0]
-
-    def observe(self, observed: list[tuple[Any, ...]], window: int) -> None:
-        """Finished requests into the feedback window (an id seen again: the newer counts),
-        the oldest past ``window`` out of it, and their cells' counts."""
-        seq = self.db.execute("SELECT COALESCE(MAX(seq), 0) FROM recent").fetchone()[0]
-        for rid, sid, model, benchmark, tokens, truncated in observed:
-            seq += 1
-            self.db.execute(
-                "INSERT OR REPLACE INTO recent VALUES (?, ?, ?, ?, ?, ?, ?, 0)",
-                (rid, seq, model, benchmark, tokens, truncated, sid),
-            )
-            self.db.execute(
-                "INSERT INTO outcomes (model, benchmark, requests, truncated, output_tokens) VALUES (?, ?, 1, ?, ?)"
-                " ON CONFLICT (model, benchmark) DO UPDATE SET requests = requests + 1,"
-                " truncated = truncated + excluded.truncated, output_tokens = output_tokens + excluded.output_tokens",
-                (model, benchmark, truncated, tokens),
-            )
-        self.db.execute("DELETE FROM recent WHERE seq <= ?", (seq - window,))
-
-    def total(self, r: RequestRecord) -> None:
-        row = model_totals_row(r)
-        self.db.execute(_ADD_TOTALS, (r.model, *row))
-        if r.tenant is not None:  # allow-listed or "other": a bounded set of rows
-            self.db.execute(_ADD_TENANT_TOTALS, (r.tenant, *row))
-        if r.lora_name is not None:  # bounded by the adapters the server accounts by name
-            self.db.execute(_ADD_LORA_TOTALS, (r.lora_name, r.model, *row))
 
     def apply(self, r: RequestRecord, now: float) -> bool:
         """One turn into the store; True if it opened its session."""
@@ -736,7 +542,7 @@ class _Batch:
         for (sid,) in self.db.execute(f"SELECT id FROM sessions {where}", args).fetchall():
             row = self.db.execute(_CLOSE, (sid,)).fetchone()
             self.db.execute("DELETE FROM turns WHERE session_id = ?", (sid,))
-            self.closed.append((_summary(row), reason))
+            self.closed.append((session_summary(row), reason))
             self.live -= 1
             if reason == "evicted":
                 self.delta.sessions_evicted += 1
@@ -745,20 +551,9 @@ class _Batch:
 
     def count(self) -> None:
         """The host-wide counters, by what this batch did."""
-        for name in _COUNTED:
+        for name in COUNTED:
             if n := getattr(self.delta, name):
                 self.db.execute(
                     "INSERT INTO counters VALUES (?, ?) ON CONFLICT (name) DO UPDATE SET value = value + ?",
                     (name, n, n),
                 )
-
-
-def _summary(row: tuple[Any, ...]) -> dict[str, Any]:
-    s = dict(zip(_SUMMARY_COLUMNS, row, strict=True))
-    return {
-        "session_id": s.pop("id"),
-        "model": s.pop("model"),
-        "turns": s.pop("n_turns"),
-        "turns_dropped": s.pop("turns_dropped"),
-        **s,
-    }
