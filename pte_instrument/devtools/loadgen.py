@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from pte_instrument.settings import Settings
+
 
 @dataclass(frozen=True)
 class StreamOutcome:
@@ -32,7 +34,9 @@ async def _turn(
 ) -> tuple[StreamOutcome, str]:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
     rid, chunks, text = None, 0, ""
-    async with client.stream("POST", "/v1/completions", json=body, headers={"X-Session-Id": session_id}) as r:
+    async with client.stream(
+        "POST", "/v1/completions", json=body, headers={Settings.session_header: session_id}
+    ) as r:
         if r.status_code != 200:
             return StreamOutcome(session_id, turn, None, r.status_code, False, 0), ""
         async for line in r.aiter_lines():

@@ -12,6 +12,8 @@ from typing import Any
 
 import httpx
 
+from pte_instrument.settings import Settings
+
 _WORDS = (
     "search result table value compute python error retry answer file row column sum "
     "mean check plan step query output input tool agent context cache token "
@@ -28,7 +30,7 @@ class WorkloadConfig:
     tool_result_words: int = 80
     tool_pause_s: float = 0.0
     seed: int = 0
-    session_header: str = "X-Session-Id"
+    session_header: str = Settings.session_header  # the plugin's default header
 
 
 @dataclass
