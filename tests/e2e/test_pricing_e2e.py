@@ -261,6 +261,12 @@ def test_a_request_aborted_while_queued_costs_nothing(served):
                 lambda: runner.poll() is None,
             )
         )
+        # the holder keeps the slot until the engine has dropped the aborted request from its
+        # queue: freed before the abort arrives, the slot would take the request in
+        deadline = time.monotonic() + 30
+        while metric_sum(client, "vllm:num_requests_waiting") > 0:
+            assert time.monotonic() < deadline and runner.poll() is None
+            time.sleep(0.05)
     finally:
         runner.kill()
         runner.wait()
