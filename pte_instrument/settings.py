@@ -571,6 +571,9 @@ TABLE: tuple[Setting, ...] = (
 )
 
 
+# Not the plugin's, but read as its own are: the OpenTelemetry SDK's off switch.
+_SDK_DISABLED = Setting(OTEL_SDK_DISABLED, "otel_sdk_disabled", bool, False, _flag, help="")
+
 BY_NAME: dict[str, Setting] = {s.name: s for s in TABLE}
 # Every PTE_* variable the plugin reads: any other is named as a typo.
 NAMES = frozenset(BY_NAME)
@@ -619,13 +622,7 @@ def _from_env(cls: type, env: Mapping[str, str] | None = None) -> Any:
         )
     elif not values["tenants"] and (values["tenant_header"] is not None or values["tenant_from_api_key"]):
         errors.append(f"PTE_TENANTS lists no tenant: every request is accounted to tenant {OTHER_TENANT!r}")
-    raw = env.get(OTEL_SDK_DISABLED)
-    try:
-        otel_disabled = raw is not None and bool(raw.strip()) and _flag(raw.strip(), errors)
-    except Invalid as e:
-        errors.append(f"{OTEL_SDK_DISABLED}={shown(raw or '')} {e}; using 0")
-        otel_disabled = False
-    if otel_disabled:  # the OpenTelemetry SDK's own switch overrides ours
+    if _read(_SDK_DISABLED, env, errors):  # the OpenTelemetry SDK's own switch overrides ours
         values.update(otel=False, otel_logs=False, otel_metrics=False)
     return cls(**values, errors=tuple(errors))
 

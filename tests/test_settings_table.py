@@ -5,7 +5,6 @@ bounds, and no module but the settings reads the plugin's variables from the env
 from __future__ import annotations
 
 import ast
-import dataclasses
 import importlib.util
 
 import pytest
@@ -47,9 +46,7 @@ def test_the_check_names_a_stale_file(tmp_path, monkeypatch, capsys):
     assert script.main(["--check"]) == 0
 
 
-def test_settings_has_a_field_per_row_and_each_default_obeys_its_parser():
-    fields = [f.name for f in dataclasses.fields(settings.Settings)]
-    assert fields == [s.attr for s in settings.TABLE] + ["errors"]
+def test_each_default_obeys_its_parser():
     for s in settings.TABLE:
         if isinstance(s.parse, settings.number) and s.default is not None:
             assert s.parse.bounds.admits(s.default), s.name
