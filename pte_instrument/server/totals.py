@@ -34,14 +34,17 @@ def add(db: sqlite3.Connection, r: RequestRecord) -> None:
         db.execute(_ADD_LORA, (r.lora_name, r.model, *row))
 
 
-def by_model(db: sqlite3.Connection) -> dict[str, dict[str, float]]:
-    rows = db.execute(f"SELECT model, {', '.join(MODEL_TOTALS)} FROM model_totals").fetchall()
+def _sums(db: sqlite3.Connection, table: str, key: str) -> dict[str, dict[str, float]]:
+    rows = db.execute(f"SELECT {key}, {', '.join(MODEL_TOTALS)} FROM {table}").fetchall()
     return {row[0]: dict(zip(MODEL_TOTALS, row[1:], strict=True)) for row in rows}
+
+
+def by_model(db: sqlite3.Connection) -> dict[str, dict[str, float]]:
+    return _sums(db, "model_totals", "model")
 
 
 def by_tenant(db: sqlite3.Connection) -> dict[str, dict[str, float]]:
-    rows = db.execute(f"SELECT tenant, {', '.join(MODEL_TOTALS)} FROM tenant_totals").fetchall()
-    return {row[0]: dict(zip(MODEL_TOTALS, row[1:], strict=True)) for row in rows}
+    return _sums(db, "tenant_totals", "tenant")
 
 
 def by_lora(db: sqlite3.Connection) -> dict[str, dict[str, Any]]:
