@@ -24,18 +24,63 @@ from pte_instrument.server.runtime import get_runtime
 from pte_instrument.vllm_adapter import compat
 
 
+class FirstTokenLatencies:
+    """vLLM's own arrival → first-token latency of each request not yet finished.
+
+    vLLM keeps it out of its finish stats: each output batch lists the latencies of the
+    requests whose first token it carried (``time_to_first_tokens_iter``), without their
+    ids, as ``iteration_timestamp − arrival_time``. The finish stats give
+    ``e2e_latency = iteration_timestamp − arrival_time`` of the finishing batch. Both
+    subtract the arrival time from a timestamp within a factor of two of it, which is exact
+    in floating point, and so is the arrival recovered from either: the arrival time is the
+    key. Children of one parallel-sampling request share it and are taken in order.
+    Requests aborted after their first token never finish there; the oldest entries go
+    once ``limit`` are kept."""
+
+    def __init__(self, limit: int = 65_536) -> None:
+        self.limit = limit
+        self._by_arrival: dict[float, list[float]] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_arrival)
+
+    def observe(self, iteration: IterationStats) -> None:
+        for latency in iteration.time_to_first_tokens_iter:
+            self._by_arrival.setdefault(iteration.iteration_timestamp - latency, []).append(latency)
+        while len(self._by_arrival) > self.limit:
+            del self._by_arrival[next(iter(self._by_arrival))]
+
+    def pop(self, arrival: float) -> float | None:
+        latencies = self._by_arrival.get(arrival)
+        if not latencies:
+            return None
+        latency = latencies.pop(0)
+        if not latencies:
+            del self._by_arrival[arrival]
+        return latency
+
+
 def finished_request(
-    stats: FinishedRequestStats, model: str, engine: int, iteration_timestamp: float
+    stats: FinishedRequestStats,
+    model: str,
+    engine: int,
+    iteration_timestamp: float,
+    first_token_latencies: FirstTokenLatencies | None = None,
 ) -> FinishedRequest:
     """``iteration_timestamp``: vLLM's wall time of the output batch that finished the
     request, from which its ``e2e_latency`` is measured (so arrival = that − e2e).
 
-    vLLM keeps a request's time to first token out of its finish stats; its ``decode_time``
-    runs from the first token to the last (engine-core clock), so arrival → first token is
-    ``e2e_latency − decode_time``, up to how much longer the last output took than the
-    first to reach this process."""
+    The time to first token is vLLM's own, from ``first_token_latencies``. Without it
+    (none given, or the entry dropped by its bound) it is ``e2e_latency − decode_time``
+    (``decode_time`` runs from the first token to the last on the engine core's clock),
+    which also counts how much longer the last output took than the first to reach this
+    process."""
     e2e = float(stats.e2e_latency)
+    arrival = iteration_timestamp - e2e
     tokens = int(stats.num_generation_tokens)
+    ttft = first_token_latencies.pop(arrival) if first_token_latencies is not None and tokens > 0 else None
+    if ttft is None and tokens > 0:
+        ttft = max(0.0, e2e - float(stats.decode_time))
     return FinishedRequest(
         request_id=str(stats.request_id),
         model=model,
@@ -50,9 +95,9 @@ def finished_request(
         decode_s=float(stats.decode_time),
         inference_s=float(stats.inference_time),
         e2e_s=e2e,
-        arrived_at=iteration_timestamp - e2e,
+        arrived_at=arrival,
         finished_at=iteration_timestamp,
-        ttft_s=max(0.0, e2e - float(stats.decode_time)) if tokens > 0 else None,
+        ttft_s=ttft,
         tpot_s=float(stats.mean_time_per_output_token) if tokens > 1 else None,
     )
 
@@ -67,6 +112,7 @@ class PteStatLogger(AggregateStatLoggerBase):
         self.model = compat.served_model_name(vllm_config)
         self.accountants: dict[int, Accountant] = {}
         self.runtime = get_runtime()
+        self.first_tokens = FirstTokenLatencies()
         self._next_expiry = 0.0
         self.join = RequestJoin(
             self.runtime.inbox,
@@ -127,9 +173,15 @@ class PteStatLogger(AggregateStatLoggerBase):
         if not self.accountants or iteration_stats is None:
             return
         now = time.monotonic()
+        try:
+            self.first_tokens.observe(iteration_stats)
+        except Exception as e:
+            self.runtime.faults.record("adapter", e)
         for stats in iteration_stats.finished_requests:
             try:
-                request = finished_request(stats, self.model, engine_idx, iteration_stats.iteration_timestamp)
+                request = finished_request(
+                    stats, self.model, engine_idx, iteration_stats.iteration_timestamp, self.first_tokens
+                )
                 request = self._tagged(request)
             except Exception as e:
                 self.runtime.faults.record("adapter", e)

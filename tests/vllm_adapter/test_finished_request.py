@@ -1,10 +1,14 @@
-"""What the stat logger reads from vLLM's own finish stats (the real ``FinishedRequestStats``
-class, filled by hand as vLLM's ``IterationStats.update_from_finished_request`` fills it)."""
+"""What the stat logger reads from vLLM's own stats: the real ``FinishedRequestStats`` class,
+filled by hand as vLLM's ``IterationStats.update_from_finished_request`` fills it, and the
+real ``IterationStats`` driven through a request's outputs as vLLM's output loop drives it."""
+
+import time
 
 import pytest
-from vllm.v1.metrics.stats import FinishedRequestStats
+from vllm.v1.engine import EngineCoreOutput, FinishReason
+from vllm.v1.metrics.stats import FinishedRequestStats, IterationStats, LoRARequestStates, RequestStateStats
 
-from pte_instrument.vllm_adapter.stat_logger import finished_request
+from pte_instrument.vllm_adapter.stat_logger import FirstTokenLatencies, finished_request
 
 
 def stats(tokens: int, e2e: float, decode: float) -> FinishedRequestStats:
@@ -33,3 +37,52 @@ def test_one_token_has_no_time_per_output_token_and_none_no_first_token():
     assert one.ttft_s == pytest.approx(0.75) and one.tpot_s is None
     none = finished_request(stats(tokens=0, e2e=0.75, decode=0.0), "tiny", 0, iteration_timestamp=1000.0)
     assert none.ttft_s is None and none.tpot_s is None
+
+
+def _iteration(timestamp: float) -> IterationStats:
+    it = IterationStats()
+    it.iteration_timestamp = timestamp
+    return it
+
+
+def _output(token: int, finished: bool = False) -> EngineCoreOutput:
+    return EngineCoreOutput(
+        request_id="r-0", new_token_ids=[token], finish_reason=FinishReason.LENGTH if finished else None
+    )
+
+
+def test_time_to_first_token_is_vllms_own_when_the_last_output_reaches_the_api_server_late():
+    """vLLM's output loop, driven as it drives it: the first token's batch reaches this
+    process at once, the last one 150 ms after the engine sent it (a busy host). vLLM's
+    own time to first token is that of the first batch, so the record's must be too — not
+    the finish's ``e2e − decode``, which would carry the last batch's delay."""
+    arrival = time.time() - 10.0
+    req = RequestStateStats(arrival_time=arrival)
+    lora = LoRARequestStates(log_stats=True)
+    first = _iteration(arrival + 0.25)
+    first.update_from_output(_output(7), 500.0, True, req, lora, None)
+    last = _iteration(arrival + 0.25 + 0.5 + 0.15)
+    last.update_from_output(_output(8, finished=True), 500.5, False, req, lora, None)
+    last.update_from_finished_request(FinishReason.LENGTH, "cmpl-r-0", 40, 2, req)
+    latencies = FirstTokenLatencies()
+    records = []
+    for it in (first, last):
+        latencies.observe(it)
+        for stats in it.finished_requests:
+            records.append(finished_request(stats, "tiny", 0, it.iteration_timestamp, latencies))
+    (r,) = records
+    assert r.ttft_s == req.first_token_latency  # bit-exact: both are vLLM's subtraction
+    assert r.ttft_s == pytest.approx(0.25) and r.e2e_s == pytest.approx(0.9)
+    assert not latencies  # nothing kept once the request finished
+
+
+def test_first_token_latencies_stay_bounded_when_requests_never_finish():
+    """Requests aborted after their first token never reach vLLM's finish stats: their
+    entries go, oldest first, once the bound is reached."""
+    latencies = FirstTokenLatencies(limit=3)
+    for i in range(5):
+        it = _iteration(1000.0 + i)
+        it.time_to_first_tokens_iter.append(0.5)
+        latencies.observe(it)
+    assert len(latencies) == 3
+    assert latencies.pop(999.5) is None and latencies.pop(1003.5) == 0.5
