@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test bench lint compat clean
+.PHONY: setup demo test test-unit bench lint compat clean
 
 setup: $(STAMP)
 
@@ -28,7 +28,11 @@ demo: $(STAMP) models/tiny/config.json
 
 test: $(STAMP) models/tiny/config.json
 	bash scripts/install_test_deps.sh   # Debian's prometheus + promtool for the scrape test
-	$(BIN)/python -m pytest -ra $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -ra --durations=15 $(PYTEST_ARGS)
+
+# The tests that start no vLLM server and install nothing beyond the venv.
+test-unit: $(STAMP) models/tiny/config.json
+	$(BIN)/python -m pytest -ra -m "not vllm" --durations=10 $(PYTEST_ARGS)
 
 # The latency bench on the tiny model (≈ 2 min on 2 cores): bench/results/latency-tiny-*/
 bench: $(STAMP) models/tiny/config.json

@@ -27,6 +27,11 @@ def tiny_model() -> Path:
     return build_model(TINY_MODEL, "tiny", seed=0)
 
 
+# Test servers run the model eagerly: compiling it is vLLM's concern, not the plugin's, and
+# takes 15–40 s of each start-up on this machine.
+EAGER = "--enforce-eager"
+
+
 def start_server(tiny_model: Path, workdir: Path, env: dict[str, str], extra_args: list[str] | None = None):
     from pte_instrument.devtools.serving import VllmServer
 
@@ -34,7 +39,7 @@ def start_server(tiny_model: Path, workdir: Path, env: dict[str, str], extra_arg
         tiny_model,
         log_path=workdir / "vllm.log",
         env=env,
-        extra_args=["--enable-prefix-caching", *(extra_args or [])],
+        extra_args=["--enable-prefix-caching", EAGER, *(extra_args or [])],
     ).start()
 
 

@@ -25,6 +25,9 @@ from typing import Any
 import msgspec
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from opentelemetry.semconv._incubating.attributes.gen_ai_attributes import (
+    GenAiOperationNameValues as Operation,
+)
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -45,7 +48,11 @@ from pte_instrument.vllm_adapter import compat
 # Paths whose requests reach the engine and so finish in the stat logger, with the GenAI
 # operation (OpenTelemetry's well-known values) each one performs; the Responses API is
 # the chat API's successor.
-OPERATIONS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion", "/v1/responses": "chat"}
+OPERATIONS = {
+    "/v1/chat/completions": Operation.CHAT.value,
+    "/v1/completions": Operation.TEXT_COMPLETION.value,
+    "/v1/responses": Operation.CHAT.value,
+}
 GENERATION_PATHS = tuple(OPERATIONS)
 MAX_PAGE = 1000
 MAX_BODY_BYTES = 64 * 1024  # a feedback body is a few ids: anything larger is refused unread

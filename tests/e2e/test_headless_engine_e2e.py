@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from pte_instrument.devtools.serving import VllmServer, free_port
-from tests.conftest import scrape
+from tests.conftest import EAGER, scrape
 from tests.e2e.test_scale_out import complete
 from tests.e2e.test_vllm_plugin import words
 from tests.exposition import metric_sum
@@ -50,6 +50,7 @@ def two_nodes(tiny_model, tmp_path_factory):
         "--served-model-name",
         "tiny",
         "--headless",
+        EAGER,
         "--data-parallel-start-rank",
         "1",
         *dp,
@@ -72,7 +73,7 @@ def two_nodes(tiny_model, tmp_path_factory):
         tiny_model,
         log_path=work / "vllm.log",
         env={"PTE_REQUEST_LOG": str(log), "PTE_ENGINE_TRANSPORT": "tcp", "VLLM_PLUGINS": "pte"},
-        extra_args=["--enable-prefix-caching", "--api-server-count", "1", *dp, *HOOK],
+        extra_args=["--enable-prefix-caching", EAGER, "--api-server-count", "1", *dp, *HOOK],
     )
     try:
         head.start()

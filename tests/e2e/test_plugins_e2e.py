@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.conftest import EAGER
 from tests.helpers import wait
 
 KEEP_LORA = "pte,lora_filesystem_resolver"
@@ -97,7 +98,10 @@ def launch(
     from pte_instrument.devtools.serving import VllmServer
 
     server = VllmServer(
-        tiny_model, log_path=work / "vllm.log", env=env, extra_args=["--enable-prefix-caching", *extra_args]
+        tiny_model,
+        log_path=work / "vllm.log",
+        env=env,
+        extra_args=["--enable-prefix-caching", EAGER, *extra_args],
     )
     for name in unset:  # the server's environment starts from this process's
         server.env.pop(name, None)

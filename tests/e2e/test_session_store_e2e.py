@@ -18,6 +18,7 @@ import httpx
 
 from pte_instrument.devtools.serving import VllmServer
 from pte_instrument.devtools.workload import AgentSession, WorkloadConfig
+from tests.conftest import EAGER
 from tests.e2e.test_sessions_e2e import reusable
 from tests.e2e.test_vllm_plugin import words
 from tests.helpers import wait
@@ -29,7 +30,7 @@ SYSTEM = "You are an agent. " + words(random.Random(3), 150)
 
 def serve(tiny_model: Path, store: Path, log: Path) -> VllmServer:
     env = {"VLLM_PLUGINS": "pte", "PTE_SESSION_STORE": str(store)}
-    return VllmServer(tiny_model, log_path=log, env=env, extra_args=["--enable-prefix-caching"])
+    return VllmServer(tiny_model, log_path=log, env=env, extra_args=["--enable-prefix-caching", EAGER])
 
 
 def step(url: str, session: AgentSession):
@@ -133,7 +134,7 @@ def test_sigkill_under_load_leaves_the_store_whole(tiny_model, tmp_path):
 def test_two_servers_on_one_host_have_their_own_default_store_and_a_shared_one_says_so(tiny_model, tmp_path):
     def server(name: str, store: str) -> VllmServer:
         env = {"VLLM_PLUGINS": "pte", "PTE_SESSION_STORE": store}  # "": the default
-        return VllmServer(tiny_model, log_path=tmp_path / f"{name}.log", env=env)
+        return VllmServer(tiny_model, log_path=tmp_path / f"{name}.log", env=env, extra_args=[EAGER])
 
     def summary(url: str) -> dict:
         return httpx.get(f"{url}/pte/summary", timeout=10).json()

@@ -13,13 +13,19 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as gen_ai
+from opentelemetry.semconv._incubating.attributes.session_attributes import SESSION_ID
+from opentelemetry.semconv._incubating.metrics import gen_ai_metrics
+from opentelemetry.semconv.attributes.error_attributes import ERROR_TYPE
+from opentelemetry.semconv.attributes.service_attributes import SERVICE_NAME
+
 from pte_instrument.server.ledger import GPU_SECONDS_TERMS, RequestRecord
 
 LOG_EVENT = "pte.request"  # the event name of a priced-request log record
-PROVIDER = "vllm"  # gen_ai.provider.name
+PROVIDER = "vllm"  # gen_ai.provider.name: vLLM is not one of the conventions' listed values
 # A request whose route is unknown (the session middleware is not installed, or the
 # request's tag was dropped): vLLM's chat API, its main route.
-DEFAULT_OPERATION = "chat"
+DEFAULT_OPERATION = gen_ai.GenAiOperationNameValues.CHAT.value
 # Finish reasons of a request that did not complete: its error.type (the finish reason
 # itself, a low-cardinality identifier, as the conventions ask), its span status ERROR.
 FAILED = ("error", "abort")
@@ -86,7 +92,7 @@ def _records_of(batch: Any, kind: str) -> Counter[tuple[str, int]]:
             attrs = getattr(item, "attributes", None) or getattr(
                 getattr(item, "log_record", None), "attributes", {}
             )
-            model = attrs.get("gen_ai.request.model", attrs.get("model", ""))
+            model = attrs.get(gen_ai.GEN_AI_REQUEST_MODEL, attrs.get("model", ""))
             out[(str(model), int(attrs.get("pte.engine", attrs.get("engine", 0)) or 0))] += 1
     return out
 
@@ -95,8 +101,8 @@ def _resource() -> Any:
     from opentelemetry.sdk.resources import Resource
 
     resource = Resource.create()  # reads OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES
-    if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
-        resource = resource.merge(Resource({"service.name": "vllm"}))
+    if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
+        resource = resource.merge(Resource({SERVICE_NAME: "vllm"}))
     return resource
 
 
@@ -156,25 +162,25 @@ def error_type(r: RequestRecord) -> str | None:
 def genai_attributes(r: RequestRecord) -> dict[str, Any]:
     """What the conventions require or recommend on both the span and the server metrics."""
     attrs: dict[str, Any] = {
-        "gen_ai.operation.name": operation(r),
-        "gen_ai.provider.name": PROVIDER,
-        "gen_ai.request.model": r.model,
-        "gen_ai.response.model": r.model,  # vLLM answers under the served name it was asked for
+        gen_ai.GEN_AI_OPERATION_NAME: operation(r),
+        gen_ai.GEN_AI_PROVIDER_NAME: PROVIDER,
+        gen_ai.GEN_AI_REQUEST_MODEL: r.model,
+        gen_ai.GEN_AI_RESPONSE_MODEL: r.model,  # vLLM answers under the served name it was asked for
     }
     error = error_type(r)
     if error is not None:
-        attrs["error.type"] = error
+        attrs[ERROR_TYPE] = error
     return attrs
 
 
 def span_attributes(r: RequestRecord) -> dict[str, Any]:
     attrs: dict[str, Any] = {
         **genai_attributes(r),
-        "gen_ai.response.id": r.request_id,
-        "gen_ai.response.finish_reasons": [r.finish_reason],
-        "gen_ai.usage.input_tokens": r.prompt_tokens,
-        "gen_ai.usage.output_tokens": r.output_tokens,
-        "gen_ai.usage.cache_read.input_tokens": r.cached_tokens,
+        gen_ai.GEN_AI_RESPONSE_ID: r.request_id,
+        gen_ai.GEN_AI_RESPONSE_FINISH_REASONS: [r.finish_reason],
+        gen_ai.GEN_AI_USAGE_INPUT_TOKENS: r.prompt_tokens,
+        gen_ai.GEN_AI_USAGE_OUTPUT_TOKENS: r.output_tokens,
+        gen_ai.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS: r.cached_tokens,
         "pte.served": r.pte_served,
         "pte.reference": r.pte_reference,
         "pte.ideal": r.pte_ideal,
@@ -189,8 +195,8 @@ def span_attributes(r: RequestRecord) -> dict[str, Any]:
         "pte.engine": r.engine,
     }
     if r.session_id is not None:
-        attrs["gen_ai.conversation.id"] = r.session_id
-        attrs["session.id"] = r.session_id  # the name Langfuse and other trace UIs group by
+        attrs[gen_ai.GEN_AI_CONVERSATION_ID] = r.session_id
+        attrs[SESSION_ID] = r.session_id  # the name Langfuse and other trace UIs group by
         attrs["pte.turn"] = r.turn
     if r.pause_s is not None:
         attrs["pte.tool_pause_s"] = r.pause_s
@@ -326,19 +332,19 @@ class OtelMetricsExporter:
         meter = self.provider.get_meter("pte_instrument")
         self.duration = _histogram(
             meter,
-            "gen_ai.server.request.duration",
+            gen_ai_metrics.GEN_AI_SERVER_REQUEST_DURATION,
             REQUEST_DURATION_BUCKETS,
             "Generative AI server request duration such as time-to-last byte or last output token.",
         )
         self.ttft = _histogram(
             meter,
-            "gen_ai.server.time_to_first_token",
+            gen_ai_metrics.GEN_AI_SERVER_TIME_TO_FIRST_TOKEN,
             TTFT_BUCKETS,
             "Time to generate first token for successful responses.",
         )
         self.tpot = _histogram(
             meter,
-            "gen_ai.server.time_per_output_token",
+            gen_ai_metrics.GEN_AI_SERVER_TIME_PER_OUTPUT_TOKEN,
             TPOT_BUCKETS,
             "Time per output token generated after the first token for successful responses.",
         )
@@ -365,7 +371,7 @@ class OtelMetricsExporter:
                 self.ttft.record(r.ttft_s, attrs)
             if r.tpot_s is not None:
                 self.tpot.record(r.tpot_s, attrs)
-        model = {"gen_ai.request.model": r.model}
+        model = {gen_ai.GEN_AI_REQUEST_MODEL: r.model}
         for phase, served, reference in (
             ("prefill", r.pte_prefill, r.pte_reference_prefill),
             ("decode", r.pte_decode, r.pte_reference - r.pte_reference_prefill),
