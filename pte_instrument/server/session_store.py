@@ -1,16 +1,32 @@
 """The session store's file: one SQLite database (WAL) per server, shared by its API-server
-processes: the schema, opening it, and the columns its tables and routes share. What is
+processes: the schema, opening it, the columns its tables and routes share, and one
+process's use of it (``Store``: a connection for reads, a writer thread for writes). What is
 written to it is the business of the session ledger (``sessions``), the totals
-(``totals``) and the feedback window (``feedback_window``)."""
+(``totals``) and the feedback window (``feedback_window``).
+
+Writes leave the request path: they queue, and the writer commits what has queued in one
+transaction. A crash loses at most the batch being written; SQLite's journal keeps the file
+whole."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import queue
 import sqlite3
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from pte_instrument.server.ledger import MODEL_TOTALS
+
+MAX_QUEUED = 10_000  # items waiting for the writer; past it an item is refused
+_BATCH = 1024  # items per transaction at most
+_EXPIRE_EVERY_S = 1.0  # a batch is due to close idle sessions at least this often, items or not
+SERVER_ALIVE_S = 60.0  # a server whose writer committed within this long is using the store
 
 # Fields of a turn row shown by the HTTP routes and the demo.
 TURN_FIELDS = (
@@ -147,3 +163,184 @@ def session_summary(row: tuple[Any, ...]) -> dict[str, Any]:
         "turns_dropped": s.pop("turns_dropped"),
         **s,
     }
+
+
+# The owner's transaction: the connection (None: the store could not be opened), the batch's
+# items in the order they were queued, and whether idle sessions are due to close.
+Commit = Callable[[sqlite3.Connection | None, list[tuple[Any, ...]], bool], None]
+
+
+class Store:
+    """One process's use of the store: a connection for reads (``reading``), and a writer
+    thread that hands what has queued (``put``) to ``commit``, a batch at a time. A store
+    deleted or replaced while the server runs (SQLite would go on writing the unlinked file,
+    lost at restart) is opened again at its path, created if need be, as the request log
+    is; the first write that finds it so says it (``on_error``) and counts it
+    (``reopened``)."""
+
+    def __init__(
+        self,
+        path: str | Path | None,
+        commit: Commit,
+        on_error: Callable[[Exception], None],
+        server_id: str,
+        max_queued: int = MAX_QUEUED,
+    ) -> None:
+        """``path``: the file (None: a private one, deleted at ``close``). ``server_id``: the
+        server this process serves for (its API servers share one), so that a store two
+        servers write to can say so (``other_servers``)."""
+        self.commit = commit
+        self.on_error = on_error
+        self.server_id = server_id
+        self.max_queued = max_queued
+        self.reopened = 0
+        self._private = path is None
+        if path is None:
+            fd, name = tempfile.mkstemp(prefix="pte-sessions-", suffix=".sqlite3")
+            os.close(fd)
+            path = name
+        self.path = Path(path)
+        self._reader_db = connect(self.path)
+        self._store_id = self._reader_id = file_id(self.path)  # the file the connections use
+        self._reader_lock = threading.Lock()
+        self._queue: queue.Queue[Any] = queue.Queue(max_queued)
+        self._writer: threading.Thread | None = None
+        self._writer_lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[sqlite3.Connection]:
+        """The readers' connection, on the file the writer uses; one reader at a time."""
+        with self._reader_lock:
+            if self._reader_id != self._store_id:
+                with contextlib.suppress(sqlite3.Error):
+                    self._reader_db.close()
+                self._reader_db, self._reader_id = connect(self.path), self._store_id
+            yield self._reader_db
+
+    def put(self, item: tuple[Any, ...]) -> bool:
+        """Queue an item for the next batch; False (and nothing queued) when the queue is full."""
+        try:
+            self._queue.put_nowait(item)
+        except queue.Full:
+            return False
+        self._ensure_writer()
+        return True
+
+    def expire(self) -> None:
+        """Make the next batch close idle sessions (it does so every second anyway)."""
+        self.put(("expire",))
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until everything queued before now is committed (or failed); False on timeout."""
+        done = threading.Event()
+        deadline = time.monotonic() + timeout
+        try:  # a full queue drains: wait for room rather than give up
+            self._queue.put(("flush", done), timeout=timeout)
+        except queue.Full:
+            return False
+        self._ensure_writer()
+        return done.wait(max(0.0, deadline - time.monotonic()))
+
+    def close(self) -> None:
+        """Commit what is queued, stop the writer and close the store."""
+        with self._writer_lock:
+            writer, self._writer = self._writer, None
+        if writer is not None:
+            self._queue.put(("stop",))
+            writer.join(10)
+        with self._reader_lock:
+            self._reader_db.close()
+        if self._private:
+            for suffix in ("", "-wal", "-shm"):
+                with contextlib.suppress(OSError):
+                    os.unlink(f"{self.path}{suffix}")
+
+    def mark_alive(self, db: sqlite3.Connection) -> None:
+        """Within the owner's transaction: this server is using the store."""
+        db.execute(
+            "INSERT INTO servers VALUES (?, ?) ON CONFLICT (id) DO UPDATE SET last_seen = excluded.last_seen",
+            (self.server_id, time.time()),
+        )
+
+    def other_servers(self) -> list[str]:
+        """The other servers whose writers committed to this store in the last ``SERVER_ALIVE_S``."""
+        with self.reading() as db:
+            rows = db.execute(
+                "SELECT id FROM servers WHERE id != ? AND last_seen > ? ORDER BY id",
+                (self.server_id, time.time() - SERVER_ALIVE_S),
+            ).fetchall()
+        return [r[0] for r in rows]
+
+    def _ensure_writer(self) -> None:
+        if self._writer is not None:
+            return
+        with self._writer_lock:
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._run, name="pte-session-store", daemon=True)
+                self._writer.start()
+
+    def _run(self) -> None:
+        try:
+            db = connect(self.path)
+        except Exception as e:
+            self._error(e)
+            db = None
+        next_expiry = 0.0
+        while True:
+            try:
+                first = self._queue.get(timeout=_EXPIRE_EVERY_S)
+            except queue.Empty:
+                first = ("expire",)
+            batch = [first]
+            while len(batch) < _BATCH:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            db = self._on_the_file(db)
+            expire = any(item[0] == "expire" for item in batch) or time.monotonic() >= next_expiry
+            if expire:
+                next_expiry = time.monotonic() + _EXPIRE_EVERY_S
+            items = [item for item in batch if item[0] not in ("expire", "flush", "stop")]
+            if items or expire:
+                self.commit(db, items, expire)
+            for item in batch:
+                if item[0] == "flush":
+                    item[1].set()
+            if any(item[0] == "stop" for item in batch):
+                if db is not None:
+                    with contextlib.suppress(sqlite3.Error):  # no longer a server of this store
+                        db.execute("DELETE FROM servers WHERE id = ?", (self.server_id,))
+                    db.close()
+                return
+            # Let the committed batch go before waiting for the next: held, it is up to a
+            # batch of records kept alive between bursts.
+            del first, batch, items
+
+    def _on_the_file(self, db: sqlite3.Connection | None) -> sqlite3.Connection | None:
+        """The writer's connection to the file now at the store's path."""
+        if db is not None and file_id(self.path) == self._store_id:
+            return db
+        if db is not None:
+            with contextlib.suppress(sqlite3.Error):
+                db.close()
+        try:
+            db = connect(self.path)
+        except StoreError as e:
+            self._error(e)
+            return None
+        found = file_id(self.path)
+        if self._store_id is not None and found != self._store_id:
+            self.reopened += 1
+            self._error(
+                StoreError(
+                    f"session store {self.path} was deleted or replaced while the server ran; opened it again "
+                    "at its path (the sessions and totals in the old file are not in it)"
+                )
+            )
+        self._store_id = found
+        return db
+
+    def _error(self, e: Exception) -> None:
+        with contextlib.suppress(Exception):  # the fault counter must not raise either
+            self.on_error(e)

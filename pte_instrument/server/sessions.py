@@ -1,14 +1,12 @@
 """Per-session (multi-turn agent) accounting, in one store per host that every API-server
 process of the server shares (``session_store``): a session's turns are numbered, its pauses
 and eviction tax computed, whichever process each turn reaches, and the ledger outlives a
-restart. The same writer's transactions carry the host's totals (``totals``) and the
-feedback window (``feedback_window``).
+restart. The same transactions carry the host's totals (``totals``) and the feedback window
+(``feedback_window``).
 
-Writes leave the request path: ``add`` queues the record and a writer thread commits what
-has queued in one transaction. Readers see every committed batch of every process; a
-process's own queued turns are seen at once by ``context_for`` (a small overlay of them) and
-by the reads that flush first (``get``, ``top``, ``summary``). A crash loses at most the batch
-being written; SQLite's journal keeps the file whole.
+Readers see every committed batch of every process; a process's own queued turns are seen at
+once by ``context_for`` (a small overlay of them) and by the reads that flush first (``get``,
+``top``, ``summary``).
 
 Bounded as before: at most ``max_sessions`` live sessions (the least recently active closes
 first), each closed after ``idle_ttl_s`` without a turn, at most ``max_turns`` turn rows per
@@ -20,9 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import queue
 import sqlite3
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -38,19 +34,14 @@ from pte_instrument.server import feedback_window, totals
 from pte_instrument.server.ledger import RequestRecord
 from pte_instrument.server.session_store import (
     COUNTED,
+    MAX_QUEUED,
     SUMMARY_COLUMNS,
     SUMMED,
     TURN_FIELDS,
+    Store,
     StoreError,
-    connect,
-    file_id,
     session_summary,
 )
-
-MAX_QUEUED = 10_000  # records waiting for the writer; past it a record is lost and counted
-_BATCH = 1024  # records per transaction at most
-_EXPIRE_EVERY_S = 1.0  # the writer closes idle sessions at least this often, turns or not
-SERVER_ALIVE_S = 60.0  # a server whose writer committed within this long is using the store
 
 
 @dataclass(frozen=True)
@@ -82,7 +73,6 @@ class LedgerStats:
     sessions_evicted: int = 0  # pushed out by the max_sessions cap
     turns_dropped: int = 0  # rows beyond max_turns (their totals are kept)
     records_lost: int = 0  # not stored: the queue was full or the batch failed
-    store_reopened: int = 0  # the store's file was deleted or replaced, and created again
 
 
 class SessionLedger:
@@ -102,8 +92,7 @@ class SessionLedger:
     ) -> None:
         """``path``: the store (None: a private file, deleted at ``close``). ``on_close(summary,
         reason)`` runs for each session this process closes; ``on_error`` for each failed write.
-        ``server_id``: the server this process serves for (its API servers share one), so
-        that a store two servers write to can say so (``other_servers``)."""
+        ``server_id``: the server this process serves for (``Store``)."""
         if max_sessions < 1 or max_turns < 1 or idle_ttl_s <= 0:
             raise ValueError("max_sessions and max_turns must be ≥ 1, idle_ttl_s > 0")
         self.max_sessions = max_sessions
@@ -115,32 +104,15 @@ class SessionLedger:
         self.on_error = on_error
         self.clock = clock
         self.stats = LedgerStats()
-        self.server_id = server_id or f"pid-{os.getpid()}"
-        self._private = path is None
-        if path is None:
-            fd, name = tempfile.mkstemp(prefix="pte-sessions-", suffix=".sqlite3")
-            os.close(fd)
-            path = name
-        self.path = Path(path)
-        self._reader_db = connect(self.path)
-        self._store_id = self._reader_id = file_id(self.path)  # the file the connections use
-        self._reader_lock = threading.Lock()
+        self.store = Store(path, self._commit, self._error, server_id or f"pid-{os.getpid()}", max_queued)
         self._overlay: dict[str, _Tail] = {}  # this process's turns not yet committed
         self._overlay_lock = threading.Lock()
-        self._max_queued = max_queued
-        self._queue: queue.Queue[Any] = queue.Queue(max_queued)
-        self._live = self._count_live()
-        self._writer: threading.Thread | None = None
-        self._writer_lock = threading.Lock()
+        with self.store.reading() as db:
+            self._live = int(db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0])
 
     @property
-    def _reader(self) -> sqlite3.Connection:
-        """The routes' connection (``_reader_lock`` held), on the file the writer uses."""
-        if self._reader_id != self._store_id:
-            with contextlib.suppress(sqlite3.Error):
-                self._reader_db.close()
-            self._reader_db, self._reader_id = connect(self.path), self._store_id
-        return self._reader_db
+    def path(self) -> Path:
+        return self.store.path
 
     def __len__(self) -> int:
         """Live sessions on the host, as of this process's latest commit (no query)."""
@@ -193,65 +165,42 @@ class SessionLedger:
         requests in it, as one instance: its outcome; None if none is in the window; [] if
         already labeled. One transaction, so two API servers cannot label one instance twice."""
         self.flush()
-        with self._reader_lock:
-            return feedback_window.label(self._reader, correct, request_ids, session_id)
+        with self.store.reading() as db:
+            return feedback_window.label(db, correct, request_ids, session_id)
 
     def outcomes(self) -> dict[tuple[str, str], dict[str, int]]:
         """The live efficiency's counts per (model, benchmark), host-wide."""
         self.flush()
-        with self._reader_lock:
-            return feedback_window.outcomes(self._reader)
+        with self.store.reading() as db:
+            return feedback_window.outcomes(db)
 
     def expire(self) -> None:
         """Ask the writer to close sessions idle for longer than the TTL now (it also does so
         on its own every second)."""
-        self._submit(("expire",))
+        self.store.expire()
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until everything queued before now is committed (or failed); False on timeout."""
-        done = threading.Event()
-        deadline = time.monotonic() + timeout
-        try:  # a full queue drains: wait for room rather than give up
-            self._queue.put(("flush", done), timeout=timeout)
-        except queue.Full:
-            return False
-        self._ensure_writer()
-        return done.wait(max(0.0, deadline - time.monotonic()))
+        return self.store.flush(timeout)
 
     def close(self) -> None:
         """Commit what is queued, stop the writer and close the store."""
-        with self._writer_lock:
-            writer, self._writer = self._writer, None
-        if writer is not None:
-            self._queue.put(("stop",))
-            writer.join(10)
-        with self._reader_lock:
-            self._reader_db.close()
-        if self._private:
-            for suffix in ("", "-wal", "-shm"):
-                with contextlib.suppress(OSError):
-                    os.unlink(f"{self.path}{suffix}")
+        self.store.close()
 
     # --- reads for the routes: this process's queued turns first, then the host's store ---
 
     def other_servers(self) -> list[str]:
-        """The other servers whose writers committed to this store in the last ``SERVER_ALIVE_S``."""
-        with self._reader_lock:
-            rows = self._reader.execute(
-                "SELECT id FROM servers WHERE id != ? AND last_seen > ? ORDER BY id",
-                (self.server_id, time.time() - SERVER_ALIVE_S),
-            ).fetchall()
-        return [r[0] for r in rows]
+        return self.store.other_servers()
 
     def get(self, session_id: str) -> dict[str, Any] | None:
         self.flush()
-        with self._reader_lock:
-            row = self._reader.execute(
+        with self.store.reading() as db:
+            row = db.execute(
                 f"SELECT {', '.join(SUMMARY_COLUMNS)} FROM sessions WHERE id = ?", (session_id,)
             ).fetchone()
             if row is None:
                 return None
-            turns = self._reader.execute(
+            turns = db.execute(
                 "SELECT row FROM turns WHERE session_id = ? ORDER BY seq", (session_id,)
             ).fetchall()
         return {**session_summary(row), "turn_rows": [json.loads(t[0]) for t in turns]}
@@ -263,9 +212,9 @@ class SessionLedger:
         if key not in SUMMED:
             raise ValueError(f"cannot sort sessions by {key!r}")
         self.flush()
-        with self._reader_lock:
-            total = self._reader.execute("SELECT COUNT(*) FROM sessions").fetchone()[0]
-            rows = self._reader.execute(
+        with self.store.reading() as db:
+            total = db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0]
+            rows = db.execute(
                 f"SELECT {', '.join(SUMMARY_COLUMNS)} FROM sessions ORDER BY {key} DESC, id LIMIT ? OFFSET ?",
                 (limit, offset),
             ).fetchall()
@@ -274,153 +223,59 @@ class SessionLedger:
     def model_totals(self) -> dict[str, dict[str, float]]:
         """Per-model sums over every request the host priced (``MODEL_TOTALS``)."""
         self.flush()
-        with self._reader_lock:
-            return totals.by_model(self._reader)
+        with self.store.reading() as db:
+            return totals.by_model(db)
 
     def tenant_totals(self) -> dict[str, dict[str, float]]:
         """Per-tenant sums (``MODEL_TOTALS``) over every request the host priced with tenants on."""
         self.flush()
-        with self._reader_lock:
-            return totals.by_tenant(self._reader)
+        with self.store.reading() as db:
+            return totals.by_tenant(db)
 
     def lora_totals(self) -> dict[str, dict[str, Any]]:
         """Per-adapter sums (``MODEL_TOTALS``, and the base ``model``) over every request the
         host priced for a LoRA adapter; they are part of their base model's totals too."""
         self.flush()
-        with self._reader_lock:
-            return totals.by_lora(self._reader)
+        with self.store.reading() as db:
+            return totals.by_lora(db)
 
     def host_stats(self) -> dict[str, int]:
         """Counts over every process of the host since the store was created."""
         self.flush()
-        with self._reader_lock:
-            counts = dict(self._reader.execute("SELECT name, value FROM counters").fetchall())
-            live = self._reader.execute("SELECT COUNT(*) FROM sessions").fetchone()[0]
+        with self.store.reading() as db:
+            counts = dict(db.execute("SELECT name, value FROM counters").fetchall())
+            live = db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0]
         return {"live": live, **{k: int(counts.get(k, 0)) for k in COUNTED}}
 
-    # --- the writer thread ---
+    # --- the writer's transactions ---
 
     def _stored_tail(self, session_id: str) -> _Tail | None:
-        with self._reader_lock:
-            row = self._reader.execute(
+        with self.store.reading() as db:
+            row = db.execute(
                 "SELECT n_turns, last_prompt, last_output, last_finished_at FROM sessions WHERE id = ?",
                 (session_id,),
             ).fetchone()
         return None if row is None else _Tail(*row)
 
-    def _count_live(self) -> int:
-        with self._reader_lock:
-            return int(self._reader.execute("SELECT COUNT(*) FROM sessions").fetchone()[0])
-
     def _queue_record(self, item: tuple[Any, ...]) -> bool:
         """Queue a record for the writer; a full queue loses it, counted."""
-        if self._submit(item):
+        if self.store.put(item):
             return True
         self.stats.records_lost += 1
-        self._error(StoreError(f"session store {self.path}: {self._max_queued} records waiting; one lost"))
+        self._error(
+            StoreError(f"session store {self.path}: {self.store.max_queued} records waiting; one lost")
+        )
         return False
 
-    def _submit(self, item: tuple[Any, ...]) -> bool:
-        try:
-            self._queue.put_nowait(item)
-        except queue.Full:
-            return False
-        self._ensure_writer()
-        return True
-
-    def _ensure_writer(self) -> None:
-        if self._writer is not None:
-            return
-        with self._writer_lock:
-            if self._writer is None:
-                self._writer = threading.Thread(target=self._run, name="pte-session-store", daemon=True)
-                self._writer.start()
-
-    def _run(self) -> None:
-        try:
-            db = connect(self.path)
-        except Exception as e:
-            self._error(e)
-            db = None
-        next_expiry = 0.0
-        while True:
-            try:
-                first = self._queue.get(timeout=_EXPIRE_EVERY_S)
-            except queue.Empty:
-                first = ("expire",)
-            batch = [first]
-            while len(batch) < _BATCH:
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            db = self._on_the_file(db)
-            now = self.clock()
-            expire = any(item[0] == "expire" for item in batch) or time.monotonic() >= next_expiry
-            if expire:
-                next_expiry = time.monotonic() + _EXPIRE_EVERY_S
-            closed = self._commit(
-                db,
-                [item for item in batch if item[0] == "add"],
-                now,
-                expire,
-                [item[1] for item in batch if item[0] == "observe"],
-            )
-            self._notify(closed)
-            for item in batch:
-                if item[0] == "flush":
-                    item[1].set()
-            if any(item[0] == "stop" for item in batch):
-                if db is not None:
-                    with contextlib.suppress(sqlite3.Error):  # no longer a server of this store
-                        db.execute("DELETE FROM servers WHERE id = ?", (self.server_id,))
-                    db.close()
-                return
-            # Let the committed batch go before waiting for the next: held, it is up to a
-            # batch of records kept alive between bursts.
-            del first, batch, closed
-
-    def _on_the_file(self, db: sqlite3.Connection | None) -> sqlite3.Connection | None:
-        """The writer's connection to the file now at the store's path. A store deleted or
-        replaced while the server runs (SQLite would go on writing the unlinked file, lost at
-        restart) is opened again at its path, created if need be, as the request log is;
-        the first write that finds it so says it and counts it."""
-        if db is not None and file_id(self.path) == self._store_id:
-            return db
-        if db is not None:
-            with contextlib.suppress(sqlite3.Error):
-                db.close()
-        try:
-            db = connect(self.path)
-        except StoreError as e:
-            self._error(e)
-            return None
-        found = file_id(self.path)
-        if self._store_id is not None and found != self._store_id:
-            self.stats.store_reopened += 1
-            self._error(
-                StoreError(
-                    f"session store {self.path} was deleted or replaced while the server ran; opened it again "
-                    "at its path (the sessions and totals in the old file are not in it)"
-                )
-            )
-        self._store_id = found
-        return db
-
-    def _commit(
-        self,
-        db: sqlite3.Connection | None,
-        adds: list[tuple[Any, ...]],
-        now: float,
-        expire: bool,
-        observed: list[tuple[Any, ...]],
-    ) -> list[tuple[dict[str, Any], str]]:
-        if not (adds or expire or observed):
-            return []
+    def _commit(self, db: sqlite3.Connection | None, items: list[tuple[Any, ...]], expire: bool) -> None:
+        """One batch of the writer, in one transaction: all of it or none of it."""
+        now = self.clock()
+        adds = [item for item in items if item[0] == "add"]
+        observed = [item[1] for item in items if item[0] == "observe"]
         try:
             if db is None:  # the writer could not open the store (said once, when it tried)
                 raise StoreError("not open")
-            with db:  # one transaction: all of the batch or none of it
+            with db:
                 db.execute("BEGIN IMMEDIATE")
                 batch = _Batch(db, self.max_turns)
                 for _, record, _ in adds:
@@ -434,10 +289,7 @@ class SessionLedger:
                 if expire:
                     batch.close("WHERE last_seen < ?", (now - self.idle_ttl_s,), "idle")
                 batch.count()
-                db.execute(
-                    "INSERT INTO servers VALUES (?, ?) ON CONFLICT (id) DO UPDATE SET last_seen = excluded.last_seen",
-                    (self.server_id, time.time()),
-                )
+                self.store.mark_alive(db)
                 failpoint("session_store")
         except Exception as e:
             self.stats.records_lost += len(adds) + len(observed)
@@ -447,12 +299,12 @@ class SessionLedger:
                 )
             )
             self._settle(adds)
-            return []
+            return
         self._live = batch.live
         for name in COUNTED:
             setattr(self.stats, name, getattr(self.stats, name) + getattr(batch.delta, name))
         self._settle(adds)
-        return batch.closed
+        self._notify(batch.closed)
 
     def _settle(self, adds: Iterable[tuple[Any, ...]]) -> None:
         """Drop the overlay entries the batch committed (unless a later turn replaced them)."""

@@ -57,8 +57,8 @@ def test_one_long_session_stays_bounded_by_the_window():
     # the label covers the session's turns still in the window, as before
     out = e.label(True, session_id="agent")
     assert out["requests"] == window and out["output_tokens"] == 2 * window
-    with e.store._reader_lock:  # the window is the store's bound too
-        assert e.store._reader.execute("SELECT COUNT(*) FROM recent").fetchone()[0] == window
+    with e.store.store.reading() as db:  # the window is the store's bound too
+        assert db.execute("SELECT COUNT(*) FROM recent").fetchone()[0] == window
 
 
 def test_a_label_reaches_a_request_another_api_server_observed(tmp_path):

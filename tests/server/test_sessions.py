@@ -205,13 +205,13 @@ def test_a_full_write_queue_loses_records_counted(ledgers, monkeypatch):
     template = turn(ledger, "template", 50, 2, 0, 1000.0)
     assert ledger.flush()
     release = threading.Event()
-    commit = ledger._commit
+    commit = ledger.store.commit
 
     def stalled(*args):  # a store that has stopped taking writes (a disk that hangs)
         release.wait(60)
         return commit(*args)
 
-    monkeypatch.setattr(ledger, "_commit", stalled)
+    monkeypatch.setattr(ledger.store, "commit", stalled)
     for i in range(100):
         ledger.add(replace(template, session_id=f"s-{i}"))
     release.set()
@@ -335,11 +335,11 @@ def test_a_store_deleted_while_the_server_runs_is_created_again_and_the_loss_cou
         assert path.exists()  # a store again, at the configured path
         assert ledger.get("after")["turns"] == 1  # what came after is in it, read back
         assert ledger.get("before") is None  # what was in the deleted file is gone with it
-        assert ledger.stats.store_reopened == 1
+        assert ledger.store.reopened == 1
         assert [str(e) for e in errors if "deleted or replaced" in str(e)], errors
         turn(ledger, "later", 100, 10, 0, 1003.0)
         ledger.flush()
-        assert ledger.stats.store_reopened == 1  # once: the new file is the store now
+        assert ledger.store.reopened == 1  # once: the new file is the store now
     finally:
         ledger.close()
     reopened = SessionLedger(path)  # and a restart finds it
