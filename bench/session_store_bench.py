@@ -39,7 +39,7 @@ def _worker(args: tuple[str, int, int, int, int, Any]) -> dict[str, float]:
     from pte_instrument.cost.architecture import load_config, parse_shape
     from pte_instrument.cost.devices import PROFILES
     from pte_instrument.cost.model import CostModel
-    from pte_instrument.server.ledger import FinishedRequest, price_request
+    from pte_instrument.server.records import FinishedRequest, price_request
     from pte_instrument.server.sessions import SessionLedger
 
     cost = CostModel(parse_shape(load_config(MODEL)), PROFILES["h100-sxm"])

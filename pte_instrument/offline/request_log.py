@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from pte_instrument.offline.records import Problem, RecordError, json_lines, parse_rows, refuse_bad_load
 from pte_instrument.offline.render import fmt, md_table, problems_markdown
-from pte_instrument.server.ledger import TIMED
+from pte_instrument.server.records import TIMED
 
 SCHEMA = "pte-request-log-report/1"
 Kind = Literal["requests", "trajectories"]

@@ -21,7 +21,7 @@ from typing import Protocol
 
 from pte_instrument.cost.model import CostModel
 from pte_instrument.faults import FaultTracker, log
-from pte_instrument.server.ledger import FinishedRequest, RequestRecord, price_request
+from pte_instrument.server.records import FinishedRequest, RequestRecord, price_request
 from pte_instrument.server.sessions import SessionLedger
 
 MAX_CONSECUTIVE_FAULTS = 100

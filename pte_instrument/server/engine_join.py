@@ -19,7 +19,7 @@ import msgspec
 
 from pte_instrument.faults import FaultTracker
 from pte_instrument.server.bounded import BoundedDict
-from pte_instrument.server.ledger import FinishedRequest
+from pte_instrument.server.records import FinishedRequest
 from pte_instrument.wire import EngineCalibration, EngineFaults, EngineHello, EngineMessage, RequestTotals
 
 MAX_ENGINE_RESULTS = 20_000  # request ids with totals waiting for their finish

@@ -23,9 +23,9 @@ from pte_instrument.server.engine_join import EngineInbox, RequestJoin
 from pte_instrument.server.exporters.efficiency import EfficiencyExporter
 from pte_instrument.server.exporters.prometheus import LedgerMetrics, PrometheusExporter, metrics_for
 from pte_instrument.server.exporters.request_log import RequestLogWriter
-from pte_instrument.server.ledger import FinishedRequest
 from pte_instrument.server.live_efficiency import LiveEfficiency
 from pte_instrument.server.lora import LoraNames
+from pte_instrument.server.records import FinishedRequest
 from pte_instrument.server.request_tags import PendingTags, RequestTag
 from pte_instrument.server.sessions import SessionLedger, StoreError
 from pte_instrument.server.tenants import TenantPolicy

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from pte_instrument.server.ledger import MODEL_TOTALS
+from pte_instrument.server.records import MODEL_TOTALS
 
 MAX_QUEUED = 10_000  # items waiting for the writer; past it an item is refused
 _BATCH = 1024  # items per transaction at most

@@ -31,7 +31,7 @@ import msgspec
 from pte_instrument.cost.model import reusable_prefix
 from pte_instrument.failpoints import failpoint
 from pte_instrument.server import feedback_window, totals
-from pte_instrument.server.ledger import RequestRecord
+from pte_instrument.server.records import RequestRecord
 from pte_instrument.server.session_store import (
     COUNTED,
     MAX_QUEUED,

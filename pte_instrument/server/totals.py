@@ -7,7 +7,7 @@ from __future__ import annotations
 import sqlite3
 from typing import Any
 
-from pte_instrument.server.ledger import MODEL_TOTALS, RequestRecord, model_totals_row
+from pte_instrument.server.records import MODEL_TOTALS, RequestRecord, model_totals_row
 
 _ADD_MODEL = (
     f"INSERT INTO model_totals (model, {', '.join(MODEL_TOTALS)}) VALUES (?, {', '.join('?' * len(MODEL_TOTALS))})"

@@ -19,7 +19,7 @@ from vllm.v1.metrics.stats import FinishedRequestStats, IterationStats, Schedule
 from pte_instrument.faults import install_log_handler, log
 from pte_instrument.server.accountant import Accountant
 from pte_instrument.server.engine_join import RequestJoin
-from pte_instrument.server.ledger import FinishedRequest
+from pte_instrument.server.records import FinishedRequest
 from pte_instrument.server.runtime import get_runtime
 from pte_instrument.vllm_adapter import compat
 

@@ -12,7 +12,7 @@ from pte_instrument.faults import FaultTracker
 from pte_instrument.server.accountant import FIRST_RETRY_S, MAX_CONSECUTIVE_FAULTS, MAX_RETRY_S, Accountant
 from pte_instrument.server.exporters.prometheus import PrometheusExporter, metrics_for
 from pte_instrument.server.exporters.request_log import RequestLogWriter
-from pte_instrument.server.ledger import FinishedRequest
+from pte_instrument.server.records import FinishedRequest
 from tests.cost.test_architecture import FIX
 
 

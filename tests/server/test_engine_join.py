@@ -18,7 +18,7 @@ from pte_instrument.server.accountant import Accountant
 from pte_instrument.server.engine_join import ABORT_GRACE_S, EngineInbox, RequestJoin
 from pte_instrument.server.exporters.prometheus import PrometheusExporter, metrics_for
 from pte_instrument.server.exporters.request_log import RequestLogWriter
-from pte_instrument.server.ledger import FinishedRequest, price_request
+from pte_instrument.server.records import FinishedRequest, price_request
 from pte_instrument.server.sessions import SessionLedger
 from pte_instrument.vllm_adapter.compat import request_keys
 from pte_instrument.wire import EngineHello, RequestTotals

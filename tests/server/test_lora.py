@@ -11,8 +11,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from pte_instrument.server.accountant import Accountant
 from pte_instrument.server.exporters.otel import span_attributes
-from pte_instrument.server.ledger import FinishedRequest
 from pte_instrument.server.lora import OTHER_ADAPTER, LoraNames
+from pte_instrument.server.records import FinishedRequest
 from pte_instrument.server.request_tags import PendingTags
 from pte_instrument.server.runtime import Runtime
 from pte_instrument.settings import Settings

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from pte_instrument.server.exporters.families import FAMILIES, FamilySpec
 from pte_instrument.server.exporters.prometheus import PrometheusExporter, PteMetrics
-from pte_instrument.server.ledger import RequestRecord
+from pte_instrument.server.records import RequestRecord
 from tests import exposition
 
 M, E = ("model_name", "engine"), ("model_name", "benchmark")

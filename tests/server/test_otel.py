@@ -19,7 +19,7 @@ from pte_instrument.server.accountant import Accountant
 from pte_instrument.server.exporters.exposition import exposition
 from pte_instrument.server.exporters.otel import OtelExporter, OtelMetricsExporter
 from pte_instrument.server.exporters.prometheus import PrometheusExporter, PteMetrics
-from pte_instrument.server.ledger import FinishedRequest, RequestRecord
+from pte_instrument.server.records import FinishedRequest, RequestRecord
 from tests.server.test_accountant import make
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"

@@ -13,8 +13,8 @@ from pte_instrument import failpoints
 from pte_instrument.cost.architecture import load_config, parse_shape
 from pte_instrument.cost.devices import PROFILES
 from pte_instrument.cost.model import CostModel
-from pte_instrument.server.ledger import FinishedRequest, price_request
 from pte_instrument.server.live_efficiency import LiveEfficiency
+from pte_instrument.server.records import FinishedRequest, price_request
 from pte_instrument.server.request_tags import PendingTags, RequestTag, validate_session_id
 from pte_instrument.server.sessions import SessionLedger, StoreError
 from tests.cost.test_architecture import FIX

@@ -9,7 +9,7 @@ import sqlite3
 
 import pytest
 
-from pte_instrument.server.ledger import MODEL_TOTALS, RequestRecord
+from pte_instrument.server.records import MODEL_TOTALS, RequestRecord
 from pte_instrument.server.sessions import SessionLedger
 
 

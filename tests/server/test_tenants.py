@@ -16,7 +16,7 @@ from pte_instrument.cost.devices import PROFILES
 from pte_instrument.cost.model import CostModel
 from pte_instrument.server.accountant import Accountant
 from pte_instrument.server.exporters.otel import span_attributes
-from pte_instrument.server.ledger import FinishedRequest
+from pte_instrument.server.records import FinishedRequest
 from pte_instrument.server.request_tags import PendingTags
 from pte_instrument.server.runtime import Runtime
 from pte_instrument.server.tenants import TenantPolicy, bearer_token, tenant_hash

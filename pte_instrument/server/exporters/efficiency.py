@@ -4,8 +4,8 @@ session store's: ``SessionLedger.model_totals``)."""
 from __future__ import annotations
 
 from pte_instrument.server.exporters.prometheus import PteMetrics
-from pte_instrument.server.ledger import RequestRecord
 from pte_instrument.server.live_efficiency import LiveEfficiency
+from pte_instrument.server.records import RequestRecord
 
 
 class EfficiencyExporter:

@@ -19,7 +19,7 @@ from opentelemetry.semconv._incubating.metrics import gen_ai_metrics
 from opentelemetry.semconv.attributes.error_attributes import ERROR_TYPE
 from opentelemetry.semconv.attributes.service_attributes import SERVICE_NAME
 
-from pte_instrument.server.ledger import GPU_SECONDS_TERMS, RequestRecord
+from pte_instrument.server.records import GPU_SECONDS_TERMS, RequestRecord
 
 LOG_EVENT = "pte.request"  # the event name of a priced-request log record
 PROVIDER = "vllm"  # gen_ai.provider.name: vLLM is not one of the conventions' listed values

@@ -25,7 +25,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from pte_instrument.cost.model import CostModel
 from pte_instrument.failpoints import failpoint
 from pte_instrument.server.exporters.families import FAMILIES, FamilySpec
-from pte_instrument.server.ledger import RequestRecord
+from pte_instrument.server.records import RequestRecord
 from pte_instrument.server.request_tags import PendingTags
 from pte_instrument.server.sessions import SessionLedger
 from pte_instrument.wire import EngineCalibration

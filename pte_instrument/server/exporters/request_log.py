@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from pte_instrument.failpoints import fires
-from pte_instrument.server.ledger import RequestRecord
+from pte_instrument.server.records import RequestRecord
 
 MAX_PARTIAL = 1 << 20  # a tail without a newline longer than this is not a record of ours: kept
 
