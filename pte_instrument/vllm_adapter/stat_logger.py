@@ -78,9 +78,11 @@ def finished_request(
     e2e = float(stats.e2e_latency)
     arrival = iteration_timestamp - e2e
     tokens = int(stats.num_generation_tokens)
-    ttft = first_token_latencies.pop(arrival) if first_token_latencies is not None and tokens > 0 else None
-    if ttft is None and tokens > 0:
-        ttft = max(0.0, e2e - float(stats.decode_time))
+    ttft = None
+    if tokens > 0:
+        ttft = first_token_latencies.pop(arrival) if first_token_latencies is not None else None
+        if ttft is None:
+            ttft = max(0.0, e2e - float(stats.decode_time))
     return FinishedRequest(
         request_id=str(stats.request_id),
         model=model,
