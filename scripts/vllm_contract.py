@@ -89,7 +89,6 @@ CONTRACT: tuple[Item, ...] = (
         methods=(
             "__init__(vllm_config, engine_indexes)",
             "record(scheduler_stats, iteration_stats, mm_cache_stats, engine_idx)",
-            "log()",
             "log_engine_initialized()",
         ),
     ),

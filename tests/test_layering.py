@@ -77,6 +77,31 @@ def test_only_the_adapter_imports_vllm(graph):
     assert {m: d for m, d in offenders.items() if d and not under(m, ADAPTER)} == {}
 
 
+# What the adapter may know of the API-server side: its facade and the records it hands over.
+SERVER_FACADE = ("pte_instrument.server.api_server", "pte_instrument.server.records")
+
+
+def test_the_adapter_knows_the_server_only_by_its_facade(graph):
+    for module, deps in graph.items():
+        if under(module, ADAPTER):
+            bad = sorted(
+                d
+                for d in deps
+                if under(d, "pte_instrument.server") and not any(under(d, f) for f in SERVER_FACADE)
+            )
+            assert bad == [], f"{module} imports {bad}"
+
+
+def test_the_adapter_reaches_into_no_collaborator_of_the_facade():
+    """``server.runtime`` (the collaborators) is the facade's own: no adapter code names it."""
+    for path in sorted((PACKAGE / "vllm_adapter").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Attribute):
+                assert node.attr not in ("runtime", "_models"), (
+                    f"{path.name}:{node.lineno} reads .{node.attr}"
+                )
+
+
 def test_engine_process_never_reaches_the_server_side(graph):
     forbidden = (
         "pte_instrument.server",

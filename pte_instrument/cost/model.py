@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from pte_instrument.cost.architecture import ModelShape
-from pte_instrument.cost.devices import DeviceProfile
+from pte_instrument.cost.architecture import ModelShape, parse_shape
+from pte_instrument.cost.devices import DeviceProfile, resolve_device
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,21 @@ class CostModel:
             "moe_experts_per_token": s.moe_experts_per_token,
             "assumed": list(s.assumed),  # config fields the shape had to assume
         }
+
+
+def cost_model_for(
+    config: dict[str, Any],
+    kv_cache_dtype: str | None = None,
+    device: str | None = "auto",
+    hoi: float | None = None,
+    n_active: float | None = None,
+) -> CostModel:
+    """The cost model of a served model (its Hugging Face config, with the dtype served) on a
+    device (a name, ``auto`` to detect it, or a HOI of its own)."""
+    return CostModel(
+        parse_shape(config, kv_cache_dtype=kv_cache_dtype, n_active_override=n_active),
+        resolve_device(device, hoi),
+    )
 
 
 def _capped(context: Any, window: int | None) -> Any:

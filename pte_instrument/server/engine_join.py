@@ -4,8 +4,8 @@
 request's totals until its finish is reported; ``RequestJoin`` waits a little for totals
 that have not arrived yet, prices each request once, in the order the requests arrived,
 and prices from the totals alone the requests vLLM never reports (a client that hung up,
-a request aborted while queued). A timer thread prices whatever became ready between two
-of vLLM's ``record()`` calls, so a request is priced within ``TICK_S`` of being ready."""
+a request aborted while queued). The API server's pricer thread asks it for what is ready
+within ``TICK_S`` of its totals or its finish arriving."""
 
 from __future__ import annotations
 
@@ -182,12 +182,11 @@ def orphan_request(totals: RequestTotals, model: str) -> FinishedRequest:
 
 
 class RequestJoin:
-    """Prices each finished request once, with the engine's exact totals when a hook runs.
+    """Hands out each finished request once, with the engine's exact totals when a hook runs.
 
     ``keys(request_id)``: the spellings under which the middleware and the engine may know
-    a request's id; ``tag(request)``: the request with its session tag; ``price(request)``:
-    hands it to the accountant of its engine. Thread-safe: vLLM's ``record()`` and the
-    timer thread both call ``price_ready``."""
+    a request's id; ``tag(request)``: the request with its session tag. Thread-safe: vLLM's
+    output loop calls ``finished``, the pricer thread ``ready``."""
 
     def __init__(
         self,
@@ -195,36 +194,18 @@ class RequestJoin:
         model: str,
         keys: Callable[[str], tuple[str, ...]],
         tag: Callable[[FinishedRequest], FinishedRequest],
-        price: Callable[[FinishedRequest], None],
         faults: FaultTracker,
     ) -> None:
         self.inbox = inbox
         self.model = model
         self.keys = keys
         self.tag = tag
-        self.price = price
         self.faults = faults
         self.waiting: list[tuple[FinishedRequest, float]] = []
         # ids priced by one side whose other side may still come: count per id, one entry each
         self._priced_without_engine: BoundedDict[str, int] = BoundedDict(MAX_PRICED_ONCE)
         self._priced_from_engine: BoundedDict[str, int] = BoundedDict(MAX_PRICED_ONCE)
-        self._lock = threading.RLock()
-        self._timer: threading.Thread | None = None
-
-    def start_timer(self) -> None:
-        """Price on a timer too, between vLLM's ``record()`` calls (once)."""
-        if self._timer is None:
-            self._timer = threading.Thread(target=self._tick_forever, name="pte-pricer", daemon=True)
-            self._timer.start()
-
-    def _tick_forever(self) -> None:
-        while True:
-            self.inbox.arrived.wait(TICK_S)
-            self.inbox.arrived.clear()
-            try:
-                self.price_ready(time.monotonic())
-            except Exception as e:  # never let the timer die
-                self.faults.record("engine_join", e)
+        self._lock = threading.Lock()
 
     def finished(self, request: FinishedRequest, now: float) -> None:
         with self._lock:
@@ -232,11 +213,11 @@ class RequestJoin:
                 return  # priced from its totals already (an abort vLLM reported after all)
             self.waiting.append((request, now + ENGINE_JOIN_TIMEOUT_S))
 
-    def price_ready(self, now: float) -> None:
-        """Price finished requests, joined with the engine hook's exact totals. Those
+    def ready(self, now: float) -> list[FinishedRequest]:
+        """The finished requests to price now, joined with the engine hook's exact totals. Those
         usually arrive first (sent before the engine returns its outputs); a request
         waits for them at most ENGINE_JOIN_TIMEOUT_S, and only when its engine's hook said hello.
-        Requests ready together are priced in arrival order (sessions number turns so)."""
+        Requests ready together come in arrival order (sessions number turns so)."""
         with self._lock:
             ready: list[FinishedRequest] = []
             waiting, self.waiting = self.waiting, []
@@ -281,8 +262,7 @@ class RequestJoin:
                 except Exception as e:
                     self.faults.record("engine_join", e)
             ready.sort(key=lambda r: r.arrived_at)
-            for request in ready:
-                self.price(request)
+            return ready
 
 
 def _count(store: BoundedDict[str, int], key: str) -> None:

@@ -16,9 +16,7 @@ from typing import Any
 
 from vllm.config import VllmConfig
 
-from pte_instrument.cost.architecture import parse_shape
-from pte_instrument.cost.devices import resolve_device
-from pte_instrument.cost.model import CostModel
+from pte_instrument.cost.model import CostModel, cost_model_for
 from pte_instrument.settings import Settings
 
 
@@ -56,14 +54,26 @@ def served_lora_adapters(app: Any) -> Mapping[str, Any] | None:
     return adapters if isinstance(adapters, Mapping) else None
 
 
-def cost_model_from_vllm(vllm_config: VllmConfig, settings: Settings) -> CostModel:
+def served_architecture(vllm_config: VllmConfig) -> dict[str, Any]:
+    """The model's Hugging Face text config, with the dtype actually served."""
     mc = vllm_config.model_config
     cfg: dict[str, Any] = mc.hf_text_config.to_dict()
-    cfg["torch_dtype"] = str(mc.dtype).removeprefix("torch.")  # the dtype actually served
-    shape = parse_shape(
-        cfg, kv_cache_dtype=vllm_config.cache_config.cache_dtype, n_active_override=settings.n_active
+    cfg["torch_dtype"] = str(mc.dtype).removeprefix("torch.")
+    return cfg
+
+
+def kv_cache_dtype(vllm_config: VllmConfig) -> str | None:
+    return vllm_config.cache_config.cache_dtype
+
+
+def cost_model_from_vllm(vllm_config: VllmConfig, settings: Settings) -> CostModel:
+    return cost_model_for(
+        served_architecture(vllm_config),
+        kv_cache_dtype(vllm_config),
+        device=settings.device,
+        hoi=settings.hoi,
+        n_active=settings.n_active,
     )
-    return CostModel(shape, resolve_device(settings.device, settings.hoi))
 
 
 def weight_bytes(vllm_config: VllmConfig) -> float:

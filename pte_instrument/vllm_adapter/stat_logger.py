@@ -1,15 +1,15 @@
-"""``vllm.stat_logger_plugins`` entry point: prices every finished request.
+"""``vllm.stat_logger_plugins`` entry point: every finished request, to be priced.
 
 vLLM loads this class in every API-server process and calls ``record()`` after every
 engine-core output batch, for all of its engines (data parallel: one logger, engine
-indexes as the ``engine`` label). Nothing here may raise into vLLM: a fault is counted
-(``pte_plugin_faults_total``) and logged, and serving continues.
+indexes as the ``engine`` label). ``record()`` runs on vLLM's output loop: it converts
+vLLM's stats and queues them, and the plugin prices them on its own thread. Nothing here
+may raise into vLLM: a fault is counted (``pte_plugin_faults_total``) and logged, and
+serving continues.
 """
 
 from __future__ import annotations
 
-import time
-from functools import partial
 from typing import Any
 
 from vllm.config import VllmConfig
@@ -17,10 +17,8 @@ from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 from vllm.v1.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
 
 from pte_instrument.faults import install_log_handler, log
-from pte_instrument.server.accountant import Accountant
-from pte_instrument.server.engine_join import RequestJoin
+from pte_instrument.server.api_server import ServedModel, api_server
 from pte_instrument.server.records import FinishedRequest
-from pte_instrument.server.runtime import get_runtime
 from pte_instrument.vllm_adapter import compat
 
 
@@ -105,65 +103,31 @@ def finished_request(
 
 
 class PteStatLogger(AggregateStatLoggerBase):
-    """One logger for every engine of this API server: an accountant per engine (its
-    ``engine`` label); the ledgers, routes and transport of the process are shared."""
+    """One logger for every engine of this API server: converts vLLM's configuration and
+    finish stats and hands them to this process's plugin (``ApiServer``)."""
 
     def __init__(self, vllm_config: VllmConfig, engine_indexes: list[int] | None = None) -> None:
         install_log_handler()
-        self.engine_indexes = list(engine_indexes or [0])
+        self.server = api_server()
         self.model = compat.served_model_name(vllm_config)
-        self.accountants: dict[int, Accountant] = {}
-        self.runtime = get_runtime()
         self.first_tokens = FirstTokenLatencies()
-        self._next_expiry = 0.0
-        self.join = RequestJoin(
-            self.runtime.inbox,
-            self.model,
-            compat.request_keys,
-            self._tagged,
-            self._price,
-            self.runtime.faults,
-        )
-        settings = self.runtime.settings
-        if not settings.enabled:
-            log.info("pte-instrument disabled (PTE_ENABLED=0)")
-            return
         try:
-            cost_model = compat.cost_model_from_vllm(vllm_config, settings)
-            price = settings.gpu_hourly_price  # USD per GPU-hour; an engine runs on TP × PP GPUs
-            usd_per_engine_second = (
-                None if price is None else price * compat.gpus_per_engine(vllm_config) / 3600
+            served = ServedModel(
+                name=self.model,
+                engines=tuple(engine_indexes or [0]),
+                architecture=compat.served_architecture(vllm_config),
+                kv_cache_dtype=compat.kv_cache_dtype(vllm_config),
+                kv_block_size=compat.kv_block_size(vllm_config),
+                gpus_per_engine=compat.gpus_per_engine(vllm_config),
+                lora=compat.lora_enabled(vllm_config),
+                api_server=compat.api_server_index(vllm_config),
+                transport=compat.engine_transport(vllm_config, self.server.settings.engine_transport),
             )
-            if cost_model.shape.assumed:  # priced, but on a guess: one line naming it
-                log.warning(
-                    "pte-instrument cost model for %r: %s", self.model, "; ".join(cost_model.shape.assumed)
-                )
-            self.runtime.sessions.block_size = compat.kv_block_size(vllm_config)
-            # adapters are priced as their base model: the same weights and KV cache
-            self.runtime.lora_names.enabled = compat.lora_enabled(vllm_config)
-            for engine in self.engine_indexes:
-                exporters = self.runtime.exporters_for(self.model, engine, cost_model)
-                self.accountants[engine] = Accountant(
-                    cost_model,
-                    exporters,
-                    self.runtime.faults,
-                    self.runtime.sessions,
-                    usd_per_gpu_second=usd_per_engine_second,
-                    new_trace_id=self.runtime.new_trace_id,
-                    on_state=partial(self.runtime.exporter_state, self.model, engine),
-                    on_lost=partial(self.runtime.exporter_lost, self.model, engine),
-                )
-        except Exception as e:  # unknown architecture, bad device name…: keep serving unpriced
-            self.accountants.clear()
-            self.runtime.faults.record("setup", e)
-            log.error("pte-instrument could not build its cost model and is inactive: %s", e)
+        except Exception as e:  # a vLLM whose config lacks what the plugin reads: serve unpriced
+            self.server.fault("setup", e)
+            log.error("pte-instrument could not read vLLM's configuration and is inactive: %s", e)
             return
-        self.runtime.listen(
-            compat.api_server_index(vllm_config),
-            compat.engine_transport(vllm_config, self.runtime.settings.engine_transport),
-        )
-        self.runtime.joins.append(self.join)
-        self.join.start_timer()
+        self.server.configure(served, compat.request_keys)
 
     def record(
         self,
@@ -172,74 +136,27 @@ class PteStatLogger(AggregateStatLoggerBase):
         mm_cache_stats: Any = None,
         engine_idx: int = 0,
     ) -> None:
-        if not self.accountants or iteration_stats is None:
+        if iteration_stats is None or not self.server.active:
             return
-        now = time.monotonic()
         try:
             self.first_tokens.observe(iteration_stats)
         except Exception as e:
-            self.runtime.faults.record("adapter", e)
-        for stats in iteration_stats.finished_requests:
-            try:
-                request = finished_request(
-                    stats, self.model, engine_idx, iteration_stats.iteration_timestamp, self.first_tokens
-                )
-                request = self._tagged(request)
-            except Exception as e:
-                self.runtime.faults.record("adapter", e)
-                continue
-            self.join.finished(request, now)
-        self.join.price_ready(now)
-        if now >= self._next_expiry:  # close idle sessions even when no turn arrives
-            self._next_expiry = now + 1.0
-            try:
-                self.runtime.sessions.expire()
-                self.runtime.ledger_metrics.sync()
-            except Exception as e:
-                self.runtime.faults.record("sessions", e)
+            self.server.fault("adapter", e)
+        if iteration_stats.finished_requests:
+            self.server.finished(self._converted(iteration_stats, engine_idx))
 
-    def _tagged(self, request: FinishedRequest) -> FinishedRequest:
-        return self.runtime.tagged(
-            request, self.runtime.pending.claim(*compat.request_keys(request.request_id))
-        )
-
-    def _price(self, request: FinishedRequest) -> None:
-        accountant = self.accountants.get(request.engine)
-        if accountant is None:  # an engine index vLLM did not announce
-            self.runtime.faults.record("adapter", KeyError(f"unknown engine {request.engine}"))
-            return
-        accountant.on_finished(request)
-        totals = request.engine_totals
-        if totals is not None:
+    def _converted(self, iteration: IterationStats, engine: int) -> list[FinishedRequest]:
+        out = []
+        for stats in iteration.finished_requests:
             try:
-                self.runtime.prometheus[(self.model, request.engine)].publish_engine_time(
-                    totals.engine_busy_s, totals.engine_unattributed_s
+                out.append(
+                    finished_request(
+                        stats, self.model, engine, iteration.iteration_timestamp, self.first_tokens
+                    )
                 )
             except Exception as e:
-                self.runtime.faults.record("prometheus", e)
-        try:
-            self.runtime.ledger_metrics.sync()
-        except Exception as e:
-            self.runtime.faults.record("sessions", e)
-
-    def log(self) -> None:
-        if self.accountants:
-            self.join.price_ready(time.monotonic())
+                self.server.fault("adapter", e)
+        return out
 
     def log_engine_initialized(self) -> None:
-        if not self.accountants:
-            return
-        c = next(iter(self.accountants.values())).cost_model
-        log.info(
-            "pte-instrument active for %s (engines %s, API server %d, engine totals on %s): gamma=%.6g, "
-            "device=%s (HOI %.1f), N_active=%.4g, KV bytes/token=%g",
-            self.model,
-            ",".join(map(str, self.accountants)),
-            self.runtime.api_server,
-            self.runtime.receiver_address or "nothing (no engine hook can reach this process)",
-            c.gamma,
-            c.device.name,
-            c.device.hoi,
-            c.shape.n_active,
-            c.shape.kv_bytes_per_token,
-        )
+        self.server.announce(self.model)

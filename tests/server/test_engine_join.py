@@ -33,7 +33,7 @@ def make_join(hook: bool = True) -> tuple[EngineInbox, RequestJoin, list[Finishe
     if hook:
         inbox.on_messages([EngineHello(0)])
     priced: list[FinishedRequest] = []
-    join = RequestJoin(inbox, "m", request_keys, lambda r: r, priced.append, faults)
+    join = RequestJoin(inbox, "m", request_keys, lambda r: r, faults)
     return inbox, join, priced, faults
 
 
@@ -72,13 +72,13 @@ def test_parallel_sampling_children_are_priced_once_each_under_unique_ids():
     now = time.monotonic()
     join.finished(stats("cmpl-x-0", 5), now)  # vLLM reports both under the parent's id
     join.finished(stats("cmpl-x-0", 3), now)
-    join.price_ready(now)
+    priced.extend(join.ready(now))
     assert sorted((r.request_id, r.child_index, r.output_tokens) for r in priced) == [
         ("0_cmpl-x-0", 0, 3),
         ("1_cmpl-x-0", 1, 5),
     ]
     assert all(r.engine_totals.output_tokens == r.output_tokens for r in priced)
-    join.price_ready(now + 10)  # nothing left over to price as an orphan
+    priced.extend(join.ready(now + 10))  # nothing left over to price as an orphan
     assert len(priced) == 2 and len(inbox) == 0 and faults.counts["engine_join"] == 0
 
 
@@ -88,7 +88,7 @@ def test_a_reused_request_id_joins_both_requests():
     now = time.monotonic()
     join.finished(stats("chatcmpl-same", 4), now)
     join.finished(stats("chatcmpl-same", 4), now)
-    join.price_ready(now)
+    priced.extend(join.ready(now))
     assert len(priced) == 2 and all(r.engine_totals is not None for r in priced)
     assert len({r.engine_totals.request_id for r in priced}) == 1  # same engine id here: built alike
     assert faults.counts["engine_join"] == 0
@@ -98,14 +98,14 @@ def test_an_abort_is_priced_from_its_totals_at_once_and_never_twice():
     inbox, join, priced, _ = make_join()
     inbox.on_messages([totals("chatcmpl-a", 2, reason="abort", arrival_time=50.0, finished_at=50.7)])
     now = time.monotonic()
-    join.price_ready(now)  # within the grace: vLLM could still report it
+    priced.extend(join.ready(now))  # within the grace: vLLM could still report it
     assert priced == []
-    join.price_ready(now + ABORT_GRACE_S + 0.01)
+    priced.extend(join.ready(now + ABORT_GRACE_S + 0.01))
     [r] = priced
     assert (r.request_id, r.finish_reason, r.arrived_at, r.finished_at) == ("chatcmpl-a", "abort", 50.0, 50.7)
     assert r.e2e_s == pytest.approx(0.7)
     join.finished(stats("chatcmpl-a", 2, reason="abort"), now + 1)  # vLLM reports it after all
-    join.price_ready(now + 1)
+    priced.extend(join.ready(now + 1))
     assert len(priced) == 1
 
 
@@ -113,7 +113,7 @@ def test_a_request_aborted_while_queued_costs_nothing():
     inbox, join, priced, _ = make_join()
     never = RequestTotals("chatcmpl-q-0123abcd", "chatcmpl-q", 0, "abort", prompt_tokens=600, scheduled=False)
     inbox.on_messages([never])
-    join.price_ready(time.monotonic() + 1)
+    priced.extend(join.ready(time.monotonic() + 1))
     record = price_request(COST, priced[0], 0.0)
     assert (record.prompt_tokens, record.computed_prefill_tokens) == (600, 0)
     assert record.pte_served == record.pte_reference == record.pte_ideal == 0
@@ -134,26 +134,12 @@ def test_wasted_work_is_counted_beside_served():
     assert price_request(COST, done, 0.0).pte_wasted_aborted == 0  # only an abort throws its last step away
 
 
-def test_totals_arriving_late_are_priced_by_the_timer_within_100ms():
-    inbox, join, priced, _ = make_join()
-    join.start_timer()
-    join.finished(stats("chatcmpl-late", 2), time.monotonic())
-    join.price_ready(time.monotonic())
-    assert priced == []  # waits for the engine's totals
-    inbox.on_messages([totals("chatcmpl-late", 2)])
-    t0 = time.monotonic()
-    while not priced and time.monotonic() - t0 < 1.0:
-        time.sleep(0.005)
-    assert priced and time.monotonic() - t0 < 0.1
-    assert priced[0].engine_totals is not None
-
-
 def test_requests_ready_together_are_priced_in_arrival_order():
     _, join, priced, _ = make_join(hook=False)
     now = time.monotonic()
     for rid, arrived in (("c", 3.0), ("a", 1.0), ("b", 2.0)):
         join.finished(stats(rid, 1, arrived=arrived), now)
-    join.price_ready(now)
+    priced.extend(join.ready(now))
     assert [r.request_id for r in priced] == ["a", "b", "c"]
 
 
@@ -163,11 +149,11 @@ def test_an_engine_whose_hook_never_reached_this_api_server_is_a_fault_priced_at
     _, join, priced, faults = make_join(hook=True)
     request = replace(stats("cmpl-far-0", output=3), engine=1)
     join.finished(request, now=0.0)
-    join.price_ready(now=0.0)  # no waiting for totals that cannot come
+    priced.extend(join.ready(now=0.0))  # no waiting for totals that cannot come
     assert [r.request_id for r in priced] == ["cmpl-far-0"] and priced[0].engine_totals is None
     assert faults.counts["engine_join"] == 1
     join.finished(replace(stats("cmpl-near-0", output=3), engine=0), now=0.0)
-    join.price_ready(now=0.0)  # engine 0's hook is there: its request waits for its totals
+    priced.extend(join.ready(now=0.0))  # engine 0's hook is there: its request waits for its totals
     assert len(priced) == 1 and faults.counts["engine_join"] == 1
 
 
@@ -193,7 +179,7 @@ def test_a_request_aborted_mid_prefill_is_charged_the_prefill_that_ran(tmp_path)
     # a 1,000-token prompt aborted after 256 of it were prefilled (chunked prefill)
     inbox, join, priced, _ = make_join()
     inbox.on_messages([mid_prefill(1000, 256.0)])
-    join.price_ready(time.monotonic() + 1)
+    priced.extend(join.ready(time.monotonic() + 1))
     registry = CollectorRegistry()
     sessions = SessionLedger(tmp_path / "sessions.sqlite3")
     log = tmp_path / "requests.jsonl"
@@ -262,12 +248,12 @@ def test_a_hung_up_stream_the_engine_finished_keeps_its_session_tag_until_it_is_
         t = pending.claim(*request_keys(r.request_id))
         return replace(r, session_id=None if t is None else t.session_id)
 
-    join = RequestJoin(inbox, "m", request_keys, tag, priced.append, faults)
+    join = RequestJoin(inbox, "m", request_keys, tag, faults)
     inbox.on_messages([totals("cmpl-hangup", 16, reason="length")])
     late = (
         time.monotonic() + ORPHAN_AFTER_S + 2 * TICK_S
     )  # the timer's tick after the orphan wait, a little late
     clock[0] = late + 1.0  # and the transport a second slower still
-    join.price_ready(late + 1.0)
+    priced.extend(join.ready(late + 1.0))
     assert [(r.request_id, r.session_id) for r in priced] == [("cmpl-hangup", "agent-7")]
     assert pending.dropped == 0

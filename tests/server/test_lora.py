@@ -12,11 +12,11 @@ from prometheus_client import CollectorRegistry, generate_latest
 from pte_instrument.server.accountant import Accountant
 from pte_instrument.server.exporters.otel import span_attributes
 from pte_instrument.server.lora import OTHER_ADAPTER, LoraNames
+from pte_instrument.server.middleware import MAX_MODEL_NAME_LEN, TaggingMiddleware
 from pte_instrument.server.records import FinishedRequest
 from pte_instrument.server.request_tags import PendingTags
 from pte_instrument.server.runtime import Runtime
 from pte_instrument.settings import Settings
-from pte_instrument.vllm_adapter.endpoints import MAX_MODEL_NAME_LEN, SessionMiddleware
 from tests import exposition
 from tests.server.test_sessions import Clock
 from tests.server.test_tenants import COST
@@ -74,7 +74,7 @@ async def post_all(runtime: Runtime, bodies: list[bytes]) -> list[bytes]:
             "root_path": "",
             "headers": [(b"x-request-id", f"r{i}".encode())],
         }
-        await SessionMiddleware(downstream, runtime=runtime)(scope, receive, send)
+        await TaggingMiddleware(downstream, runtime)(scope, receive, send)
     return received
 
 

@@ -12,10 +12,11 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
+from pte_instrument.server.middleware import TaggingMiddleware
 from pte_instrument.server.request_tags import PendingTags, RequestTag
+from pte_instrument.server.routes import build_router
 from pte_instrument.server.runtime import Runtime
 from pte_instrument.settings import Settings
-from pte_instrument.vllm_adapter.endpoints import SessionMiddleware, build_router
 from tests.server.test_sessions import Clock, turn
 
 KEY = "route-key"
@@ -206,7 +207,7 @@ def generation_app(status: int, complete: bool = True):
 
 def tagged_client(runtime: Runtime, status: int, complete: bool = True) -> TestClient:
     # with the key: the middleware tags only what vLLM's key check lets through
-    return TestClient(SessionMiddleware(generation_app(status, complete), runtime=runtime), headers=AUTH)
+    return TestClient(TaggingMiddleware(generation_app(status, complete), runtime), headers=AUTH)
 
 
 @pytest.mark.parametrize("status", [400, 401, 404, 422, 500, 503])
@@ -303,7 +304,7 @@ def test_user_field_with_deep_nesting_still_reaches_the_server(runtime):
         await send({"type": "http.response.body", "body": b"{}"})
 
     body = b'{"user": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"
-    call(SessionMiddleware(app, runtime=runtime), "/v1/chat/completions", [], [body])
+    call(TaggingMiddleware(app, runtime), "/v1/chat/completions", [], [body])
     assert seen == [body]
     assert runtime.faults.counts.get("middleware", 0) == 0
 
@@ -390,6 +391,9 @@ def test_the_middleware_form_reads_no_body_of_a_request_vllms_api_key_check_refu
 
     from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
 
+    from pte_instrument.server.api_server import ApiServer
+    from pte_instrument.vllm_adapter.endpoints import SessionMiddleware
+
     runtime = Runtime(Settings(session_from_user=True), registry=CollectorRegistry())
     assert runtime.api_keys == []
     app = FastAPI()
@@ -400,7 +404,7 @@ def test_the_middleware_form_reads_no_body_of_a_request_vllms_api_key_check_refu
         return {"ok": True}
 
     app.add_middleware(AuthenticationMiddleware, tokens=[KEY])  # as vLLM's server does, in its order
-    app.add_middleware(SessionMiddleware, runtime=runtime)
+    app.add_middleware(SessionMiddleware, server=ApiServer(runtime))
     chunks = [b'{"user": "agent-1", "prompt": "' + b"x" * 16384] + [b"x" * 16384] * 30 + [b'"}']
     status, _, read = call(app, "/v1/completions", [(b"transfer-encoding", b"chunked")], chunks)
     assert (status, read) == (401, 0)

@@ -16,12 +16,12 @@ from pte_instrument.cost.devices import PROFILES
 from pte_instrument.cost.model import CostModel
 from pte_instrument.server.accountant import Accountant
 from pte_instrument.server.exporters.otel import span_attributes
+from pte_instrument.server.middleware import TaggingMiddleware
 from pte_instrument.server.records import FinishedRequest
 from pte_instrument.server.request_tags import PendingTags
 from pte_instrument.server.runtime import Runtime
 from pte_instrument.server.tenants import TenantPolicy, bearer_token, tenant_hash
 from pte_instrument.settings import MAX_TENANT_LEN, MAX_TENANTS, Settings
-from pte_instrument.vllm_adapter.endpoints import SessionMiddleware
 from tests import exposition
 from tests.cost.test_architecture import FIX
 from tests.server.test_sessions import Clock
@@ -243,7 +243,7 @@ def test_ten_thousand_distinct_tenants_leave_the_allow_list_plus_other(runtime, 
         else:  # nothing at all
             requests.append([(b"x-request-id", rid)])
     runtime.pending = PendingTags(clock=Clock())  # still within the grace when the engine reports
-    asyncio.run(post_all(SessionMiddleware(generation_app, runtime=runtime), requests))
+    asyncio.run(post_all(TaggingMiddleware(generation_app, runtime), requests))
     accountant = Accountant(COST, runtime.exporters_for("m", 0, COST), runtime.faults, runtime.sessions)
     expected = {"team-a": 0, "team-b": 0, HASH_C: 0, "other": 0}
     for i in range(n):
@@ -284,7 +284,7 @@ def test_with_tenants_off_there_is_no_tenant_and_no_tag(registry):
     try:
         asyncio.run(
             post_all(
-                SessionMiddleware(generation_app, runtime=rt),
+                TaggingMiddleware(generation_app, rt),
                 [[(b"x-request-id", b"r1"), (b"x-tenant-id", b"team-a")]],
             )
         )

@@ -181,7 +181,7 @@ def adapter_class(module: str, name: str) -> dict[str, ast.FunctionDef | ast.Asy
             "stat_logger",
             "PteStatLogger",
             "vllm.v1.metrics.loggers:AggregateStatLoggerBase",
-            lambda n: n in ("_tagged", "_price"),
+            lambda n: n == "_converted",
         ),
         (
             "endpoints",

@@ -1,0 +1,250 @@
+"""The plugin in one vLLM API-server process, as the vLLM adapter sees it: a few verbs, and
+nothing of the collaborators behind them.
+
+The adapter converts vLLM's types and calls ``configure`` (once per served model, from
+vLLM's config), ``finished`` (the requests an output batch finished), ``fault`` (what it
+could not convert), ``announce``, and for its HTTP side ``router``, ``middleware`` and
+``set_api_keys``. A finished request walks one way: ``finished`` tags it and queues it in
+the model's ``RequestJoin``; the pricer thread (``tick``) takes it once the engine's
+totals joined it, and its ``Accountant`` prices it, files it under its session and fans it
+out to the exporters, each isolated. No exporter runs on vLLM's output loop."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Container, Iterable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from fastapi import APIRouter
+from starlette.types import ASGIApp
+
+from pte_instrument.cost.model import CostModel, cost_model_for
+from pte_instrument.faults import log
+from pte_instrument.server.accountant import Accountant
+from pte_instrument.server.engine_join import TICK_S, RequestJoin
+from pte_instrument.server.middleware import TaggingMiddleware
+from pte_instrument.server.records import FinishedRequest
+from pte_instrument.server.routes import build_router
+from pte_instrument.server.runtime import Runtime, get_runtime
+from pte_instrument.settings import Settings
+
+EXPIRY_EVERY_S = 1.0  # idle sessions are closed this often, whether or not a turn arrives
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the plugin needs to know of a served model, read from vLLM's config."""
+
+    name: str
+    engines: tuple[int, ...]  # this API server's engines (data-parallel ranks)
+    architecture: dict[str, Any]  # the Hugging Face text config, with the dtype served
+    kv_cache_dtype: str | None
+    kv_block_size: int  # prefix caching is per block
+    gpus_per_engine: int  # tensor × pipeline parallel
+    lora: bool  # the server serves LoRA adapters
+    api_server: int  # this process's index among the API servers
+    transport: str | None  # the engine hooks' transport base (None: no hook can reach here)
+
+
+@dataclass
+class _Pricing:
+    """One served model's join and its engines' accountants."""
+
+    cost_model: CostModel
+    join: RequestJoin
+    accountants: dict[int, Accountant]
+
+
+class ApiServer:
+    """``threaded``: price on the pricer thread (False: only when ``tick`` is called)."""
+
+    def __init__(self, runtime: Runtime, threaded: bool = True) -> None:
+        self.runtime = runtime
+        self.threaded = threaded
+        self._models: dict[str, _Pricing] = {}
+        self._next_expiry = 0.0
+        self._lock = threading.Lock()  # one tick at a time: requests ready together are priced in order
+        self._pricer: threading.Thread | None = None
+
+    @property
+    def settings(self) -> Settings:
+        return self.runtime.settings
+
+    @property
+    def active(self) -> bool:
+        return bool(self._models)
+
+    def configure(self, served: ServedModel, request_keys: Callable[[str], tuple[str, ...]]) -> None:
+        """Price ``served``'s requests from now on. ``request_keys(request_id)``: the
+        spellings under which the middleware and the engine may know a request's id. An
+        unknown architecture or device leaves the model unpriced, with one error line."""
+        rt = self.runtime
+        if not rt.settings.enabled:
+            log.info("pte-instrument disabled (PTE_ENABLED=0)")
+            return
+        try:
+            s = rt.settings
+            cost_model = cost_model_for(
+                served.architecture, served.kv_cache_dtype, s.device, s.hoi, s.n_active
+            )
+            price = s.gpu_hourly_price  # USD per GPU-hour; an engine runs on TP × PP GPUs
+            usd_per_engine_second = None if price is None else price * served.gpus_per_engine / 3600
+            if cost_model.shape.assumed:  # priced, but on a guess: one line naming it
+                log.warning(
+                    "pte-instrument cost model for %r: %s", served.name, "; ".join(cost_model.shape.assumed)
+                )
+            rt.sessions.block_size = served.kv_block_size
+            rt.lora_names.enabled = served.lora  # adapters are priced as their base model
+            accountants = {
+                engine: Accountant(
+                    cost_model,
+                    rt.exporters_for(served.name, engine, cost_model),
+                    rt.faults,
+                    rt.sessions,
+                    usd_per_gpu_second=usd_per_engine_second,
+                    new_trace_id=rt.new_trace_id,
+                    on_state=partial(rt.exporter_state, served.name, engine),
+                    on_lost=partial(rt.exporter_lost, served.name, engine),
+                )
+                for engine in served.engines
+            }
+        except Exception as e:  # unknown architecture, bad device name…: keep serving unpriced
+            rt.faults.record("setup", e)
+            log.error("pte-instrument could not build its cost model and is inactive: %s", e)
+            return
+        join = RequestJoin(rt.inbox, served.name, request_keys, self._tagger(request_keys), rt.faults)
+        rt.listen(served.api_server, served.transport)
+        rt.joins.append(join)
+        with self._lock:
+            self._models[served.name] = _Pricing(cost_model, join, accountants)
+        self._start_pricer()
+
+    def _tagger(
+        self, request_keys: Callable[[str], tuple[str, ...]]
+    ) -> Callable[[FinishedRequest], FinishedRequest]:
+        def tagged(request: FinishedRequest) -> FinishedRequest:
+            return self.runtime.tagged(request, self.runtime.pending.claim(*request_keys(request.request_id)))
+
+        return tagged
+
+    def finished(self, requests: Iterable[FinishedRequest]) -> None:
+        """Requests vLLM reported finished (one output batch): tagged now, while their tags
+        are kept, and priced on the pricer thread."""
+        now = time.monotonic()
+        for request in requests:
+            pricing = self._models.get(request.model)
+            if pricing is None:
+                self.fault("adapter", KeyError(f"a request of unconfigured model {request.model!r}"))
+                continue
+            try:
+                pricing.join.finished(pricing.join.tag(request), now)
+            except Exception as e:
+                self.fault("adapter", e)
+        self.runtime.inbox.arrived.set()  # wake the pricer
+
+    def fault(self, stage: str, error: Exception) -> None:
+        self.runtime.faults.record(stage, error)
+
+    def tick(self, now: float | None = None) -> None:
+        """Price every request that is ready (its engine totals arrived, or waiting for
+        them timed out), and close the sessions idle past their TTL."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            for pricing in list(self._models.values()):
+                for request in pricing.join.ready(now):
+                    self._price(pricing, request)
+            if now >= self._next_expiry:
+                self._next_expiry = now + EXPIRY_EVERY_S
+                try:
+                    self.runtime.sessions.expire()
+                except Exception as e:
+                    self.fault("sessions", e)
+            try:
+                self.runtime.ledger_metrics.sync()
+            except Exception as e:
+                self.fault("sessions", e)
+
+    def _price(self, pricing: _Pricing, request: FinishedRequest) -> None:
+        accountant = pricing.accountants.get(request.engine)
+        if accountant is None:  # an engine index vLLM did not announce
+            self.fault("adapter", KeyError(f"unknown engine {request.engine}"))
+            return
+        accountant.on_finished(request)
+        totals = request.engine_totals
+        if totals is not None:
+            try:
+                self.runtime.prometheus[(request.model, request.engine)].publish_engine_time(
+                    totals.engine_busy_s, totals.engine_unattributed_s
+                )
+            except Exception as e:
+                self.fault("prometheus", e)
+
+    def _start_pricer(self) -> None:
+        if self.threaded and self._pricer is None:
+            self._pricer = threading.Thread(target=self._price_forever, name="pte-pricer", daemon=True)
+            self._pricer.start()
+
+    def _price_forever(self) -> None:
+        arrived = self.runtime.inbox.arrived  # engine totals or finished requests came
+        while True:
+            arrived.wait(TICK_S)
+            arrived.clear()
+            try:
+                self.tick()
+            except Exception as e:  # never let the pricer die
+                self.fault("engine_join", e)
+
+    def announce(self, model: str) -> None:
+        """One line saying what prices ``model``'s requests (once vLLM's engines are up)."""
+        pricing = self._models.get(model)
+        if pricing is None:
+            return
+        c = pricing.cost_model
+        log.info(
+            "pte-instrument active for %s (engines %s, API server %d, engine totals on %s): gamma=%.6g, "
+            "device=%s (HOI %.1f), N_active=%.4g, KV bytes/token=%g",
+            model,
+            ",".join(map(str, pricing.accountants)),
+            self.runtime.api_server,
+            self.runtime.receiver_address or "nothing (no engine hook can reach this process)",
+            c.gamma,
+            c.device.name,
+            c.device.hoi,
+            c.shape.n_active,
+            c.shape.kv_bytes_per_token,
+        )
+
+    def set_api_keys(self, keys: list[str]) -> None:
+        """The API keys vLLM's server checks: the plugin's routes and tags check them too."""
+        self.runtime.api_keys = keys
+
+    def router(self) -> APIRouter:
+        """The ``/pte/*`` routes."""
+        return build_router(self.runtime)
+
+    def middleware(
+        self,
+        app: ASGIApp,
+        keys_of: Callable[[Any], list[str]] | None = None,
+        adapters_of: Callable[[Any], Container[str] | None] | None = None,
+    ) -> TaggingMiddleware:
+        """The middleware that tags generation requests, around ``app``. ``keys_of(asgi_app)``:
+        the server's API keys, when no one set them; ``adapters_of(asgi_app)``: the LoRA
+        adapters it serves, by name."""
+        return TaggingMiddleware(app, self.runtime, keys_of, adapters_of)
+
+
+_server: ApiServer | None = None
+_lock = threading.Lock()
+
+
+def api_server() -> ApiServer:
+    """This process's plugin (vLLM loads the stat logger and the routes separately)."""
+    global _server
+    with _lock:
+        if _server is None:
+            _server = ApiServer(get_runtime())
+        return _server

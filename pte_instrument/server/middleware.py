@@ -1,0 +1,165 @@
+"""The middleware that tags generation requests for the stat logger, which sees them finish
+in the same process.
+
+It reads the session header (default ``X-Session-Id``; or the OpenAI ``user`` field with
+``PTE_SESSION_FROM_USER=1``), the tenant (``PTE_TENANT_HEADER``, the API key's hash), when
+the server serves LoRA adapters the OpenAI ``model`` field, and, when OpenTelemetry is on,
+the route's GenAI operation and the caller's W3C ``traceparent``; makes sure the request
+carries an ``X-Request-Id`` (vLLM names its request after it), and remembers request → tag
+until the request finishes: the tag goes a grace period after the HTTP exchange ends
+(``PendingTags.settle``), so every engine request of one HTTP request (``n > 1``, a list of
+prompts) carries it."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Container
+from typing import Any
+
+import msgspec
+from opentelemetry.semconv._incubating.attributes.gen_ai_attributes import (
+    GenAiOperationNameValues as Operation,
+)
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pte_instrument.server.request_tags import UNTAGGED, RequestTag, parse_traceparent, validate_session_id
+from pte_instrument.server.routes import authorized
+from pte_instrument.server.runtime import Runtime
+from pte_instrument.settings import BENCHMARK_HEADER
+
+# Paths whose requests reach the engine and so finish in the stat logger, with the GenAI
+# operation (OpenTelemetry's well-known values) each one performs; the Responses API is
+# the chat API's successor.
+OPERATIONS = {
+    "/v1/chat/completions": Operation.CHAT.value,
+    "/v1/completions": Operation.TEXT_COMPLETION.value,
+    "/v1/responses": Operation.CHAT.value,
+}
+GENERATION_PATHS = tuple(OPERATIONS)
+MAX_MODEL_NAME_LEN = 256  # a longer "model" is kept for no adapter (accounted to the base model)
+
+
+class TaggingMiddleware:
+    """Tags generation requests with their session and benchmark label, and with their
+    route's operation and the caller's trace context when OpenTelemetry takes them. Pure
+    ASGI (no per-request task, no body copy unless the ``user`` field is wanted)."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        runtime: Runtime,
+        keys_of: Callable[[Any], list[str]] | None = None,
+        adapters_of: Callable[[Any], Container[str] | None] | None = None,
+    ) -> None:
+        self.app = app
+        self.runtime = runtime
+        self.keys_of = keys_of
+        self.adapters_of = adapters_of
+        self.header = self.runtime.settings.session_header.lower().encode("ascii")
+        self.benchmark_header = BENCHMARK_HEADER.lower().encode("ascii")
+        self._keys_read = False
+
+    def _authorized(self, scope: Scope, headers: list[tuple[bytes, bytes]]) -> bool:
+        """vLLM's API-key check, made here first: added by ``--middleware``, this runs before
+        vLLM's own, and the endpoint plugin that tells the runtime the keys may not be loaded."""
+        if not self._keys_read:
+            self._keys_read = True
+            if not self.runtime.api_keys and self.keys_of is not None:
+                self.runtime.api_keys = self.keys_of(scope.get("app"))
+        if not self.runtime.api_keys:
+            return True
+        value = next((v for k, v in headers if k == b"authorization"), b"")
+        return authorized(value.decode("latin-1"), self.runtime.api_keys)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        key = None
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"].endswith(GENERATION_PATHS):
+            try:
+                key, receive = await self._tag(scope, receive)
+            except Exception as e:  # never fail the request for the plugin's sake
+                self.runtime.faults.record("middleware", e)
+        if key is None:
+            await self.app(scope, receive, send)
+            return
+        try:
+            await self.app(scope, receive, send)
+        finally:  # answered, rejected or cut off: what the engine did, it reports within the grace
+            self.runtime.pending.settle(key)
+
+    async def _tag(self, scope: Scope, receive: Receive) -> tuple[str | None, Receive]:
+        """The request key its tag is kept under (None: nothing to tag), and the receive
+        channel to pass on."""
+        headers: list[tuple[bytes, bytes]] = scope["headers"]
+        if not self._authorized(scope, headers):  # vLLM refuses it; nothing of it is read here
+            return None, receive
+        raw = next((v for k, v in headers if k == self.header), None)
+        want_user = raw is None and self.runtime.settings.session_from_user
+        lora = self.runtime.lora_names
+        model = None
+        if want_user or lora.enabled:  # the body is read only when a field of it is wanted
+            fields, receive = await _body_fields(receive)
+            if want_user and fields.user is not None:
+                raw = str(fields.user).encode("utf-8", "replace")
+            if lora.enabled and isinstance(fields.model, str) and len(fields.model) <= MAX_MODEL_NAME_LEN:
+                model = fields.model
+                if lora.served is None and self.adapters_of is not None:  # read when the request finishes
+                    lora.served = self.adapters_of(scope.get("app"))
+        tenant = self.runtime.tenants.resolve(headers)
+        session_id = None
+        if raw is not None:
+            session_id, reason = validate_session_id(raw)
+            if session_id is None:
+                self.runtime.metrics.session_ids_rejected.labels(reason).inc()
+        label = next((v for k, v in headers if k == self.benchmark_header), None)
+        benchmark = "none"
+        if label is not None:  # only allow-listed labels: they become metric labels
+            text = label.decode("latin-1")
+            benchmark = text if text in self.runtime.settings.benchmark_labels else "other"
+        operation = traceparent = None
+        if self.runtime.takes_traces:  # spans or OTel metrics: every request's route and trace
+            raw_parent = next((v for k, v in headers if k == b"traceparent"), None)
+            path = scope["path"]
+            operation = next((op for p, op in OPERATIONS.items() if path.endswith(p)), None)
+            traceparent = parse_traceparent(raw_parent) if raw_parent is not None else None
+        tag = RequestTag(session_id, benchmark, tenant, model, operation, traceparent)
+        if tag == UNTAGGED:  # nothing to remember
+            return None, receive
+        request_id = next((v.decode("latin-1") for k, v in headers if k == b"x-request-id"), None)
+        if request_id is None:
+            request_id = uuid.uuid4().hex
+            scope["headers"] = [*headers, (b"x-request-id", request_id.encode("ascii"))]
+        self.runtime.pending.put(request_id, tag)
+        return request_id, receive
+
+
+class _BodyFields(msgspec.Struct):
+    """The OpenAI request fields the tags need; the decoder skips every other field unbuilt."""
+
+    model: Any = None
+    user: Any = None
+
+
+_BODY_FIELDS = msgspec.json.Decoder(_BodyFields)
+
+
+async def _body_fields(receive: Receive) -> tuple[_BodyFields, Receive]:
+    """Read the whole body for the OpenAI ``user`` and ``model`` fields, then replay it downstream."""
+    messages: list[Message] = []
+    chunks: list[bytes] = []
+    while True:
+        message = await receive()
+        messages.append(message)
+        if message["type"] != "http.request":
+            break
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+
+    async def replay() -> Message:
+        return messages.pop(0) if messages else await receive()
+
+    try:
+        fields = _BODY_FIELDS.decode(b"".join(chunks))
+    except (msgspec.DecodeError, RecursionError):  # not a JSON object: vLLM answers the bad body itself
+        fields = _BodyFields()
+    return fields, replay

@@ -1,0 +1,217 @@
+"""The ``/pte/*`` HTTP routes: the summary, sessions, feedback and the metrics with exemplars.
+
+Every answer carries ``X-PTE-API-Server`` (which process answered), every route checks
+vLLM's API keys before it reads anything of the request, and a route that fails answers 500
+and counts a fault: the server goes on."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import secrets
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
+
+from pte_instrument.failpoints import failpoint
+from pte_instrument.server.exporters.exposition import exposition
+from pte_instrument.server.live_efficiency import FeedbackError
+from pte_instrument.server.request_tags import quoted, validate_session_id
+from pte_instrument.server.runtime import Runtime
+
+MAX_PAGE = 1000
+MAX_BODY_BYTES = 64 * 1024  # a feedback body is a few ids: anything larger is refused unread
+SORT_KEYS = (
+    "pte_served",
+    "pte_eviction_tax",
+    "pte_reference",
+    "prompt_tokens",
+    "output_tokens",
+    "gpu_seconds",
+    "cost_usd",
+)
+
+
+class RouteError(Exception):
+    """A client error a route answers with ``status`` and a JSON ``error``."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def _authorized(request: Request, runtime: Runtime) -> bool:
+    return authorized(request.headers.get("authorization", ""), runtime.api_keys)
+
+
+def authorized(authorization: str, keys: list[str]) -> bool:
+    """Same rule as vLLM's ``--api-key``: ``Authorization: Bearer <key>`` (no keys: anyone)."""
+    if not keys:
+        return True
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    digest = hashlib.sha256(token.encode()).digest()
+    return any(secrets.compare_digest(digest, hashlib.sha256(k.encode()).digest()) for k in keys)
+
+
+def _int_param(request: Request, name: str, default: int, lo: int, hi: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"query parameter {name!r} must be an integer, got {quoted(raw)}") from None
+    if not lo <= value <= hi:
+        raise ValueError(f"query parameter {name!r} must be between {lo} and {hi}, got {quoted(raw)}")
+    return value
+
+
+async def _read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
+    """The request body, refused past ``limit`` bytes: at once from Content-Length, else
+    (chunked) as soon as the stream passes it, without reading the rest."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not (declared.isascii() and declared.isdigit()):
+            raise RouteError(400, "Content-Length must be a whole number")
+        if len(declared) > 18 or int(declared) > limit:
+            raise RouteError(413, f"request body over {limit} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RouteError(413, f"request body over {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except RecursionError:  # the decoder's own depth limit
+        raise RouteError(400, "request body is nested too deeply") from None
+    except ValueError as e:  # bad JSON or bad UTF-8; neither message echoes the body
+        raise RouteError(400, f"request body is not valid JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise RouteError(400, "request body must be a JSON object")
+    return body
+
+
+def _feedback_target(body: dict[str, Any]) -> tuple[bool, str | None, str | None]:
+    """``(correct, request_id, session_id)`` of a feedback body, exactly one id given."""
+    correct = body.get("correct")
+    if not isinstance(correct, bool):
+        raise RouteError(400, "'correct' must be true or false")
+    rid, sid = body.get("request_id"), body.get("session_id")
+    given = [v for v in (rid, sid) if v is not None]
+    if len(given) != 1 or not isinstance(given[0], str) or not given[0]:
+        raise RouteError(400, "give exactly one of 'request_id' or 'session_id', as a non-empty string")
+    try:  # JSON admits "\ud800"; no store, header or log line can hold it
+        given[0].encode("utf-8")
+    except UnicodeEncodeError:
+        field = "request_id" if rid is not None else "session_id"
+        raise RouteError(400, f"'{field}' must be valid Unicode (it holds a lone surrogate)") from None
+    return correct, rid, sid
+
+
+API_SERVER_HEADER = "X-PTE-API-Server"  # on every /pte/* answer: the index of the API server
+
+
+def build_router(runtime: Runtime) -> APIRouter:
+    router = APIRouter(prefix="/pte", tags=["pte-instrument"])
+
+    async def guarded(request: Request, handler: Callable[[], Awaitable[JSONResponse]]) -> JSONResponse:
+        response = await _answer(request, handler)
+        response.headers[API_SERVER_HEADER] = str(runtime.api_server)  # which process answered
+        return response
+
+    async def _answer(request: Request, handler: Callable[[], Awaitable[JSONResponse]]) -> JSONResponse:
+        if not _authorized(request, runtime):  # before anything of the request is read
+            return _error(401, "Unauthorized: send Authorization: Bearer <api key>")
+        try:
+            failpoint("routes")
+            return await handler()
+        except (RouteError, FeedbackError) as e:
+            return _error(e.status, str(e))
+        except ValueError as e:
+            return _error(400, str(e))
+        except ClientDisconnect:  # nobody to answer
+            return _error(400, "client disconnected")
+        except Exception as e:
+            runtime.faults.record("routes", e)
+            return _error(500, "pte-instrument route failed; see the server log")
+
+    @router.get("/summary")
+    async def summary(request: Request) -> JSONResponse:
+        async def handler() -> JSONResponse:
+            return JSONResponse(await asyncio.to_thread(runtime.summary))  # reads the shared store
+
+        return await guarded(request, handler)
+
+    @router.post("/feedback")
+    async def feedback(request: Request) -> JSONResponse:
+        """A correctness label from an evaluation harness:
+        ``{"request_id": "…", "correct": true}`` or ``{"session_id": "…", "correct": false}``."""
+
+        async def handler() -> JSONResponse:
+            correct, rid, sid = _feedback_target(_json_object(await _read_body(request)))
+            # the completions API's response id lacks the "-<prompt index>" vLLM appends
+            ids = (rid, f"{rid}-0") if rid is not None else ()
+            outcome = await asyncio.to_thread(runtime.efficiency.label, correct, ids, sid)  # the shared store
+            runtime.metrics.feedback(outcome)
+            return JSONResponse(outcome)
+
+        return await guarded(request, handler)
+
+    @router.get("/sessions")
+    async def sessions(request: Request) -> JSONResponse:
+        async def handler() -> JSONResponse:
+            limit = _int_param(request, "limit", 50, 1, MAX_PAGE)
+            offset = _int_param(request, "offset", 0, 0, 10**9)
+            sort = request.query_params.get("sort", "pte_served")
+            if sort not in SORT_KEYS:
+                raise ValueError(f"query parameter 'sort' cannot be {quoted(sort)}")
+            total, rows = await asyncio.to_thread(runtime.sessions.top, limit, offset, sort)
+            return JSONResponse(
+                {"total": total, "limit": limit, "offset": offset, "sort": sort, "sessions": rows}
+            )
+
+        return await guarded(request, handler)
+
+    @router.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        """The process's Prometheus registry, in OpenMetrics when the scraper asks for it
+        (with exemplars), else in the text format: vLLM's ``/metrics`` answers the text
+        format whatever is asked, which has no exemplars."""
+        if not _authorized(request, runtime):
+            return _error(401, "Unauthorized: send Authorization: Bearer <key>")
+        try:
+            body, content_type = await asyncio.to_thread(exposition, request.headers.get("accept"))
+        except Exception as e:
+            runtime.faults.record("routes", e)
+            return _error(500, "pte-instrument route failed; see the server log")
+        return Response(body, media_type=content_type, headers={API_SERVER_HEADER: str(runtime.api_server)})
+
+    # ":path": session ids may contain "/" (sent as-is or as %2F; the server decodes the path)
+    @router.get("/sessions/{session_id:path}")
+    async def session(request: Request, session_id: str) -> JSONResponse:
+        async def handler() -> JSONResponse:
+            sid, reason = validate_session_id(session_id)
+            if sid is None:
+                raise ValueError(f"malformed session id ({reason})")
+            found = await asyncio.to_thread(runtime.sessions.get, sid)
+            return _error(404, f"no live session {quoted(sid)}") if found is None else JSONResponse(found)
+
+        return await guarded(request, handler)
+
+    return router

@@ -1,0 +1,182 @@
+"""The API server's facade, driven as the stat logger drives it: configured from a served
+model, handed finished requests on the caller's (vLLM's output loop's) thread, and priced on
+its own thread, in one direction."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import replace
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from pte_instrument.cost.architecture import load_config
+from pte_instrument.server.api_server import ApiServer, ServedModel
+from pte_instrument.server.records import FinishedRequest, RequestRecord
+from pte_instrument.server.runtime import Runtime
+from pte_instrument.settings import Settings
+from pte_instrument.vllm_adapter.compat import request_keys
+from pte_instrument.wire import EngineHello, RequestTotals
+from tests.cost.test_architecture import FIX
+from tests.helpers import wait
+
+
+class Probe:
+    """An exporter that notes which thread delivered each record."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[RequestRecord, str]] = []
+
+    def export(self, record: RequestRecord) -> None:
+        self.records.append((record, threading.current_thread().name))
+
+
+class ProbedRuntime(Runtime):
+    def __init__(self, settings: Settings) -> None:
+        self.registry = CollectorRegistry()
+        super().__init__(settings, self.registry)
+        self.probe = Probe()
+
+    def exporters_for(self, model, engine, cost_model):
+        return [*super().exporters_for(model, engine, cost_model), ("probe", self.probe)]
+
+
+def served(architecture: dict | None = None, engines: tuple[int, ...] = (0,)) -> ServedModel:
+    return ServedModel(
+        name="m",
+        engines=engines,
+        architecture=architecture if architecture is not None else load_config(FIX / "dense_mha.json"),
+        kv_cache_dtype="auto",
+        kv_block_size=16,
+        gpus_per_engine=2,
+        lora=False,
+        api_server=0,
+        transport=None,
+    )
+
+
+def finished(rid: str, output: int = 3, engine: int = 0) -> FinishedRequest:
+    now = time.time()
+    return FinishedRequest(
+        rid,
+        "m",
+        prompt_tokens=10,
+        cached_tokens=0,
+        output_tokens=output,
+        finish_reason="stop",
+        arrived_at=now - 1,
+        finished_at=now,
+        e2e_s=1.0,
+        engine=engine,
+    )
+
+
+@pytest.fixture
+def runtime(tmp_path):
+    rt = ProbedRuntime(Settings(session_store=None, request_log=str(tmp_path / "r.jsonl")))
+    yield rt
+    rt.sessions.close()
+
+
+def test_requests_are_priced_on_the_pricer_thread_not_the_callers(runtime, tmp_path):
+    server = ApiServer(runtime)
+    server.configure(served(), request_keys)
+    assert server.active
+    server.finished([finished("cmpl-a-0"), finished("cmpl-b-0", output=5)])
+    assert wait(lambda: len(runtime.probe.records) == 2, timeout_s=5)
+    threads = {name for _, name in runtime.probe.records}
+    assert threads == {"pte-pricer"}
+    assert sorted(r.output_tokens for r, _ in runtime.probe.records) == [3, 5]
+    # every exporter got them, the request log as well
+    lines = {x["request_id"]: x for x in map(json.loads, (tmp_path / "r.jsonl").read_text().splitlines())}
+    assert {r.request_id: r.pte_served for r, _ in runtime.probe.records} == {
+        rid: x["pte_served"] for rid, x in lines.items()
+    }
+
+
+def test_late_engine_totals_are_priced_within_100ms_of_arriving(runtime):
+    server = ApiServer(runtime)
+    server.configure(served(), request_keys)
+    runtime.inbox.on_messages([EngineHello(0)])
+    server.finished([finished("chatcmpl-late", output=2)])
+    time.sleep(0.2)
+    assert runtime.probe.records == []  # waits for the engine's totals
+    totals = RequestTotals(
+        "chatcmpl-late-0123abcd",
+        "chatcmpl-late",
+        0,
+        "stop",
+        prompt_tokens=10,
+        output_tokens=2,
+        scheduled=True,
+    )
+    runtime.inbox.on_messages([totals])
+    t0 = time.monotonic()
+    assert wait(lambda: runtime.probe.records, timeout_s=1.0, interval_s=0.002)
+    assert time.monotonic() - t0 < 0.1
+    assert runtime.probe.records[0][0].request_id == "chatcmpl-late"
+
+
+def test_a_tick_prices_what_waited_past_its_deadline_without_totals(runtime):
+    server = ApiServer(runtime, threaded=False)  # this test ticks by hand
+    runtime.inbox.on_messages([EngineHello(0)])
+    server.configure(served(), request_keys)
+    server.finished([finished("cmpl-x-0")])
+    server.tick(time.monotonic())
+    assert runtime.probe.records == []
+    server.tick(time.monotonic() + 10)
+    [(record, _)] = runtime.probe.records
+    assert record.request_id == "cmpl-x-0" and runtime.faults.counts["engine_join"] == 1
+
+
+def test_an_unknown_architecture_leaves_the_server_inactive_with_one_setup_fault(runtime):
+    server = ApiServer(runtime)
+    server.configure(served({"model_type": "nothing-known"}), request_keys)
+    assert not server.active and runtime.faults.counts["setup"] == 1
+    assert runtime.receiver is None and runtime.joins == []
+
+
+def test_disabled_configures_nothing(tmp_path):
+    rt = ProbedRuntime(Settings(session_store=None, enabled=False))
+    try:
+        server = ApiServer(rt)
+        server.configure(served(), request_keys)
+        assert not server.active and rt.faults.counts == {}
+    finally:
+        rt.sessions.close()
+
+
+def test_requests_of_an_unknown_model_or_engine_are_faults_not_records(runtime):
+    server = ApiServer(runtime, threaded=False)
+    server.configure(served(engines=(0,)), request_keys)
+    server.finished([replace(finished("cmpl-o-0"), model="other")])
+    assert runtime.faults.counts["adapter"] == 1
+    server.finished([finished("cmpl-e-0", engine=7)])
+    server.tick(time.monotonic())
+    assert runtime.probe.records == [] and runtime.faults.counts["adapter"] == 2
+
+
+def test_the_engine_time_gauges_follow_the_priced_requests_totals(runtime):
+    server = ApiServer(runtime, threaded=False)
+    server.configure(served(), request_keys)
+    runtime.inbox.on_messages([EngineHello(0)])
+    totals = RequestTotals(
+        "cmpl-t-0-0123abcd",
+        "cmpl-t-0",
+        0,
+        "stop",
+        prompt_tokens=10,
+        output_tokens=3,
+        scheduled=True,
+        engine_busy_s=4.5,
+    )
+    runtime.inbox.on_messages([totals])
+    server.finished([finished("cmpl-t-0")])
+    server.tick(time.monotonic())
+    [(record, _)] = runtime.probe.records
+    labels = {"model_name": "m", "engine": "0"}
+    assert runtime.registry.get_sample_value("pte_engine_busy_seconds", labels) == 4.5
+    unattributed = runtime.registry.get_sample_value("pte_gpu_seconds_unattributed", labels)
+    assert unattributed == pytest.approx(4.5 - record.gpu_seconds)
