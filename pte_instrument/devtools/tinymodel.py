@@ -42,6 +42,8 @@ class ModelPreset:
     max_position_embeddings: int
 
 
+DTYPE = "float32"  # as the test and demo servers serve it (serving.CPU_DEFAULT_ARGS)
+
 PRESETS: dict[str, ModelPreset] = {
     "tiny": ModelPreset(128, 2, 2, 1, 256, 1024, 4096),
     # ~100M parameters with real Llama-style proportions, for the latency bench.
@@ -86,7 +88,7 @@ def build_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Pat
     out = Path(out_dir)
     shapes = PRESETS[preset]
     stamp = out / "pte_model.json"
-    wanted = {"preset": preset, "seed": seed, **asdict(shapes)}
+    wanted = {"preset": preset, "seed": seed, "dtype": DTYPE, **asdict(shapes)}
     if stamp.exists() and json.loads(stamp.read_text()) == wanted:
         return out
     out.mkdir(parents=True, exist_ok=True)
@@ -107,10 +109,10 @@ def build_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Pat
         eos_token_id=1,
         pad_token_id=4,
         tie_word_embeddings=False,
-        torch_dtype="bfloat16",
+        torch_dtype=DTYPE,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = LlamaForCausalLM(config).to(getattr(torch, DTYPE))
     model.save_pretrained(out, safe_serialization=True)
     stamp.write_text(json.dumps(wanted, indent=1))
     return out

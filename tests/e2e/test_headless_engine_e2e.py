@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from pte_instrument.devtools.serving import VllmServer, free_port
+from pte_instrument.devtools.serving import CPU_DEFAULT_ARGS, VllmServer, free_port
 from tests.conftest import EAGER, scrape
 from tests.e2e.test_scale_out import complete
 from tests.e2e.test_vllm_plugin import words
@@ -55,10 +55,7 @@ def two_nodes(tiny_model, tmp_path_factory):
         "1",
         *dp,
         *HOOK,
-        "--gpu-memory-utilization",
-        "0.2",
-        "--max-model-len",
-        "4096",
+        *CPU_DEFAULT_ARGS,  # as the head's: the same dtype, so both price alike
     ]
     headless = subprocess.Popen(
         command,

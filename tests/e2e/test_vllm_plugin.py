@@ -16,7 +16,8 @@ def independent_gamma(config: dict) -> float:
     d, layers = config["hidden_size"], config["num_hidden_layers"]
     hq, hkv, hd = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
     ffn, vocab = config["intermediate_size"], config["vocab_size"]
-    kv_bytes = layers * 2 * hkv * hd * 2  # bf16
+    element = {"float32": 4, "bfloat16": 2, "float16": 2}[config.get("torch_dtype") or config["dtype"]]
+    kv_bytes = layers * 2 * hkv * hd * element
     n_active = layers * (d * hq * hd + 2 * d * hkv * hd + hq * hd * d + 3 * d * ffn) + d * vocab
     hoi = 989.4e12 / 3.35e12  # H100 SXM datasheet
     return kv_bytes * hoi / (2 * n_active)
