@@ -10,7 +10,7 @@ and times, with CUDA events:
   preallocated ``StaticCache`` (DynamicCache would re-copy the whole cache every step with
   ``torch.cat``, tripling the memory traffic a paged KV cache has).
 
-Then fits, exactly as the vLLM bench does (bench/latency/calibrate.py),
+Then fits, exactly as the vLLM bench does (pte_instrument/validation/calibrate.py),
 ``t ≈ a·prefill + b·ctx + c (+ d·decode)`` and reports γ_measured = b/a beside γ_theory
 for the detected (or named) device profile, and the per-step constant c/a beside the
 weight read predicted by the roofline attribution (docs/cost-model.md §5). It also fits the
@@ -248,7 +248,7 @@ def time_decode(model: Any, timer: Timer, batch: int, ctx: int, vocab: int, reps
 def _fit(points: list[Point], gamma_theory: float, weights_pte: float, n_boot: int, with_decode: bool) -> Any:
     import numpy as np
 
-    from bench.latency.calibrate import calibrate
+    from pte_instrument.validation.calibrate import calibrate
 
     feats = {
         "prefill": np.array([p.prefill for p in points], dtype=float),
@@ -336,7 +336,7 @@ def _split_fit(points: list[Point]) -> dict[str, Any]:
     (t = c + b·ctx + d·B): no constant shared between compute- and memory-bound steps."""
     import numpy as np
 
-    from bench.latency.calibrate import fit_linear
+    from pte_instrument.validation.calibrate import fit_linear
 
     pre = [p for p in points if p.kind == "prefill"]
     dec = [p for p in points if p.kind == "decode"]
@@ -397,13 +397,13 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from bench.latency.calibrate import explain_shares, measure_host_profile
-    from bench.latency.step_model import host_device
     from bench.provenance import load_avg_1m, provenance, results_path, write_results
     from pte_instrument.cost.architecture import parse_shape
     from pte_instrument.cost.devices import PROFILES, detect_local_gpu, measure_profile, resolve_device
     from pte_instrument.cost.model import CostModel
     from pte_instrument.cost.step_time import theory
+    from pte_instrument.validation.calibrate import explain_shares, measure_host_profile
+    from pte_instrument.validation.step_model import host_device
 
     t_begin = time.time()
     prov = provenance()  # after importing torch: it records the GPU
@@ -543,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": round(time.time() - t_begin, 1),
         "load_avg_1m_end": load_avg_1m(),
     }
-    from bench.latency.report import _clean
+    from pte_instrument.validation.report import _clean
 
     kind = "gpu-latency-tiny" if args.tiny else "gpu-latency"
     out = Path(args.out or os.environ.get("OUT") or REPO / "bench" / "results")

@@ -110,12 +110,6 @@ def session_name(index: int) -> str:
     return f"s{index:03d}"
 
 
-def session_index(session_id: str | None) -> int | None:
-    """The index of a session id ``<prefix>-s<index>`` (None for any other id)."""
-    _, sep, name = str(session_id or "").rpartition("-s")
-    return int(name) if sep and name.isdigit() else None
-
-
 def plan_session(cfg: DriverConfig, index: int) -> tuple[int, list[TurnPlan]]:
     """Task length and per-turn lengths of session ``index``: a pure function of (seed, index)."""
     rng = random.Random(f"pte-latency-{cfg.seed}-{index}")

@@ -33,10 +33,11 @@ import httpx
 
 from bench.provenance import bench_parser, hostname, load_avg_1m, provenance
 from pte_instrument.cost.devices import DeviceProfile
+from pte_instrument.validation.calibrate import measure_host_profile
+from pte_instrument.validation.phases import Phase
+from pte_instrument.validation.report import analyse_logs, write_report
 
-from .calibrate import measure_host_profile
 from .driver import DriverConfig, run_phase
-from .report import Phase, analyse_logs, write_report
 
 REPO = Path(__file__).resolve().parents[2]
 HOOK_CLS = "pte_instrument.vllm_adapter.scheduler.PteScheduler"

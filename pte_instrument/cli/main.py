@@ -4,7 +4,8 @@
 
 ``gamma``, ``devices``, ``tenant-hash`` and ``demo`` live here; ``efficiency`` and ``report`` in
 :mod:`pte_instrument.cli.efficiency`, ``bench`` in :mod:`pte_instrument.cli.bench`,
-``calibrate`` in :mod:`pte_instrument.cli.calibrate`. Those modules import only
+``calibrate`` in :mod:`pte_instrument.cli.calibrate`, ``validate`` in
+:mod:`pte_instrument.cli.validate`. Those modules import only
 :mod:`pte_instrument.cli.errors` of this package, never this module."""
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pte_instrument.cli.bench import add_bench_parser
 from pte_instrument.cli.calibrate import add_calibrate_parser
 from pte_instrument.cli.efficiency import add_efficiency_parser, add_report_parser
 from pte_instrument.cli.errors import UsageError, print_json, report_error, report_warning
+from pte_instrument.cli.validate import add_validate_parser
 from pte_instrument.cost.architecture import ArchitectureError, load_config, parse_shape
 from pte_instrument.cost.devices import PROFILES, UnknownDeviceError, measure_profile, resolve_device
 from pte_instrument.cost.model import CostModel
@@ -167,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_report_parser(sub)
     add_bench_parser(sub)
     add_calibrate_parser(sub)
+    add_validate_parser(sub)
     return parser
 
 

@@ -12,11 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.latency import analysis as A
-from bench.latency.calibrate import calibrate_requests, calibrate_steps, fit_linear, gamma_at_hoi
 from bench.latency.driver import DriverConfig, plan_session
-from bench.latency.report import Phase, analyse_logs, write_report
 from pte_instrument.offline import statistics as S
+from pte_instrument.validation import analysis as A
+from pte_instrument.validation.calibrate import calibrate_requests, calibrate_steps, fit_linear, gamma_at_hoi
+from pte_instrument.validation.phases import Phase
+from pte_instrument.validation.report import analyse_logs, write_report
 
 # ----------------------------------------------------------------------------- statistics
 

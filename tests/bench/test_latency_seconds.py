@@ -14,13 +14,14 @@ import httpx
 import numpy as np
 import pytest
 
-from bench.latency import analysis as A
 from bench.latency import driver as D
-from bench.latency import seconds as S
-from bench.latency import step_model as SM
-from bench.latency.report import MATCHED_PRIMARY, Phase, analyse_logs, write_report
 from pte_instrument.cost.devices import DeviceProfile
 from pte_instrument.cost.step_time import StepTimeModel
+from pte_instrument.validation import analysis as A
+from pte_instrument.validation import seconds as S
+from pte_instrument.validation import step_model as SM
+from pte_instrument.validation.phases import Phase
+from pte_instrument.validation.report import MATCHED_PRIMARY, analyse_logs, write_report
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -117,11 +118,11 @@ def test_request_table_reads_the_seconds_fields() -> None:
 
 
 def test_session_index() -> None:
-    assert D.session_index("c16-s003") == 3
-    assert D.session_index("warmup-s011") == 11
-    assert D.session_index(f"c64-{D.session_name(42)}") == 42
+    assert S.session_index("c16-s003") == 3
+    assert S.session_index("warmup-s011") == 11
+    assert S.session_index(f"c64-{D.session_name(42)}") == 42
     for bad in ("foo", "c1-sx", None, "c1-s"):
-        assert D.session_index(bad) is None
+        assert S.session_index(bad) is None
 
 
 def test_match_requests_by_session_index_and_turn() -> None:
@@ -134,9 +135,9 @@ def test_match_requests_by_session_index_and_turn() -> None:
     load = A.request_table(load_recs)
     il, ia = S.match_requests(load, alone)
     # sessions 0–2, turns 1–2, less (1, 2), seen twice under load
-    got = [(D.session_index(load.session_id[i]), int(load.turn[i])) for i in il]
+    got = [(S.session_index(load.session_id[i]), int(load.turn[i])) for i in il]
     assert got == [(0, 1), (0, 2), (1, 1), (2, 1), (2, 2)]
-    assert [(D.session_index(alone.session_id[i]), int(alone.turn[i])) for i in ia] == got
+    assert [(S.session_index(alone.session_id[i]), int(alone.turn[i])) for i in ia] == got
 
 
 def test_matched_spearman_is_one_for_a_monotone_relation(tmp_path: Path) -> None:
@@ -144,8 +145,8 @@ def test_matched_spearman_is_one_for_a_monotone_relation(tmp_path: Path) -> None
     a = analyse_logs(tmp_path / "requests.jsonl", None, phases, n_boot=100)
     lv = a.level("matched", "c16")
     assert lv is not None and lv.n == 40
-    m = lv.get(MATCHED_PRIMARY)
-    assert m.corr.spearman == pytest.approx(1.0)  # gpu under load = 0.4·inference alone + tiny
+    m = lv.get(MATCHED_PRIMARY)  # predicted seconds under load = inference alone
+    assert m.kind == "model" and m.corr.spearman == pytest.approx(1.0)
     facts = a.seconds["c16"]["matched"]
     assert facts["prompt_tokens_equal"] == 1.0 and facts["n"] == 40
 
@@ -436,7 +437,7 @@ def test_targets_on_a_synthetic_run(tmp_path: Path) -> None:
     assert att.value == pytest.approx(0.98) and att.met is True
     cov = t["c=16 latency explained / (inference_s + queued_s) (median)"]
     assert cov.value == pytest.approx(0.9) and cov.met is False and cov.diagnosis
-    rho = t["c=16 Spearman(gpu_seconds under load, inference_s alone)"]
+    rho = t["c=16 Spearman(predicted_seconds under load, inference_s alone)"]
     assert rho.value == pytest.approx(1.0) and rho.met is True
     mape = t["step MAPE, four-term fit, all steps"]
     assert mape.value < 0.01 and mape.met is True
@@ -520,7 +521,7 @@ def test_every_phase_sends_the_same_prompts(monkeypatch: pytest.MonkeyPatch) -> 
     by_phase: dict[str, dict[tuple[int, int], tuple[int, ...]]] = {"c1": {}, "c16": {}}
     for sid, prompt in sent:
         turns = by_phase[sid.split("-")[0]]
-        idx = D.session_index(sid)
+        idx = S.session_index(sid)
         turn = 1 + sum(1 for k in turns if k[0] == idx)
         turns[(idx, turn)] = prompt
     assert by_phase["c1"] == by_phase["c16"] and len(by_phase["c1"]) == 9

@@ -42,11 +42,13 @@ def test_import_graph_has_no_cycle() -> None:
     assert graph["pte_instrument.cli.bench"] == {"pte_instrument.cli.errors"}
     assert graph["pte_instrument.cli.efficiency"] == {"pte_instrument.cli.errors"}
     assert graph["pte_instrument.cli.calibrate"] == {"pte_instrument.cli.errors"}
+    assert graph["pte_instrument.cli.validate"] == {"pte_instrument.cli.errors"}
     assert graph["pte_instrument.cli.main"] == {
         "pte_instrument.cli.bench",
         "pte_instrument.cli.calibrate",
         "pte_instrument.cli.efficiency",
         "pte_instrument.cli.errors",
+        "pte_instrument.cli.validate",
     }
     for module, deps in graph.items():
         if module != "pte_instrument.cli.main":
@@ -64,6 +66,7 @@ def test_every_subcommand_is_registered() -> None:
         "report",
         "bench",
         "calibrate",
+        "validate",
     }
 
 

@@ -194,9 +194,9 @@ def test_too_few_resamples_give_no_interval():
 
 
 def test_every_consumer_uses_these_functions():
-    from bench.latency import analysis
     from pte_instrument import offline
     from pte_instrument.offline import decomposition, patterns
+    from pte_instrument.validation import analysis
 
     assert offline.spearman is S.spearman
     assert decomposition.spearman is S.spearman and patterns.spearman is S.spearman

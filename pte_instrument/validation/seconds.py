@@ -26,7 +26,6 @@ import numpy as np
 from pte_instrument.offline.statistics import index_chunks, interval_bounds, pearson
 
 from .analysis import RequestTable
-from .driver import session_index
 
 GPU_TERMS = {
     "prefill": "gpu_seconds_prefill",
@@ -35,6 +34,12 @@ GPU_TERMS = {
     "overhead": "gpu_seconds_overhead",
 }
 QUANTILES = (0.05, 0.10, 0.25, 0.50, 0.75, 0.90, 0.95)
+
+
+def session_index(session_id: str | None) -> int | None:
+    """The index of a session id ``<prefix>-s<index>`` (None for any other id)."""
+    _, sep, name = str(session_id or "").rpartition("-s")
+    return int(name) if sep and name.isdigit() else None
 
 
 def _num(v: float | None) -> float | None:

@@ -481,10 +481,17 @@ PREDICTED = "predicted seconds"  # the step-time model's cost of the request's o
 GPU_SECONDS = "GPU seconds"  # the request's share of the measured step times
 STEP_PTE = "PTE (logged γ)"  # a step's PTE at the γ the plugin priced with
 STEP_MODEL = "calibrated step model"  # the step-time model fitted to the steps
+OUTPUT_TOKENS = "output tokens"  # the baseline that counts a request's decode steps
+PTE_CALIBRATED = "PTE served (γ calibrated)"
+ROOFLINE_ENGINE = "roofline (engine)"
+FITTED_REQUEST = "fitted request model"
 
 
 @dataclass(frozen=True)
 class Metric:
+    """A cost predictor's values. ``name`` is shown and looked up: code names it only by the
+    constants above, so renaming one renames it everywhere."""
+
     name: str
     kind: str  # "pte" (a PTE variant), "baseline" (token counts, prices), "model" (fitted/roofline)
     values: np.ndarray
@@ -508,7 +515,7 @@ def request_metrics(
     the calibrated and engine-side ones."""
     prompt, cached, out = t["prompt_tokens"], t["cached_tokens"], t["output_tokens"]
     m = [
-        Metric("output tokens", "baseline", out),
+        Metric(OUTPUT_TOKENS, "baseline", out),
         Metric("total tokens", "baseline", prompt + out, "prompt + output"),
         Metric("uncached tokens", "baseline", prompt - cached + out, "prompt − cached + output"),
         *(
@@ -524,7 +531,7 @@ def request_metrics(
             vals = t["pte_prefill"] + gamma_calibrated * t.ctx_sum
         m.append(
             Metric(
-                "PTE served (γ calibrated)",
+                PTE_CALIBRATED,
                 "pte",
                 np.where(g > 0, vals, np.nan),
                 f"γ = {gamma_calibrated:.4g} fitted on measured step times",
@@ -537,7 +544,7 @@ def request_metrics(
     if t.has("engine_roofline_pte"):
         m.append(
             Metric(
-                "roofline (engine)",
+                ROOFLINE_ENGINE,
                 "model",
                 t["engine_roofline_pte"],
                 "docs/cost-model.md §5 attribution: max(compute, weights + KV) per step, shared",
@@ -546,7 +553,7 @@ def request_metrics(
     if request_model is not None:
         m.append(
             Metric(
-                "fitted request model",
+                FITTED_REQUEST,
                 "model",
                 request_model.predict_requests(t),
                 "a·prefill + b·Σctx + c·(D−1) + e, fitted at concurrency 1",

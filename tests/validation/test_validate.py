@@ -1,0 +1,113 @@
+"""``pte validate`` on a server's logs: the phases it finds in them (hand-computed), and on the
+committed latency-bench run, the bench's own figures reproduced from the logs alone."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pte_instrument.cli.errors import EXIT_BAD_INPUT
+from pte_instrument.cli.main import main
+from pte_instrument.validation.phases import MIN_ALONE, Phase, merged, phases_of_log, served_alone
+from pte_instrument.validation.report import analyse_logs
+
+RUN = Path(__file__).resolve().parents[2] / "bench" / "results" / "latency-tiny-vm-2026-12-01"
+N_BOOT = 200
+
+
+def test_served_alone_is_no_other_request_in_flight():
+    # a: 0–1 alone; b, c overlap (2–4, 3–5); d: 5–6 starts as c ends (touching is not overlap);
+    # e: 7–10 holds f (8–9) inside it
+    arrived = np.array([0.0, 2.0, 3.0, 5.0, 7.0, 8.0])
+    finished = np.array([1.0, 4.0, 5.0, 6.0, 10.0, 9.0])
+    assert served_alone(arrived, finished).tolist() == [True, False, False, True, False, False]
+    # order of the log does not matter
+    perm = np.array([5, 2, 0, 4, 1, 3])
+    assert served_alone(arrived[perm], finished[perm]).tolist() == [False, False, True, False, False, True]
+
+
+def test_merged_windows_and_the_steps_they_hold():
+    assert merged([(4.0, 5.0), (0.0, 1.0), (0.5, 2.0), (2.0, 3.0)]) == ((0.0, 3.0), (4.0, 5.0))
+    p = Phase("x", 2, 0.0, 5.0, windows=((0.0, 3.0), (4.0, 5.0)))
+    t = np.array([-1.0, 0.0, 2.9, 3.5, 4.0, 5.0, 5.1])
+    assert p.holds_times(t).tolist() == [False, True, True, False, True, True, False]
+
+
+def test_phases_of_a_log_split_alone_from_under_load():
+    n = MIN_ALONE
+    # n requests one after another, then three at once
+    arrived = np.array([*(2.0 * i for i in range(n)), 100.0, 100.0, 100.5])
+    finished = np.array([*(2.0 * i + 1 for i in range(n)), 102.0, 102.0, 101.5])
+    ids = [f"r{i}" for i in range(n + 3)]
+    alone, load = phases_of_log(ids, arrived, finished)
+    assert (alone.name, alone.concurrency, len(alone.request_ids)) == ("alone", 1, n)
+    assert alone.windows[0] == (0.0, 1.0) and len(alone.windows) == n
+    # under load: 2 + 2 + 1 request-seconds over the 2 s they span: 2.5 in flight → 2
+    assert (load.name, load.concurrency, load.request_ids) == ("under-load", 2, frozenset(ids[n:]))
+    assert load.windows == ((100.0, 102.0),)
+    # too few alone: one phase of everything
+    [only] = phases_of_log(ids[n - 2 :], arrived[n - 2 :], finished[n - 2 :])
+    assert only.name == "all" and len(only.request_ids) == 5
+
+
+def test_validate_reproduces_the_benchs_figures_from_the_logs_alone(tmp_path, capsys):
+    requests, steps = RUN / "requests.jsonl.gz", RUN / "steps.jsonl.gz"
+    code = main(
+        [
+            "validate",
+            str(requests),
+            str(steps),
+            "--out",
+            str(tmp_path),
+            "--bootstrap",
+            str(N_BOOT),
+            "--no-plots",
+            "--json",
+        ]
+    )
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert [p["name"] for p in out["phases"]] == ["alone", "under-load"]
+    assert out["targets"] == report["analysis"]["targets"] and len(out["targets"]) >= 8
+    assert (tmp_path / "report.md").read_text().startswith("#")
+
+    # the bench's analysis of the same logs, with the phases its driver recorded
+    run = json.loads((RUN / "run.json").read_text())
+    bench = analyse_logs(requests, steps, [Phase(**p) for p in run["phases"]], n_boot=N_BOOT, seed=0)
+    c1 = set(bench.phase_requests["c1"].request_id)
+    found = {p["name"]: p for p in out["phases"]}
+    # every request the bench ran alone is found alone; hardly any other is
+    levels = {(lv["level"], lv["phase"]): lv for lv in report["analysis"]["levels"]}
+    alone = levels[("request", "alone")]
+    assert found["alone"]["requests"] == alone["n"]
+    assert c1 <= set(_ids_alone(requests)) and alone["n"] - len(c1) <= 0.03 * len(c1)
+    # and the request-level figures alone fall in the bench's intervals for its c1 phase
+    bench_c1 = bench.level("request", "c1")
+    for name in ("PTE served", "predicted seconds", "GPU seconds", "output tokens"):
+        got = next(m for m in alone["metrics"] if m["name"] == name)["pearson"]
+        lo, hi = bench_c1.get(name).corr.pearson_ci
+        assert lo <= got <= hi, (name, got, lo, hi)
+
+
+def _ids_alone(requests: Path) -> list[str]:
+    from pte_instrument.validation import analysis as A
+
+    t = A.usable_requests(A.request_table(A.load_jsonl(requests)))
+    return [
+        r for r, ok in zip(t.request_id, served_alone(t["arrived_at"], t["finished_at"]), strict=True) if ok
+    ]
+
+
+@pytest.mark.parametrize("what", ["missing", "empty"])
+def test_a_log_that_cannot_be_validated_is_one_line_and_exit_2(tmp_path, capsys, what):
+    path = tmp_path / "requests.jsonl"
+    if what == "empty":
+        path.write_text('{"request_id": "a", "finish_reason": "stop"}\nnot json\n')
+    assert main(["validate", str(path), "--out", str(tmp_path / "out")]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("pte validate: error: ")
+    assert not (tmp_path / "out").exists()
