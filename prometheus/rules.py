@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pte_instrument.server.accountant import MAX_CONSECUTIVE_FAULTS, MAX_RETRY_S
+from pte_instrument.server.pricer import MAX_CONSECUTIVE_FAULTS, MAX_RETRY_S
 
 WINDOW = "5m"  # 20 scrapes at the usual 15 s, 5 at 1 min
 

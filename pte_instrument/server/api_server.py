@@ -6,11 +6,12 @@ vLLM's config), ``finished`` (the requests an output batch finished), ``fault`` 
 could not convert), ``announce``, and for its HTTP side ``router``, ``middleware`` and
 ``set_api_keys``. A finished request walks one way: ``finished`` tags it and queues it in
 the model's ``RequestJoin``; the pricer thread (``tick``) takes it once the engine's
-totals joined it, and its ``Accountant`` prices it, files it under its session and fans it
+totals joined it, and its ``RequestPricer`` prices it, files it under its session and fans it
 out to the exporters, each isolated. No exporter runs on vLLM's output loop."""
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
 from collections.abc import Callable, Container, Iterable
@@ -23,9 +24,9 @@ from starlette.types import ASGIApp
 
 from pte_instrument.cost.model import CostModel, cost_model_for
 from pte_instrument.faults import log
-from pte_instrument.server.accountant import Accountant
 from pte_instrument.server.engine_join import TICK_S, RequestJoin
 from pte_instrument.server.middleware import TaggingMiddleware
+from pte_instrument.server.pricer import RequestPricer
 from pte_instrument.server.records import FinishedRequest
 from pte_instrument.server.routes import build_router
 from pte_instrument.server.runtime import Runtime, get_runtime
@@ -51,11 +52,11 @@ class ServedModel:
 
 @dataclass
 class _Pricing:
-    """One served model's join and its engines' accountants."""
+    """One served model's join and its engines' pricers."""
 
     cost_model: CostModel
     join: RequestJoin
-    accountants: dict[int, Accountant]
+    pricers: dict[int, RequestPricer]
 
 
 class ApiServer:
@@ -67,7 +68,7 @@ class ApiServer:
         self._models: dict[str, _Pricing] = {}
         self._next_expiry = 0.0
         self._lock = threading.Lock()  # one tick at a time: requests ready together are priced in order
-        self._pricer: threading.Thread | None = None
+        self._thread: threading.Thread | None = None
 
     @property
     def settings(self) -> Settings:
@@ -98,8 +99,8 @@ class ApiServer:
                 )
             rt.sessions.block_size = served.kv_block_size
             rt.lora_names.enabled = served.lora  # adapters are priced as their base model
-            accountants = {
-                engine: Accountant(
+            pricers = {
+                engine: RequestPricer(
                     cost_model,
                     rt.exporters_for(served.name, engine, cost_model),
                     rt.faults,
@@ -119,7 +120,7 @@ class ApiServer:
         rt.listen(served.api_server, served.transport)
         rt.joins.append(join)
         with self._lock:
-            self._models[served.name] = _Pricing(cost_model, join, accountants)
+            self._models[served.name] = _Pricing(cost_model, join, pricers)
         self._start_pricer()
 
     def _tagger(
@@ -168,11 +169,11 @@ class ApiServer:
                 self.fault("sessions", e)
 
     def _price(self, pricing: _Pricing, request: FinishedRequest) -> None:
-        accountant = pricing.accountants.get(request.engine)
-        if accountant is None:  # an engine index vLLM did not announce
+        pricer = pricing.pricers.get(request.engine)
+        if pricer is None:  # an engine index vLLM did not announce
             self.fault("adapter", KeyError(f"unknown engine {request.engine}"))
             return
-        accountant.on_finished(request)
+        pricer.on_finished(request)
         totals = request.engine_totals
         if totals is not None:
             try:
@@ -183,9 +184,9 @@ class ApiServer:
                 self.fault("prometheus", e)
 
     def _start_pricer(self) -> None:
-        if self.threaded and self._pricer is None:
-            self._pricer = threading.Thread(target=self._price_forever, name="pte-pricer", daemon=True)
-            self._pricer.start()
+        if self.threaded and self._thread is None:
+            self._thread = threading.Thread(target=self._price_forever, name="pte-pricer", daemon=True)
+            self._thread.start()
 
     def _price_forever(self) -> None:
         arrived = self.runtime.inbox.arrived  # engine totals or finished requests came
@@ -207,7 +208,7 @@ class ApiServer:
             "pte-instrument active for %s (engines %s, API server %d, engine totals on %s): gamma=%.6g, "
             "device=%s (HOI %.1f), N_active=%.4g, KV bytes/token=%g",
             model,
-            ",".join(map(str, pricing.accountants)),
+            ",".join(map(str, pricing.pricers)),
             self.runtime.api_server,
             self.runtime.receiver_address or "nothing (no engine hook can reach this process)",
             c.gamma,
@@ -247,4 +248,5 @@ def api_server() -> ApiServer:
     with _lock:
         if _server is None:
             _server = ApiServer(get_runtime())
+            atexit.register(_server.tick)  # price what is ready before the session store closes
         return _server

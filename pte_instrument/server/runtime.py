@@ -73,7 +73,7 @@ class Runtime:
         self.efficiency = LiveEfficiency(store=self.sessions)
         self.cost_models: dict[tuple[str, int], CostModel] = {}
         self.api_keys: list[str] = []
-        self.records_lost: Counter[str] = Counter()  # by exporter stage, this process's accountants
+        self.records_lost: Counter[str] = Counter()  # by exporter stage, this process's pricers
         self.request_log = RequestLogWriter(settings.request_log) if settings.request_log else None
         if self.request_log is not None and settings.enabled:
             self._check_request_log(self.request_log)
@@ -241,7 +241,7 @@ class Runtime:
         return exporters
 
     def exporter_state(self, model: str, engine: int, stage: str, on: bool) -> None:
-        """An accountant of (model, engine) suspended (``on`` False) or resumed its exporter ``stage``."""
+        """An pricer of (model, engine) suspended (``on`` False) or resumed its exporter ``stage``."""
         try:
             self.metrics.exporter_enabled.labels(model, str(engine), stage).set(int(on))
         except Exception as e:

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from pte_instrument.server.accountant import MAX_CONSECUTIVE_FAULTS
+from pte_instrument.server.pricer import MAX_CONSECUTIVE_FAULTS
 from tests.conftest import scrape
 from tests.e2e.conftest import serving
 from tests.helpers import jsonl, wait

@@ -14,10 +14,10 @@ from pte_instrument.cost.architecture import KVGroup, ModelShape
 from pte_instrument.cost.devices import DeviceProfile
 from pte_instrument.cost.model import CostModel
 from pte_instrument.faults import FaultTracker
-from pte_instrument.server.accountant import Accountant
 from pte_instrument.server.engine_join import ABORT_GRACE_S, EngineInbox, RequestJoin
 from pte_instrument.server.exporters.prometheus import PrometheusExporter, metrics_for
 from pte_instrument.server.exporters.request_log import RequestLogWriter
+from pte_instrument.server.pricer import RequestPricer
 from pte_instrument.server.records import FinishedRequest, price_request
 from pte_instrument.server.sessions import SessionLedger
 from pte_instrument.vllm_adapter.compat import request_keys
@@ -183,7 +183,7 @@ def test_a_request_aborted_mid_prefill_is_charged_the_prefill_that_ran(tmp_path)
     registry = CollectorRegistry()
     sessions = SessionLedger(tmp_path / "sessions.sqlite3")
     log = tmp_path / "requests.jsonl"
-    accountant = Accountant(
+    pricer = RequestPricer(
         COST,
         [
             ("prometheus", PrometheusExporter("m", 0, metrics_for(registry))),
@@ -192,7 +192,7 @@ def test_a_request_aborted_mid_prefill_is_charged_the_prefill_that_ran(tmp_path)
         FaultTracker(),
         sessions,
     )
-    accountant.on_finished(replace(priced[0], session_id="s"))
+    pricer.on_finished(replace(priced[0], session_id="s"))
     [entry] = [json.loads(line) for line in log.read_text().splitlines()]
     assert (entry["prompt_tokens"], entry["output_tokens"], entry["engine_prefill_tokens"]) == (1000, 0, 256)
     assert entry["computed_prefill_tokens"] == 256

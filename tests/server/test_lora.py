@@ -9,10 +9,10 @@ import asyncio
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from pte_instrument.server.accountant import Accountant
 from pte_instrument.server.exporters.otel import span_attributes
 from pte_instrument.server.lora import OTHER_ADAPTER, LoraNames
 from pte_instrument.server.middleware import MAX_MODEL_NAME_LEN, TaggingMiddleware
+from pte_instrument.server.pricer import RequestPricer
 from pte_instrument.server.records import FinishedRequest
 from pte_instrument.server.request_tags import PendingTags
 from pte_instrument.server.runtime import Runtime
@@ -100,7 +100,7 @@ def test_ten_thousand_model_names_leave_the_served_adapters_up_to_the_cap(runtim
     ]
     bodies = [b'{"prompt": "hi", "model": "%s", "max_tokens": 2}' % m.encode() for m in models]
     assert asyncio.run(post_all(runtime, bodies)) == bodies  # every body reaches the server whole
-    accountant = Accountant(COST, runtime.exporters_for("base", 0, COST), runtime.faults, runtime.sessions)
+    pricer = RequestPricer(COST, runtime.exporters_for("base", 0, COST), runtime.faults, runtime.sessions)
     by_name: dict[str | None, int] = {}
     for i, model in enumerate(models):
         tag = runtime.pending.claim(f"cmpl-r{i}-0", f"r{i}-0", f"r{i}")
@@ -108,7 +108,7 @@ def test_ten_thousand_model_names_leave_the_served_adapters_up_to_the_cap(runtim
         if model.startswith("no-such"):  # vLLM answers 404: it never finishes
             continue
         finished = FinishedRequest(f"cmpl-r{i}-0", "base", 64, 0, 4, "length")
-        record = accountant.on_finished(runtime.tagged(finished, tag))
+        record = pricer.on_finished(runtime.tagged(finished, tag))
         assert record.model == "base" and record.gamma == COST.gamma  # priced as the base model
         by_name[record.lora_name] = by_name.get(record.lora_name, 0) + 1
         if i % 1000 == 999:  # the store's writer keeps pace (its queue bound is not under test here)
@@ -161,9 +161,9 @@ def test_without_lora_the_body_is_not_read_for_the_model(runtime):
 
 
 def test_the_span_and_the_request_log_name_the_adapter(runtime):
-    accountant = Accountant(COST, [], runtime.faults)
-    adapter = accountant.on_finished(FinishedRequest("a", "base", 10, 0, 2, "stop", lora_name="adapter-1"))
-    base = accountant.on_finished(FinishedRequest("b", "base", 10, 0, 2, "stop"))
+    pricer = RequestPricer(COST, [], runtime.faults)
+    adapter = pricer.on_finished(FinishedRequest("a", "base", 10, 0, 2, "stop", lora_name="adapter-1"))
+    base = pricer.on_finished(FinishedRequest("b", "base", 10, 0, 2, "stop"))
     attrs = span_attributes(adapter)
     assert attrs["pte.lora_name"] == "adapter-1" and attrs["gen_ai.request.model"] == "base"
     assert adapter.to_dict()["lora_name"] == "adapter-1" and base.to_dict()["lora_name"] is None

@@ -15,12 +15,12 @@ from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client import CollectorRegistry
 
 from pte_instrument.faults import FaultTracker
-from pte_instrument.server.accountant import Accountant
 from pte_instrument.server.exporters.exposition import exposition
 from pte_instrument.server.exporters.otel import OtelExporter, OtelMetricsExporter
 from pte_instrument.server.exporters.prometheus import PrometheusExporter, PteMetrics
+from pte_instrument.server.pricer import RequestPricer
 from pte_instrument.server.records import FinishedRequest, RequestRecord
-from tests.server.test_accountant import make
+from tests.server.test_pricer import make
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT = "00f067aa0ba902b7"
@@ -126,7 +126,7 @@ def test_new_trace_ids_are_random_hex():
     assert len(ids) == 100 and all(re.fullmatch("[0-9a-f]{32}", i) for i in ids)
 
 
-def test_the_accountant_gives_each_request_its_trace(tmp_path):
+def test_the_pricer_gives_each_request_its_trace(tmp_path):
     fresh = iter(["1" * 32, "2" * 32])
     acc, _, _ = make(tmp_path)
     acc.new_trace_id = lambda: next(fresh)
@@ -135,7 +135,7 @@ def test_the_accountant_gives_each_request_its_trace(tmp_path):
     joined = acc.on_finished(dataclasses.replace(req, traceparent=f"00-{TRACE}-{PARENT}-01"))
     assert joined.trace_id == TRACE and joined.traceparent == f"00-{TRACE}-{PARENT}-01"
     assert acc.on_finished(req).trace_id == "2" * 32
-    untraced = Accountant(acc.cost_model, [], FaultTracker())  # tracing off: no trace, even the caller's
+    untraced = RequestPricer(acc.cost_model, [], FaultTracker())  # tracing off: no trace, even the caller's
     assert (
         untraced.on_finished(dataclasses.replace(req, traceparent=f"00-{TRACE}-{PARENT}-01")).trace_id is None
     )

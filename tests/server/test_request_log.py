@@ -19,7 +19,7 @@ from pte_instrument.server.exporters.request_log import RequestLogWriter
 from pte_instrument.server.runtime import Runtime
 from pte_instrument.settings import Settings
 from tests.helpers import fill
-from tests.server.test_accountant import make, req
+from tests.server.test_pricer import make, req
 
 
 def record(acc, i: int):

@@ -14,9 +14,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from pte_instrument.cost.architecture import load_config, parse_shape
 from pte_instrument.cost.devices import PROFILES
 from pte_instrument.cost.model import CostModel
-from pte_instrument.server.accountant import Accountant
 from pte_instrument.server.exporters.otel import span_attributes
 from pte_instrument.server.middleware import TaggingMiddleware
+from pte_instrument.server.pricer import RequestPricer
 from pte_instrument.server.records import FinishedRequest
 from pte_instrument.server.request_tags import PendingTags
 from pte_instrument.server.runtime import Runtime
@@ -244,14 +244,14 @@ def test_ten_thousand_distinct_tenants_leave_the_allow_list_plus_other(runtime, 
             requests.append([(b"x-request-id", rid)])
     runtime.pending = PendingTags(clock=Clock())  # still within the grace when the engine reports
     asyncio.run(post_all(TaggingMiddleware(generation_app, runtime), requests))
-    accountant = Accountant(COST, runtime.exporters_for("m", 0, COST), runtime.faults, runtime.sessions)
+    pricer = RequestPricer(COST, runtime.exporters_for("m", 0, COST), runtime.faults, runtime.sessions)
     expected = {"team-a": 0, "team-b": 0, HASH_C: 0, "other": 0}
     for i in range(n):
         tag = runtime.pending.claim(f"chatcmpl-r{i}", f"r{i}")
         assert tag is not None, i  # with tenants on, every generation request is tagged
         request = runtime.tagged(FinishedRequest(f"chatcmpl-r{i}", "m", 100, 0, 5, "stop"), tag)
         expected[request.tenant] += 1
-        assert accountant.on_finished(request) is not None
+        assert pricer.on_finished(request) is not None
         if i % 1000 == 999:  # the store's writer keeps pace (its queue bound is not under test here)
             assert runtime.sessions.flush()
     assert expected["team-a"] == expected["team-b"] == 50 and expected[HASH_C] == 100  # i % 100 == 0, 1
@@ -291,7 +291,7 @@ def test_with_tenants_off_there_is_no_tenant_and_no_tag(registry):
         assert rt.pending.claim("r1") is None  # nothing to remember: no session, benchmark or tenant
         request = rt.tagged(FinishedRequest("chatcmpl-r1", "m", 100, 0, 5, "stop"), None)
         assert request.tenant is None
-        Accountant(COST, rt.exporters_for("m", 0, COST), rt.faults, rt.sessions).on_finished(request)
+        RequestPricer(COST, rt.exporters_for("m", 0, COST), rt.faults, rt.sessions).on_finished(request)
         text = generate_latest(registry).decode()
         assert tenant_label_values(text) == {""}  # empty: Prometheus stores it as no label
         assert rt.summary()["tenants"] == {}
@@ -305,8 +305,8 @@ def test_a_request_the_middleware_never_saw_is_the_catch_all(runtime):
 
 
 def test_the_span_carries_the_tenant_only_when_tenants_are_on(runtime):
-    accountant = Accountant(COST, [], runtime.faults)
-    on = accountant.on_finished(FinishedRequest("a", "m", 10, 0, 2, "stop", tenant="team-a"))
-    off = accountant.on_finished(FinishedRequest("b", "m", 10, 0, 2, "stop"))
+    pricer = RequestPricer(COST, [], runtime.faults)
+    on = pricer.on_finished(FinishedRequest("a", "m", 10, 0, 2, "stop", tenant="team-a"))
+    off = pricer.on_finished(FinishedRequest("b", "m", 10, 0, 2, "stop"))
     assert span_attributes(on)["pte.tenant"] == "team-a" and on.to_dict()["tenant"] == "team-a"
     assert "pte.tenant" not in span_attributes(off) and off.to_dict()["tenant"] is None

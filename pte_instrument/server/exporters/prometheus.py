@@ -146,15 +146,15 @@ class PteMetrics:
 
 
 class LedgerMetrics:
-    """Publishes the session ledger's state (live sessions, drop counts) when the stat
-    logger calls ``sync()``: a few integer comparisons, so it runs after every batch."""
+    """Publishes the session ledger's state (live sessions, drop counts) when the pricer
+    calls ``sync()``: a few integer comparisons, so it runs at every tick."""
 
     def __init__(self, metrics: PteMetrics, sessions: SessionLedger, pending: PendingTags) -> None:
         self.m = metrics
         self.sessions = sessions
         self.pending = pending
         self._seen = (0, 0, 0)
-        self._lock = threading.Lock()  # the stat logger's thread and the pricing timer both sync
+        self._lock = threading.Lock()  # the pricer's thread, and whoever ticks by hand
 
     def sync(self) -> None:
         with self._lock:

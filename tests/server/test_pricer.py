@@ -9,9 +9,9 @@ from pte_instrument.cost.architecture import load_config, parse_shape
 from pte_instrument.cost.devices import PROFILES
 from pte_instrument.cost.model import CostModel
 from pte_instrument.faults import FaultTracker
-from pte_instrument.server.accountant import FIRST_RETRY_S, MAX_CONSECUTIVE_FAULTS, MAX_RETRY_S, Accountant
 from pte_instrument.server.exporters.prometheus import PrometheusExporter, metrics_for
 from pte_instrument.server.exporters.request_log import RequestLogWriter
+from pte_instrument.server.pricer import FIRST_RETRY_S, MAX_CONSECUTIVE_FAULTS, MAX_RETRY_S, RequestPricer
 from pte_instrument.server.records import FinishedRequest
 from tests.cost.test_architecture import FIX
 
@@ -27,7 +27,7 @@ def make(tmp_path, extra=()):
     faults = FaultTracker(on_fault=lambda s: metrics.faults.labels(s).inc())
     cost = CostModel(parse_shape(load_config(FIX / "dense_mha.json")), PROFILES["h200"])
     log = RequestLogWriter(tmp_path / "log.jsonl")
-    acc = Accountant(
+    acc = RequestPricer(
         cost, [*extra, ("prometheus", PrometheusExporter("m", 0, metrics)), ("request_log", log)], faults
     )
     return acc, registry, tmp_path / "log.jsonl"
@@ -164,7 +164,7 @@ def test_a_suspended_exporter_is_retried_with_back_off_and_resumes_when_it_recov
 
 
 def test_the_back_off_doubles_up_to_its_cap():
-    acc = Accountant(None, [], FaultTracker())  # type: ignore[arg-type]
+    acc = RequestPricer(None, [], FaultTracker())  # type: ignore[arg-type]
     waits = [acc._next_wait(n) for n in range(12)]
     assert waits[:3] == [FIRST_RETRY_S, 2 * FIRST_RETRY_S, 4 * FIRST_RETRY_S]
     assert max(waits) == MAX_RETRY_S and waits[-1] == MAX_RETRY_S

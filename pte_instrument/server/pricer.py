@@ -44,7 +44,7 @@ class _Suspension:
     retries: int = 0  # failed retries so far: the back-off doubles with each
 
 
-class Accountant:
+class RequestPricer:
     def __init__(
         self,
         cost_model: CostModel,
