@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from pte_instrument.cli.errors import UsageError, print_json, whole_number
+from pte_instrument.cli.errors import UsageError, print_json, report_warning, whole_number
 
 
 def add_validate_parser(sub: Any) -> None:
@@ -50,7 +51,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     for path in (requests_path, steps_path):
         if path is not None and not path.is_file():
             raise UsageError(f"no such file: {path}")
-    table = A.usable_requests(A.request_table(A.load_jsonl(requests_path)))
+    table = A.usable_requests(A.request_table(A.load_jsonl(requests_path)))  # to find the phases
     if len(table) < 3:
         raise UsageError(
             f"{requests_path}: {len(table)} usable requests (finished, with an inference time); "
@@ -59,7 +60,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
     finished = table["finished_at"]
     arrived = table["arrived_at"] if table.has("arrived_at") else finished - table["e2e_s"]
     phases = phases_of_log(table.request_id, arrived, finished)
-    analysis = analyse_logs(requests_path, steps_path, phases, n_boot=args.bootstrap, seed=args.seed)
+    problems: Counter[str] = Counter()
+    analysis = analyse_logs(
+        requests_path, steps_path, phases, n_boot=args.bootstrap, seed=args.seed, problems=problems
+    )
+    if problems["not_object"]:
+        report_warning("validate", f"{problems['not_object']} lines skipped (not a JSON object)")
+    if problems["not_number"]:
+        report_warning("validate", f"{problems['not_number']} values that are not numbers read as missing")
     meta = {
         "source": {"request_log": str(requests_path), "step_log": str(steps_path) if steps_path else None},
         "phases": [p.to_dict() for p in phases],

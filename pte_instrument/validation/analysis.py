@@ -15,6 +15,7 @@ import gzip
 import json
 import math
 import warnings
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -259,35 +260,60 @@ def bootstrap_turn_corr(
 # ---------------------------------------------------------------------------------------
 
 
-def load_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Objects of a JSONL file (or .jsonl.gz); a torn line (a writer killed mid-write) is skipped."""
+def load_jsonl(path: str | Path, problems: Counter[str] | None = None) -> list[dict[str, Any]]:
+    """Objects of a JSONL file (or .jsonl.gz). A line that is not a JSON object (a writer
+    killed mid-write, another file's line) is skipped, and counted in ``problems["not_object"]``."""
     out: list[dict[str, Any]] = []
     p = Path(path)
     if not p.exists():
         return out
     opener = gzip.open if p.suffix == ".gz" else open
-    with opener(p, "rt", encoding="utf-8") as fh:
+    with opener(p, "rt", encoding="utf-8", errors="replace") as fh:
         for line in fh:
             line = line.strip()
             if not line:
                 continue
             try:
                 obj = json.loads(line)
-            except json.JSONDecodeError:
-                continue
+            except (json.JSONDecodeError, RecursionError):
+                obj = None
             if isinstance(obj, dict):
                 out.append(obj)
+            elif problems is not None:
+                problems["not_object"] += 1
     return out
 
 
-def _col(records: Sequence[Mapping[str, Any]], key: str, *aliases: str) -> np.ndarray:
+def _number(v: Any) -> float | None:
+    """A JSON number as a float; anything else (a string, a list, true) is not one."""
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _text(v: Any) -> str | None:
+    return v if isinstance(v, str) else None
+
+
+def _whole(v: Any) -> int:
+    """A turn number; 0 (no session) for anything that is not a finite number."""
+    x = _number(v)
+    return int(x) if x is not None and math.isfinite(x) else 0
+
+
+def _col(
+    records: Sequence[Mapping[str, Any]], key: str, *aliases: str, problems: Counter[str] | None = None
+) -> np.ndarray:
+    """A numeric column; a value that is not a number is read as missing (NaN) and counted in
+    ``problems["not_number"]``."""
     vals = []
     for r in records:
         v = r.get(key)
         for a in aliases:
             if v is None:
                 v = r.get(a)
-        vals.append(np.nan if v is None else float(v))
+        x = None if v is None else _number(v)
+        if v is not None and x is None and problems is not None:
+            problems["not_number"] += 1
+        vals.append(np.nan if x is None else x)
     return np.asarray(vals, dtype=np.float64)
 
 
@@ -377,14 +403,14 @@ class RequestTable:
             return np.where(g > 0, self.cols["pte_decode"] / g, np.nan)
 
 
-def request_table(records: Sequence[Mapping[str, Any]]) -> RequestTable:
-    cols = {k: _col(records, k) for k in (*REQUEST_FIELDS, *SECONDS_FIELDS)}
+def request_table(records: Sequence[Mapping[str, Any]], problems: Counter[str] | None = None) -> RequestTable:
+    cols = {k: _col(records, k, problems=problems) for k in (*REQUEST_FIELDS, *SECONDS_FIELDS)}
     for k, aliases in ENGINE_FIELDS.items():
-        cols[k] = _col(records, k, *aliases)
+        cols[k] = _col(records, k, *aliases, problems=problems)
     return RequestTable(
         request_id=[str(r.get("request_id", "")) for r in records],
-        session_id=[r.get("session_id") for r in records],
-        turn=np.asarray([int(r.get("turn") or 0) for r in records], dtype=np.int64),
+        session_id=[_text(r.get("session_id")) for r in records],
+        turn=np.asarray([_whole(r.get("turn")) for r in records], dtype=np.int64),
         device=[str(r.get("device", "")) for r in records],
         finish_reason=[str(r.get("finish_reason", "")) for r in records],
         cols=cols,
@@ -441,27 +467,35 @@ class StepTable:
 STEP_FIELDS = tuple(f for f in STEP_LOG_FIELDS if f != "ctx")
 
 
-def step_table(records: Sequence[Mapping[str, Any]]) -> StepTable:
+def _numbers(v: Any, problems: Counter[str] | None) -> list[float]:
+    """A list of numbers (a step's context per KV group); anything else is none, counted."""
+    if isinstance(v, list) and all(_number(x) is not None for x in v):
+        return [float(x) for x in v]
+    if v is not None and problems is not None:
+        problems["not_number"] += 1
+    return []
+
+
+def step_table(records: Sequence[Mapping[str, Any]], problems: Counter[str] | None = None) -> StepTable:
     header = next((r for r in records if r.get("header")), None)
     rows = [r for r in records if not r.get("header") and "dt_s" in r]
-    cols = {k: _col(rows, k) for k in STEP_FIELDS}
-    width = max((len(r.get("ctx") or []) for r in rows), default=1) or 1
-    ctx = np.zeros((len(rows), width))
-    for i, r in enumerate(rows):
-        c = r.get("ctx") or []
+    cols = {k: _col(rows, k, problems=problems) for k in STEP_FIELDS}
+    contexts = [_numbers(r.get("ctx"), problems) for r in rows]
+    ctx = np.zeros((len(rows), max(map(len, contexts), default=1) or 1))
+    for i, c in enumerate(contexts):
         ctx[i, : len(c)] = c
     return StepTable(header, cols, ctx)
 
 
-def load_steps(path: str | Path) -> StepTable | None:
+def load_steps(path: str | Path, problems: Counter[str] | None = None) -> StepTable | None:
     """The step log of one engine (and ``<path>.engine<N>`` files of others, appended);
     None when there is none or it holds no step."""
     p = Path(path)
     files = [p, *sorted(p.parent.glob(p.name + ".engine*"))] if p.parent.exists() else []
     records: list[dict[str, Any]] = []
     for f in files:
-        records += load_jsonl(f)
-    t = step_table(records)
+        records += load_jsonl(f, problems)
+    t = step_table(records, problems)
     return t if len(t) else None
 
 

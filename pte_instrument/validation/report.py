@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -124,13 +125,15 @@ def analyse_logs(
     model_dir: str | Path | None = None,
     dtype: str = "float32",
     engine_step_model: Mapping[str, Any] | None = None,
+    problems: Counter[str] | None = None,
 ) -> LatencyAnalysis:
     """Everything the report shows, from the two logs and the phase windows. ``model_dir``
     and ``dtype`` give theory a shape when the step log has no header; ``engine_step_model``
-    is /pte/summary's engine_hook.step_model at the end of the run (the online fit)."""
+    is /pte/summary's engine_hook.step_model at the end of the run (the online fit);
+    ``problems`` counts what the logs held that is not what they should."""
     notes: list[str] = []
-    req = A.usable_requests(A.request_table(A.load_jsonl(requests_path)))
-    steps = A.load_steps(steps_path) if steps_path else None
+    req = A.usable_requests(A.request_table(A.load_jsonl(requests_path, problems), problems))
+    steps = A.load_steps(steps_path, problems) if steps_path else None
     if steps is not None:
         steps = A.usable_steps(steps)
         if len(steps) < 10:

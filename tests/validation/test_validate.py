@@ -111,3 +111,48 @@ def test_a_log_that_cannot_be_validated_is_one_line_and_exit_2(tmp_path, capsys,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("pte validate: error: ")
     assert not (tmp_path / "out").exists()
+
+
+def test_lines_and_values_that_are_not_what_the_log_holds_are_skipped_and_counted(tmp_path, capsys):
+    """Torn lines, lines that are not objects and fields of the wrong type: each skipped
+    (a value read as missing), counted on stderr, the rest validated."""
+    path = tmp_path / "requests.jsonl"
+    good = [
+        {
+            "request_id": f"r{i}",
+            "finish_reason": "stop",
+            "inference_s": 1.0 + i,
+            "output_tokens": 10 * (i + 1),
+            "prompt_tokens": 5,
+            "pte_served": 3.0 * (i + 1),
+            "arrived_at": 10.0 * i,
+            "finished_at": 10.0 * i + 2,
+        }
+        for i in range(4)
+    ]
+    bad = [
+        '{"request_id": "x", "finish_reason": "stop", "inference_s": "fast", "prompt_tokens": {"a": 1}}',
+        "[1, 2]",
+        '{"request_id": "torn", "inference',
+    ]
+    path.write_text("\n".join([*map(json.dumps, good), *bad]) + "\n")
+    assert (
+        main(
+            [
+                "validate",
+                str(path),
+                "--out",
+                str(tmp_path / "out"),
+                "--bootstrap",
+                "10",
+                "--no-plots",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert out["phases"][0]["requests"] == 4  # "x" has no inference time: not usable
+    assert "2 lines skipped (not a JSON object)" in captured.err
+    assert "2 values that are not numbers read as missing" in captured.err
