@@ -12,6 +12,7 @@ and the others (under load). Writes ``report.json``, ``report.md`` and the plots
 from __future__ import annotations
 
 import argparse
+import gzip
 import math
 from collections import Counter
 from pathlib import Path
@@ -51,6 +52,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
     for path in (requests_path, steps_path):
         if path is not None and not path.is_file():
             raise UsageError(f"no such file: {path}")
+    for path in (requests_path, steps_path):
+        if path is not None:
+            _check_readable(path)
     table = A.usable_requests(A.request_table(A.load_jsonl(requests_path)))  # to find the phases
     if len(table) < 3:
         raise UsageError(
@@ -93,6 +97,16 @@ def cmd_validate(args: argparse.Namespace) -> int:
             console.print(f"[bold]{x['name']}[/bold] missed: {x['diagnosis']}", highlight=False)
     console.print(f"report: {', '.join(str(f) for f in files)}")
     return 0
+
+
+def _check_readable(path: Path) -> None:
+    """A log that cannot be read through (a .gz that is not gzip, or cut short) is an error."""
+    try:
+        with gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb") as fh:
+            while fh.read(1 << 20):
+                pass
+    except (OSError, EOFError) as e:
+        raise UsageError(f"{path} cannot be read: {e}") from None
 
 
 def _num(v: float | None, nd: int = 3) -> str:

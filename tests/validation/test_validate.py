@@ -102,11 +102,15 @@ def _ids_alone(requests: Path) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize("what", ["missing", "empty"])
+@pytest.mark.parametrize("what", ["missing", "empty", "not gzip", "torn gzip"])
 def test_a_log_that_cannot_be_validated_is_one_line_and_exit_2(tmp_path, capsys, what):
-    path = tmp_path / "requests.jsonl"
+    path = tmp_path / ("requests.jsonl.gz" if "gzip" in what else "requests.jsonl")
     if what == "empty":
         path.write_text('{"request_id": "a", "finish_reason": "stop"}\nnot json\n')
+    elif what == "not gzip":
+        path.write_text("plain text under a .gz name\n")
+    elif what == "torn gzip":
+        path.write_bytes((RUN / "requests.jsonl.gz").read_bytes()[:5000])
     assert main(["validate", str(path), "--out", str(tmp_path / "out")]) == EXIT_BAD_INPUT
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("pte validate: error: ")
