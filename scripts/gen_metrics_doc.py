@@ -29,14 +29,14 @@ their `_total` suffix, histograms by base name (each exposes `_bucket`, `_count`
 bounded; a request or session id is never a label. prometheus_client may also expose a
 `<name>_created` timestamp beside counters and histograms.
 
-Updated by the stat logger: per finished request, per closed session (`pte_session_*`),
+Updated in each API server as it prices: per finished request, per closed session (`pte_session_*`),
 and once per engine at start-up for the cost model (`pte_gamma`, `pte_hardware_*`,
 `pte_active_parameters`, `pte_kv_cache_bytes_per_token`):
 
 """
 
 LEDGER = """
-Session-ledger state, published by the stat logger as it changes (per API-server process,
+Session-ledger state, published by the API server as it changes (per API-server process,
 no labels; with several API servers the merged `/metrics` sums them):
 
 """
