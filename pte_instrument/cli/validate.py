@@ -12,7 +12,6 @@ and the others (under load). Writes ``report.json``, ``report.md`` and the plots
 from __future__ import annotations
 
 import argparse
-import gzip
 import math
 from collections import Counter
 from pathlib import Path
@@ -52,22 +51,29 @@ def cmd_validate(args: argparse.Namespace) -> int:
     for path in (requests_path, steps_path):
         if path is not None and not path.is_file():
             raise UsageError(f"no such file: {path}")
-    for path in (requests_path, steps_path):
-        if path is not None:
-            _check_readable(path)
-    table = A.usable_requests(A.request_table(A.load_jsonl(requests_path)))  # to find the phases
-    if len(table) < 3:
-        raise UsageError(
-            f"{requests_path}: {len(table)} usable requests (finished, with an inference time); "
-            "at least 3 are needed"
-        )
-    finished = table["finished_at"]
-    arrived = table["arrived_at"] if table.has("arrived_at") else finished - table["e2e_s"]
-    phases = phases_of_log(table.request_id, arrived, finished)
     problems: Counter[str] = Counter()
-    analysis = analyse_logs(
-        requests_path, steps_path, phases, n_boot=args.bootstrap, seed=args.seed, problems=problems
-    )
+    try:
+        table = A.request_table(A.load_jsonl(requests_path, problems), problems)
+        usable = A.usable_requests(table)
+        if len(usable) < 3:
+            raise UsageError(
+                f"{requests_path}: {len(usable)} usable requests (finished, with an inference time); "
+                "at least 3 are needed"
+            )
+        finished = usable["finished_at"]
+        arrived = usable["arrived_at"] if usable.has("arrived_at") else finished - usable["e2e_s"]
+        phases = phases_of_log(usable.request_id, arrived, finished)
+        analysis = analyse_logs(
+            requests_path,
+            steps_path,
+            phases,
+            n_boot=args.bootstrap,
+            seed=args.seed,
+            problems=problems,
+            requests=table,
+        )
+    except (OSError, EOFError) as e:  # a .gz that is not gzip, or cut short
+        raise UsageError(f"a log cannot be read: {e}") from None
     if problems["not_object"]:
         report_warning("validate", f"{problems['not_object']} lines skipped (not a JSON object)")
     if problems["not_number"]:
@@ -97,16 +103,6 @@ def cmd_validate(args: argparse.Namespace) -> int:
             console.print(f"[bold]{x['name']}[/bold] missed: {x['diagnosis']}", highlight=False)
     console.print(f"report: {', '.join(str(f) for f in files)}")
     return 0
-
-
-def _check_readable(path: Path) -> None:
-    """A log that cannot be read through (a .gz that is not gzip, or cut short) is an error."""
-    try:
-        with gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb") as fh:
-            while fh.read(1 << 20):
-                pass
-    except (OSError, EOFError) as e:
-        raise UsageError(f"{path} cannot be read: {e}") from None
 
 
 def _num(v: float | None, nd: int = 3) -> str:

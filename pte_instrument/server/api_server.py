@@ -154,19 +154,23 @@ class ApiServer:
         them timed out), and close the sessions idle past their TTL."""
         now = time.monotonic() if now is None else now
         with self._lock:
+            priced = 0
             for pricing in list(self._models.values()):
                 for request in pricing.join.ready(now):
                     self._price(pricing, request)
-            if now >= self._next_expiry:
+                    priced += 1
+            expiring = now >= self._next_expiry
+            if expiring:
                 self._next_expiry = now + EXPIRY_EVERY_S
                 try:
                     self.runtime.sessions.expire()
                 except Exception as e:
                     self.fault("sessions", e)
-            try:
-                self.runtime.ledger_metrics.sync()
-            except Exception as e:
-                self.fault("sessions", e)
+            if priced or expiring:  # the ledger changed only then
+                try:
+                    self.runtime.ledger_metrics.sync()
+                except Exception as e:
+                    self.fault("sessions", e)
 
     def _price(self, pricing: _Pricing, request: FinishedRequest) -> None:
         pricer = pricing.pricers.get(request.engine)

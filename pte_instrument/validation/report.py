@@ -126,13 +126,17 @@ def analyse_logs(
     dtype: str = "float32",
     engine_step_model: Mapping[str, Any] | None = None,
     problems: Counter[str] | None = None,
+    requests: A.RequestTable | None = None,
 ) -> LatencyAnalysis:
     """Everything the report shows, from the two logs and the phase windows. ``model_dir``
     and ``dtype`` give theory a shape when the step log has no header; ``engine_step_model``
     is /pte/summary's engine_hook.step_model at the end of the run (the online fit);
-    ``problems`` counts what the logs held that is not what they should."""
+    ``problems`` counts what the logs held that is not what they should; ``requests``: the
+    request log already read."""
     notes: list[str] = []
-    req = A.usable_requests(A.request_table(A.load_jsonl(requests_path, problems), problems))
+    if requests is None:
+        requests = A.request_table(A.load_jsonl(requests_path, problems), problems)
+    req = A.usable_requests(requests)
     steps = A.load_steps(steps_path, problems) if steps_path else None
     if steps is not None:
         steps = A.usable_steps(steps)
