@@ -122,10 +122,7 @@ class SessionLedger:
 
     def context_for(self, session_id: str, arrived_at: float, prompt_tokens: int) -> TurnContext:
         """Turn number, reusable prefix and pause for the next turn of ``session_id``."""
-        with self._overlay_lock:
-            tail = self._overlay.get(session_id)
-        if tail is None:
-            tail = self._stored_tail(session_id)
+        tail = self._tail(session_id)
         if tail is None:
             return TurnContext(turn=1, reusable_tokens=0, pause_s=None)
         pause = None if tail.last_finished_at is None else max(0.0, arrived_at - tail.last_finished_at)
@@ -138,7 +135,12 @@ class SessionLedger:
         if record.session_id is None:
             self._queue_record(("add", record, None))
             return
-        tail = _Tail(record.turn or 1, record.prompt_tokens, record.output_tokens, record.finished_at)
+        prompt, output = computed_context(record), record.output_tokens
+        if prompt == output == 0:  # it computed nothing: the cache holds what the turn before left
+            before = self._tail(record.session_id)
+            if before is not None:
+                prompt, output = before.last_prompt, before.last_output
+        tail = _Tail(record.turn or 1, prompt, output, record.finished_at)
         with self._overlay_lock:  # before the writer can see it, so that its commit settles it
             self._overlay[record.session_id] = tail
         if not self._queue_record(("add", record, tail)):
@@ -249,6 +251,12 @@ class SessionLedger:
 
     # --- the writer's transactions ---
 
+    def _tail(self, session_id: str) -> _Tail | None:
+        """The session's latest turn: this process's, queued, or else the store's."""
+        with self._overlay_lock:
+            tail = self._overlay.get(session_id)
+        return tail if tail is not None else self._stored_tail(session_id)
+
     def _stored_tail(self, session_id: str) -> _Tail | None:
         with self.store.reading() as db:
             row = db.execute(
@@ -329,12 +337,23 @@ class SessionLedger:
                 self.on_error(e)
 
 
+def computed_context(r: RequestRecord) -> int:
+    """The prompt positions the engine computed for ``r``, which a prefix cache can hold for
+    the next turn: its whole prompt, but for a request aborted before its prompt was through
+    only its cached prefix and the part it prefilled (none for one never run)."""
+    return min(r.prompt_tokens, r.cached_tokens + r.computed_prefill_tokens)
+
+
 _UPSERT = (
     "INSERT INTO sessions (id, model, first_seen, last_seen, touched, n_turns, turns_dropped, last_prompt,"
     f" last_output, last_finished_at, {', '.join(SUMMED)}) VALUES (?, ?, ?, ?, ?, 1, 0, ?, ?, ?,"
     f" {', '.join('?' * len(SUMMED))}) ON CONFLICT (id) DO UPDATE SET last_seen = excluded.last_seen,"
-    " touched = excluded.touched, n_turns = n_turns + 1, last_prompt = excluded.last_prompt,"
-    " last_output = excluded.last_output, last_finished_at = excluded.last_finished_at, "
+    " touched = excluded.touched, n_turns = n_turns + 1,"
+    # a turn that computed nothing (aborted while queued) leaves the context the turn before left
+    " last_prompt = CASE WHEN excluded.last_prompt + excluded.last_output > 0 THEN excluded.last_prompt"
+    " ELSE last_prompt END, last_output = CASE WHEN excluded.last_prompt + excluded.last_output > 0"
+    " THEN excluded.last_output ELSE last_output END,"
+    " last_finished_at = excluded.last_finished_at, "
     + ", ".join(f"{k} = {k} + excluded.{k}" for k in SUMMED)
     + " RETURNING n_turns"
 )
@@ -366,7 +385,7 @@ class _Batch:
                 now,
                 now,
                 self.touched,
-                r.prompt_tokens,
+                computed_context(r),
                 r.output_tokens,
                 r.finished_at,
                 *sums,

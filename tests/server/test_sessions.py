@@ -17,6 +17,7 @@ from pte_instrument.server.live_efficiency import LiveEfficiency
 from pte_instrument.server.records import FinishedRequest, price_request
 from pte_instrument.server.request_tags import PendingTags, RequestTag, validate_session_id
 from pte_instrument.server.sessions import SessionLedger, StoreError
+from pte_instrument.wire import RequestTotals
 from tests.cost.test_architecture import FIX
 
 COST = CostModel(parse_shape(load_config(FIX / "dense_mha.json")), PROFILES["h200"])
@@ -38,6 +39,8 @@ def turn(
     cached: int,
     finished_at: float,
     e2e: float = 1.0,
+    finish_reason: str = "stop",
+    engine_totals: RequestTotals | None = None,
 ):
     ctx = ledger.context_for(sid, finished_at - e2e, prompt)
     req = FinishedRequest(
@@ -46,12 +49,13 @@ def turn(
         prompt,
         cached,
         output,
-        "stop",
+        finish_reason,
         session_id=sid,
         turn=ctx.turn,
         reusable_tokens=ctx.reusable_tokens,
         pause_s=ctx.pause_s,
         e2e_s=e2e,
+        engine_totals=engine_totals,
     )
     record = price_request(COST, req, finished_at)
     ledger.add(record)
@@ -86,6 +90,67 @@ def test_turns_reuse_and_pause(ledgers):
     assert s["turns"] == 2 and [t["turn"] for t in s["turn_rows"]] == [1, 2]
     assert s["pte_served"] == pytest.approx(r1.pte_served + r2.pte_served)
     assert s["pause_s"] == pytest.approx(5.0)
+
+
+def aborted(prompt: int, cached: int, prefilled: int, scheduled: bool = True) -> RequestTotals:
+    """The engine's totals of a request aborted before its first token, ``prefilled``
+    positions of its prompt through."""
+    return RequestTotals(
+        "e",
+        "x",
+        0,
+        "abort",
+        scheduled=scheduled,
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        prefill=prefilled,
+    )
+
+
+def test_the_next_turn_reuses_only_what_an_aborted_prefill_computed(ledgers):
+    """A turn aborted in the middle of its prefill leaves in the cache its cached prefix and
+    the positions it prefilled, not its whole prompt: the next turn's reusable prefix, and so
+    its eviction tax, count only those."""
+    ledger = ledgers(block_size=16)
+    turn(ledger, "s", prompt=100, output=11, cached=0, finished_at=1000.0)  # 110 computed → 96
+    r2 = turn(
+        ledger,
+        "s",
+        prompt=2000,
+        output=0,
+        cached=96,
+        finished_at=1005.0,
+        finish_reason="abort",
+        engine_totals=aborted(2000, 96, 64),
+    )
+    assert r2.pte_eviction_tax == 0 and r2.computed_prefill_tokens == 64
+    # 96 cached + 64 prefilled = 160 computed, 10 whole blocks; 144 of them still cached
+    r3 = turn(ledger, "s", prompt=2100, output=5, cached=144, finished_at=1010.0)
+    assert r3.pte_eviction_tax == 160 - 144
+
+
+def test_a_turn_aborted_while_queued_leaves_the_previous_turns_context(ledgers):
+    """A turn the engine never ran computed nothing: the next turn can still reuse what the
+    turn before it computed, no more and no less."""
+    ledger = ledgers(block_size=16)
+    turn(ledger, "s", prompt=100, output=11, cached=0, finished_at=1000.0)  # 110 computed → 96
+    r2 = turn(
+        ledger,
+        "s",
+        prompt=2000,
+        output=0,
+        cached=0,
+        finished_at=1005.0,
+        finish_reason="abort",
+        engine_totals=aborted(2000, 0, 0, scheduled=False),
+    )
+    assert r2.pte_served == 0 and r2.turn == 2
+    r3 = turn(ledger, "s", prompt=2100, output=5, cached=80, finished_at=1010.0)
+    assert r3.turn == 3 and r3.pause_s == pytest.approx(4.0)  # from the abort
+    assert r3.pte_eviction_tax == 96 - 80
+    ledger.flush()  # the same from the store, as another process reads it
+    r4 = turn(ledger, "s", prompt=2200, output=5, cached=2096, finished_at=1020.0)
+    assert r4.pte_eviction_tax == 0  # turn 3: 2100 + 4 computed → 2096 reusable, all cached
 
 
 def test_two_processes_on_one_store_number_one_session(ledgers, tmp_path):
