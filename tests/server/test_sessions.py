@@ -92,19 +92,22 @@ def test_turns_reuse_and_pause(ledgers):
     assert s["pause_s"] == pytest.approx(5.0)
 
 
-def aborted(prompt: int, cached: int, prefilled: int, scheduled: bool = True) -> RequestTotals:
-    """The engine's totals of a request aborted before its first token, ``prefilled``
-    positions of its prompt through."""
-    return RequestTotals(
+def aborted_turn(
+    ledger: SessionLedger, sid: str, prompt: int, cached: int, prefilled: int, finished_at: float
+):
+    """A turn aborted before its first token, ``prefilled`` positions of its prompt through
+    (none and never scheduled: aborted while queued), as the engine's totals say."""
+    totals = RequestTotals(
         "e",
-        "x",
+        sid,
         0,
         "abort",
-        scheduled=scheduled,
+        scheduled=cached + prefilled > 0,
         prompt_tokens=prompt,
         cached_tokens=cached,
         prefill=prefilled,
     )
+    return turn(ledger, sid, prompt, 0, cached, finished_at, finish_reason="abort", engine_totals=totals)
 
 
 def test_the_next_turn_reuses_only_what_an_aborted_prefill_computed(ledgers):
@@ -113,16 +116,7 @@ def test_the_next_turn_reuses_only_what_an_aborted_prefill_computed(ledgers):
     its eviction tax, count only those."""
     ledger = ledgers(block_size=16)
     turn(ledger, "s", prompt=100, output=11, cached=0, finished_at=1000.0)  # 110 computed → 96
-    r2 = turn(
-        ledger,
-        "s",
-        prompt=2000,
-        output=0,
-        cached=96,
-        finished_at=1005.0,
-        finish_reason="abort",
-        engine_totals=aborted(2000, 96, 64),
-    )
+    r2 = aborted_turn(ledger, "s", prompt=2000, cached=96, prefilled=64, finished_at=1005.0)
     assert r2.pte_eviction_tax == 0 and r2.computed_prefill_tokens == 64
     # 96 cached + 64 prefilled = 160 computed, 10 whole blocks; 144 of them still cached
     r3 = turn(ledger, "s", prompt=2100, output=5, cached=144, finished_at=1010.0)
@@ -134,16 +128,7 @@ def test_a_turn_aborted_while_queued_leaves_the_previous_turns_context(ledgers):
     turn before it computed, no more and no less."""
     ledger = ledgers(block_size=16)
     turn(ledger, "s", prompt=100, output=11, cached=0, finished_at=1000.0)  # 110 computed → 96
-    r2 = turn(
-        ledger,
-        "s",
-        prompt=2000,
-        output=0,
-        cached=0,
-        finished_at=1005.0,
-        finish_reason="abort",
-        engine_totals=aborted(2000, 0, 0, scheduled=False),
-    )
+    r2 = aborted_turn(ledger, "s", prompt=2000, cached=0, prefilled=0, finished_at=1005.0)
     assert r2.pte_served == 0 and r2.turn == 2
     r3 = turn(ledger, "s", prompt=2100, output=5, cached=80, finished_at=1010.0)
     assert r3.turn == 3 and r3.pause_s == pytest.approx(4.0)  # from the abort
