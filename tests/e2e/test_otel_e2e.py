@@ -120,14 +120,19 @@ def test_ttft_and_tpot_are_what_a_streaming_client_sees(server):
         "temperature": 0.0,
         "stream": True,
     }
-    t0 = time.perf_counter()
-    chunk_times, rid = [], None
-    with server.client.stream("POST", "/v1/completions", json=body) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunk_times.append(time.perf_counter() - t0)
-                rid = json.loads(line[6:])["id"]
-    client_ttft, client_decode = chunk_times[0], chunk_times[-1] - chunk_times[0]
+    # A starved API server can hold the chunks back and deliver them in one burst, and then
+    # the client cannot tell its first token from its last: measured again, up to three times
+    for _ in range(3):
+        t0 = time.perf_counter()
+        chunk_times, rid = [], None
+        with server.client.stream("POST", "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunk_times.append(time.perf_counter() - t0)
+                    rid = json.loads(line[6:])["id"]
+        client_ttft, client_decode = chunk_times[0], chunk_times[-1] - chunk_times[0]
+        if client_decode > 0.1:
+            break
     assert client_decode > 0.1, "the decode should take long enough to tell TTFT from the whole request"
     rec = server.log_records({rid})[rid][0]
     assert rec["output_tokens"] == 256
