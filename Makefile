@@ -26,13 +26,19 @@ models/tiny/config.json: $(STAMP)
 demo: $(STAMP) models/tiny/config.json
 	$(BIN)/pte demo
 
+# Test files run in WORKERS processes (pytest-xdist), each file whole in one of them, so a
+# file's vLLM server starts once; most of the suite's time is vLLM start-ups, which are
+# single-threaded: two run side by side on two cores.
+WORKERS ?= 2
+PYTEST  := $(BIN)/python -m pytest -ra -n $(WORKERS) --dist loadfile
+
 test: $(STAMP) models/tiny/config.json
 	bash scripts/install_test_deps.sh   # Debian's prometheus + promtool for the scrape test
-	$(BIN)/python -m pytest -ra --durations=15 $(PYTEST_ARGS)
+	$(PYTEST) --durations=15 $(PYTEST_ARGS)
 
 # The tests that start no vLLM server and install nothing beyond the venv.
 test-unit: $(STAMP) models/tiny/config.json
-	$(BIN)/python -m pytest -ra -m "not vllm" --durations=10 $(PYTEST_ARGS)
+	$(PYTEST) -m "not vllm" --durations=10 $(PYTEST_ARGS)
 
 # The latency bench on the tiny model (≈ 2 min on 2 cores): bench/results/latency-tiny-*/
 bench: $(STAMP) models/tiny/config.json
