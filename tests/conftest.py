@@ -5,7 +5,6 @@ server is shared by every test that does not need its own configuration."""
 from __future__ import annotations
 
 import http.server
-import json
 import threading
 import time
 from collections.abc import Iterator
@@ -15,6 +14,7 @@ import httpx
 import pytest
 
 from tests.exposition import samples
+from tests.helpers import jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL = ROOT / "models" / "tiny"
@@ -212,14 +212,12 @@ class Server:
         deadline = time.monotonic() + timeout_s
         while True:
             found: dict[str, dict] = {}
-            if self.request_log.exists():
-                for line in self.request_log.read_text().splitlines():
-                    rec = json.loads(line)
-                    rid = rec["request_id"]
-                    if rid not in ids:  # /v1/completions: vLLM appends the prompt index
-                        rid = rid.rpartition("-")[0]
-                    if rid in ids:
-                        found.setdefault(rid, []).append(rec)
+            for rec in jsonl(self.request_log):
+                rid = rec["request_id"]
+                if rid not in ids:  # /v1/completions: vLLM appends the prompt index
+                    rid = rid.rpartition("-")[0]
+                if rid in ids:
+                    found.setdefault(rid, []).append(rec)
             if len(found) == len(ids) or time.monotonic() > deadline:
                 return found
             time.sleep(0.2)

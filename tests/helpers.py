@@ -21,8 +21,13 @@ def wait(predicate: Callable[[], bool], timeout_s: float = 20.0, interval_s: flo
 
 
 def jsonl(path: Path) -> list[dict]:
-    """The objects of a JSONL log, one a line; none while the file does not exist yet."""
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    """The objects of a JSONL log a server is writing, one a line; none while the file does
+    not exist yet. A last line without its newline is a record still being appended (a
+    reader can see part of a write): left out until it is whole."""
+    if not path.exists():
+        return []
+    text = path.read_text()
+    return [json.loads(x) for x in text[: text.rfind("\n") + 1].splitlines()]
 
 
 def fill(directory: Path) -> Path:

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from tests.conftest import scrape, start_server
+from tests.helpers import jsonl
 
 # A remote-code config class: the standard attribute is an alias of a field of its own, so
 # vLLM reads 1 KV head while the config's dict has no num_key_value_heads at all.
@@ -69,11 +70,7 @@ def test_bad_settings_fall_back_and_the_assumed_kv_heads_are_said(bad_config):
     ids = {client.post("/v1/chat/completions", json=body).json()["id"] for _ in range(2)}
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
-        records = (
-            [json.loads(line) for line in request_log.read_text().splitlines()]
-            if request_log.exists()
-            else []
-        )
+        records = jsonl(request_log)
         if {r["request_id"] for r in records} >= ids:
             break
         time.sleep(0.2)

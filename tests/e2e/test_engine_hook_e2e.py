@@ -14,6 +14,7 @@ import pytest
 
 from tests.conftest import start_server
 from tests.e2e.test_vllm_plugin import independent_gamma
+from tests.helpers import jsonl
 
 CHUNK = 64  # --max-num-batched-tokens: long prompts are prefilled in chunks
 BLOCKS = 12  # × 128 tokens: a KV cache so small that concurrent long requests are preempted
@@ -75,9 +76,7 @@ def records_for(work: Path, ids: set[str], timeout_s: float = 15.0) -> dict[str,
     deadline = time.monotonic() + timeout_s
     while True:
         found = {}
-        log = work / "requests.jsonl"
-        for line in log.read_text().splitlines() if log.exists() else []:
-            rec = json.loads(line)
+        for rec in jsonl(work / "requests.jsonl"):
             base = rec["request_id"].rpartition("-")[0]  # completions: cmpl-<id>-0
             if base in ids:
                 found.setdefault(base, []).append(rec)

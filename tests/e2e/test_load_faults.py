@@ -12,15 +12,14 @@ import pytest
 
 from pte_instrument.devtools.loadgen import run_streaming_sessions
 from tests.conftest import scrape, start_server
-from tests.helpers import wait
+from tests.helpers import jsonl, wait
 
 HOOK = ["--scheduler-cls", "pte_instrument.vllm_adapter.scheduler.PteScheduler"]
 
 
 def entries(log: Path) -> dict[str, list[dict]]:
     out: dict[str, list[dict]] = {}
-    for line in log.read_text().splitlines() if log.exists() else []:
-        rec = json.loads(line)
+    for rec in jsonl(log):
         out.setdefault(rec["request_id"].rpartition("-")[0], []).append(rec)  # cmpl-<id>-0
     return out
 
