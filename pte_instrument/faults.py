@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 log = logging.getLogger("pte_instrument")
 
@@ -21,6 +21,13 @@ def install_log_handler() -> None:
         log.addHandler(handler)
         log.setLevel(logging.INFO)
         log.propagate = False
+
+
+def say_configuration(problems: Iterable[str]) -> None:
+    """One line for each setting value the plugin does not take (each problem names the
+    value and the default used instead)."""
+    for problem in problems:
+        log.error("pte-instrument configuration: %s", problem)
 
 
 class FaultTracker:

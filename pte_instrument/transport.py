@@ -56,9 +56,9 @@ def ensure_address(setting: tuple[str | None, str | None]) -> str:
     (its value, and the line naming a malformed one)."""
     addr, problem = setting
     if problem is not None:
-        from pte_instrument.faults import log
+        from pte_instrument.faults import say_configuration
 
-        log.error("pte-instrument configuration: %s", problem)
+        say_configuration([problem])
     if addr is None:
         path = os.path.join(tempfile.gettempdir(), f"pte-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         addr = os.environ[ADDRESS_ENV] = f"ipc://{path}"

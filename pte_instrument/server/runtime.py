@@ -18,7 +18,7 @@ from typing import Any
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from pte_instrument.cost.model import CostModel
-from pte_instrument.faults import FaultTracker, install_log_handler, log
+from pte_instrument.faults import FaultTracker, install_log_handler, log, say_configuration
 from pte_instrument.server.engine_join import EngineInbox, RequestJoin
 from pte_instrument.server.exporters.efficiency import EfficiencyExporter
 from pte_instrument.server.exporters.prometheus import LedgerMetrics, PrometheusExporter, metrics_for
@@ -322,8 +322,7 @@ def get_runtime() -> Runtime:
         if _runtime is None:
             install_log_handler()
             settings = Settings.from_env()
-            for error in settings.errors:
-                log.error("pte-instrument configuration: %s", error)
+            say_configuration(settings.errors)
             _runtime = Runtime(settings)
             atexit.register(_runtime.sessions.close)  # commit the queued turns at shutdown
         return _runtime

@@ -2,10 +2,12 @@
 API server, or ``vllm serve``'s launcher) it creates the engine → API-server transport
 address and, unless ``PTE_SESSION_STORE`` names one, the server's own session store path
 (by its port); the engine and API-server processes, spawned later, inherit both (see
-``pte_instrument.transport``)."""
+``pte_instrument.transport``). The launcher of engines started ``--headless`` (a node
+without an API server) names the settings it does not take, as an API server does."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import sys
 
@@ -21,6 +23,13 @@ def register() -> None:
         port = serve_port(sys.argv)
         if port is not None:
             os.environ["PTE_SESSION_STORE"] = default_session_store(port)
+    # spawned processes carry their parent's argv: only the launcher itself speaks
+    if "--headless" in sys.argv and multiprocessing.parent_process() is None:
+        from pte_instrument.faults import install_log_handler, say_configuration
+        from pte_instrument.settings import Settings
+
+        install_log_handler()
+        say_configuration(Settings.from_env().errors)
 
 
 def serve_port(argv: list[str]) -> int | None:

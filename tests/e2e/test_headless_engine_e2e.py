@@ -41,7 +41,10 @@ def two_nodes(tiny_model, tmp_path_factory):
         str(rpc),
     ]
     node_env = {k: v for k, v in os.environ.items() if not k.startswith(("PTE_", "VLLM_", "PROMETHEUS_"))}
-    node_env.update(TMPDIR=str(other), VLLM_CPU_KVCACHE_SPACE="1", PTE_ENGINE_TRANSPORT="tcp")
+    # and a malformed setting, which no API server on that node is there to name
+    node_env.update(
+        TMPDIR=str(other), VLLM_CPU_KVCACHE_SPACE="1", PTE_ENGINE_TRANSPORT="tcp", PTE_MAX_SESSIONS="many"
+    )
     command = [
         sys.executable,
         "-m",
@@ -74,7 +77,7 @@ def two_nodes(tiny_model, tmp_path_factory):
     )
     try:
         head.start()
-        yield head, log
+        yield head, log, other / "engine.log"
     finally:
         head.stop()
         os.killpg(os.getpgid(headless.pid), 9)
@@ -82,7 +85,7 @@ def two_nodes(tiny_model, tmp_path_factory):
 
 
 def test_a_headless_engine_on_another_node_reports_its_totals(two_nodes):
-    head, log = two_nodes
+    head, log, _ = two_nodes
     rng = random.Random(5)
     prompts = [words(rng, rng.randint(20, 200)) for _ in range(24)]
     with ThreadPoolExecutor(8) as pool:  # concurrent: the balancer uses both engines
@@ -104,3 +107,10 @@ def test_a_headless_engine_on_another_node_reports_its_totals(two_nodes):
     assert metric_sum(m, "pte_engine_served_pte_total", engine="1") > 0
     faults = {dict(k[1])["stage"]: v for k, v in m.items() if k[0] == "pte_plugin_faults_total"}
     assert not any(faults.values()), faults
+
+
+def test_a_headless_node_names_its_malformed_settings_once(two_nodes):
+    *_, node_log = two_nodes
+    text = node_log.read_text(errors="replace")
+    said = [line for line in text.splitlines() if "pte-instrument configuration: PTE_MAX_SESSIONS" in line]
+    assert len(said) == 1 and "'many'" in said[0], said
