@@ -56,7 +56,10 @@ def test_256_streaming_sessions_with_disconnects(tiny_model, tmp_path):
         found = entries(log)
         assert all(len(found[i]) == 1 for i in ids), "exactly one entry per request"
         aborted = {i for i in ids if found[i][0]["finish_reason"] == "abort"}
-        assert aborted and aborted <= hung_up  # only clients that hung up are flagged
+        # only clients that hung up are flagged; how many vLLM aborts depends on how soon it
+        # acts on a hang-up (seconds late when the cores are busy: these 24-token requests may
+        # all end first), so none may be (tests/e2e/test_pricing_e2e.py prices aborts)
+        assert aborted <= hung_up
         recs = [found[i][0] for i in ids]
         assert all(r["engine_pte_served"] is not None for r in recs)
         step_rows = [json.loads(x) for x in steps.read_text().splitlines()]
