@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tests.conftest import scrape, start_server
-from tests.helpers import fill, wait
+from tests.helpers import fill, jsonl, wait
 
 HOOK = ["--scheduler-cls", "pte_instrument.vllm_adapter.scheduler.PteScheduler"]
 REQUEST_LOG_LINE = "request log PTE_REQUEST_LOG="
@@ -38,11 +38,11 @@ def lines(path: Path, settled: bool = True) -> list[dict]:
     """The file's records; fails on a partial line or one that is not a whole record.
     ``settled=False``: while the server may still be writing, a last line without its
     newline is a record being appended (or, on a full disk, about to be cut): left out."""
+    if not settled:
+        return jsonl(path)
     if not path.exists():
         return []
     text = path.read_text()
-    if not settled:
-        text = text[: text.rfind("\n") + 1]
     assert not text or text.endswith("\n"), f"partial last line: {text[-120:]!r}"
     return [json.loads(line) for line in text.splitlines()]
 
