@@ -16,8 +16,9 @@ as vLLM's waits for a GPU (default 2 ms; 0: the schedulers back to back). Per st
 nowhere else in these streams). Reported per batch size and
 kind: vLLM's µs per step (its own class), the hook's added µs per step — the paired
 difference of the same step of the same stream, on the mean (what throughput pays) and the
-median, with 95% bootstrap intervals —, their ratio, and the hook's own account (``hook_s``
-per step) beside the measured mean.
+median, with 95% bootstrap intervals —, their ratio, the hook's own account (``hook_s``
+per step) beside the measured mean, and the CPU time of the hook's pricing process per step
+(another core's: it is not in vLLM's step).
 
 Writes bench/results/scheduler-overhead-<hostname>-<YYYY-MM-DD>.json and prints a table.
 
@@ -33,6 +34,7 @@ import tempfile
 import time
 import uuid
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -66,7 +68,8 @@ class Case:
     added_median_us: float
     added_median_ci: tuple[float, float]
     ratio: float  # added mean / vLLM mean
-    hook_s_us: float  # the hook's own account per step
+    hook_s_us: float  # the hook's own account per step, on the engine thread
+    pricing_cpu_us: float | None  # the pricing process's CPU time per step, on another core
     finished_per_step: float
 
 
@@ -79,13 +82,14 @@ def paired_run(
     warmup: int,
     seed: int,
     model_s: float = 0.0,
-) -> tuple[np.ndarray, np.ndarray, float, float]:
+) -> tuple[np.ndarray, np.ndarray, float, float | None, float]:
     """One stream through vLLM's class and ours in lockstep: step k of one, then step k of
     the other (the order alternating), so that both see the same host state at the same
     moment and the same step of the same stream is paired. After each step the engine thread
     waits ``model_s`` for the model, the GIL released, as it waits for a GPU. Per measured
     step, each one's host seconds of schedule + update_from_output; the hook's own seconds
-    per measured step; finished requests per step."""
+    per measured step; its pricing process's CPU seconds per measured step (None: none, or
+    not Linux); finished requests per step."""
     from pte_instrument.vllm_adapter.driver import Arrival, Driver, build_scheduler
 
     drivers = []
@@ -112,11 +116,14 @@ def paired_run(
 
     admitted = [0, 0]
     hook = drivers[1].s._pte
+    pid = getattr(hook, "pid", None)  # the pricing process
     hook_start = finished_start = 0.0
+    cpu_start: float | None = None
     for k in range(warmup + steps):
         if k == warmup:
             hook_start = hook.hook_s if hook is not None else 0.0
             finished_start = admitted[1]
+            cpu_start = process_cpu_s(pid)
         for j in (0, 1) if k % 2 == 0 else (1, 0):
             d = drivers[j]
             while d.s.get_num_unfinished_requests() < batch:
@@ -128,10 +135,23 @@ def paired_run(
     if admitted[0] != admitted[1] or len(drivers[0].schedule_s) != len(drivers[1].schedule_s):
         raise RuntimeError("the two schedulers ran different streams: the hook changed the scheduling")
     hook_s = (hook.hook_s - hook_start) if hook is not None else 0.0
+    cpu_end = process_cpu_s(pid)
+    pricing_s = (cpu_end - cpu_start) / steps if cpu_start is not None and cpu_end is not None else None
     per_step = [np.array(d.schedule_s[-steps:]) for d in drivers]
     for d in drivers:
         d.s.shutdown()
-    return per_step[0], per_step[1], hook_s / steps, (admitted[1] - finished_start) / steps
+    return per_step[0], per_step[1], hook_s / steps, pricing_s, (admitted[1] - finished_start) / steps
+
+
+def process_cpu_s(pid: int | None) -> float | None:
+    """User + system CPU seconds of process ``pid`` so far (Linux's /proc; else None)."""
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def interval(x: np.ndarray, stat: Any, rng: np.random.Generator) -> tuple[float, float]:
@@ -149,14 +169,15 @@ def measure(batch: int, asynchronous: bool, repeats: int, seed: int, model_s: fl
 
     theirs_cls = AsyncScheduler if asynchronous else Scheduler
     steps, warmup = STEPS[batch], WARMUP[batch]
-    theirs, ours, hook, finished = [], [], [], []
+    theirs, ours, hook, pricing, finished = [], [], [], [], []
     for r in range(repeats):
-        t, o, hook_s, fin = paired_run(
+        t, o, hook_s, pricing_s, fin = paired_run(
             theirs_cls, PteScheduler, asynchronous, batch, steps, warmup, seed + r, model_s
         )
         theirs.append(t)
         ours.append(o)
         hook.append(hook_s)
+        pricing.append(pricing_s)
         finished.append(fin)
     t, o = np.concatenate(theirs), np.concatenate(ours)
     added = o - t  # the same step of the same stream
@@ -174,6 +195,7 @@ def measure(batch: int, asynchronous: bool, repeats: int, seed: int, model_s: fl
         added_median_ci=tuple(us * v for v in interval(added, np.median, rng)),
         ratio=float(added.mean() / t.mean()),
         hook_s_us=us * float(np.mean(hook)),
+        pricing_cpu_us=None if None in pricing else us * float(np.mean(pricing)),
         finished_per_step=float(np.mean(finished)),
     )
 
@@ -256,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
             "added median µs [95%]",
             "ratio",
             "hook_s µs",
+            "pricing CPU µs",
             "finished/step",
         ],
         [
@@ -267,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{c.added_median_us:.2f} [{c.added_median_ci[0]:.2f}, {c.added_median_ci[1]:.2f}]",
                 f"{100 * c.ratio:.1f}%",
                 f"{c.hook_s_us:.2f}",
+                "—" if c.pricing_cpu_us is None else f"{c.pricing_cpu_us:.1f}",
                 f"{c.finished_per_step:.2f}",
             ]
             for c in cases

@@ -529,6 +529,16 @@ TABLE: tuple[Setting, ...] = (
         summary="engine hook's accumulator: `numpy`, `torch`, `triton` (`auto`: Triton on CUDA, else numpy)",
     ),
     Setting(
+        "PTE_ENGINE_PRICING",
+        "engine_pricing",
+        str,
+        "process",
+        choice("process", "inline"),
+        accepted="`process`, `inline`",
+        help="where the engine hook prices its steps: `process`: a pricing process of its own beside each engine core (one more process, about one pricing pass of CPU every 40 ms on another core), so the engine thread only keeps a reference to each step and ships the completed ones; `inline`: on the engine thread, in vLLM's scheduler calls. With `process`, `PTE_ACCUMULATOR=auto` is numpy (a device backend there would open a CUDA context of its own). A pricing process that cannot start: one log line, `inline`",
+        summary="where the engine hook prices its steps: `process` (its own process, off the engine thread) or `inline`",
+    ),
+    Setting(
         "PTE_STEP_LOG",
         "step_log",
         str | None,

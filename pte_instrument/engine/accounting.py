@@ -27,11 +27,12 @@ from __future__ import annotations
 import errno
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from itertools import accumulate
 from pathlib import Path
 
+import msgspec
 import numpy as np
 
 from pte_instrument.cost.model import CostModel
@@ -48,7 +49,27 @@ _KEY_BITS = 32  # slot·2³² + end sorts rows by slot, then end (ends < 2³² t
 SENT_KEPT = 4096  # ids of requests already sent, remembered so a late row is not a new request
 
 
-class CompletedSteps:
+# A step whose outputs are back, as the scheduler output had it: plain values and references
+# to its lists, so that the engine thread does no per-row work. (requests scheduled for the
+# first time, as (id, tokens computed before the step, prompt length) — None if none; ids of
+# the others (running and resumed); their tokens computed before the step; tokens scheduled
+# per id; the clock when scheduled; when its outputs were back; the hook's time for it; per id:
+# draft tokens scheduled, drafts rejected, positions to take back — None if none.)
+RawStep = tuple[
+    list[tuple[str, int, int]] | None,
+    list[str],
+    list[int],
+    dict[str, int],
+    float,
+    float,
+    float,
+    dict[str, int] | None,
+    dict[str, int] | None,
+    dict[str, int] | None,
+]
+
+
+class CompletedSteps(msgspec.Struct, gc=False):
     """Scheduler steps whose outputs are back, not yet priced, in the order they completed:
     the rows of all of them concatenated, as plain lists (a list extend is far cheaper than a
     numpy call). Per row: request id, tokens computed before the step (where its positions
@@ -57,33 +78,42 @@ class CompletedSteps:
     (row, count): draft tokens scheduled and drafts rejected. ``prompts``: the prompt length
     of requests scheduled for the first time here."""
 
-    __slots__ = (
-        "c",
-        "done_at",
-        "drafts",
-        "hook_s",
-        "n",
-        "prompts",
-        "rejected",
-        "rids",
-        "scheduled_at",
-        "sizes",
-    )
-
-    def __init__(self) -> None:
-        self.rids: list[str] = []
-        self.c: list[int] = []
-        self.n: list[int] = []
-        self.sizes: list[int] = []
-        self.scheduled_at: list[float] = []
-        self.done_at: list[float] = []
-        self.hook_s: list[float] = []
-        self.drafts: list[tuple[int, int]] = []
-        self.rejected: list[tuple[int, int]] = []
-        self.prompts: dict[str, int] = {}
+    rids: list[str] = msgspec.field(default_factory=list)
+    c: list[int] = msgspec.field(default_factory=list)
+    n: list[int] = msgspec.field(default_factory=list)
+    sizes: list[int] = msgspec.field(default_factory=list)
+    scheduled_at: list[float] = msgspec.field(default_factory=list)
+    done_at: list[float] = msgspec.field(default_factory=list)
+    hook_s: list[float] = msgspec.field(default_factory=list)
+    drafts: list[tuple[int, int]] = msgspec.field(default_factory=list)
+    rejected: list[tuple[int, int]] = msgspec.field(default_factory=list)
+    prompts: dict[str, int] = msgspec.field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.sizes)
+
+    @classmethod
+    def of(cls, steps: Iterable[RawStep], prompts: Mapping[str, int] | None = None) -> CompletedSteps:
+        """Raw steps as rows; ``prompts``: prompt lengths of requests whose first step was lost."""
+        batch = cls()
+        if prompts:
+            batch.prompts.update(prompts)
+        for step in steps:
+            batch.add_raw(step)
+        return batch
+
+    def add_raw(self, step: RawStep) -> None:
+        new, rids, c, counts, scheduled_at, done_at, hook_s, drafts, rejected, back = step
+        if new:  # new requests come first in a step's rows
+            for rid, _, prompt in new:
+                self.prompts[rid] = prompt
+            rids = [d[0] for d in new] + rids
+            c = [d[1] for d in new] + c
+        if back:
+            c = [k - back.get(rid, 0) for rid, k in zip(rids, c, strict=True)]
+        self.add(
+            rids, c, list(map(counts.__getitem__, rids)), scheduled_at, done_at, hook_s, drafts, rejected
+        )
 
     def add(
         self,
@@ -112,6 +142,42 @@ class CompletedSteps:
             self.rejected += [(row[r], k) for r, k in (rejected or {}).items() if k > 0 and r in row]
 
 
+class Finished(msgspec.Struct, array_like=True, gc=False):
+    """A request the engine finished, its totals not sent yet. ``counts``: prompt_tokens,
+    output_tokens, num_preemptions as the engine saw them (so the API server can still
+    account a request its stat logger never reports), api_server (the API server the totals
+    must reach) and arrival_time."""
+
+    rid: str
+    external_id: str  # the id the API server knows
+    child_index: int | None  # a parallel-sampling child's index
+    reason: str
+    counts: dict[str, int | float]
+    finished_at: float  # unix time
+
+    @classmethod
+    def of(
+        cls,
+        rid: str,
+        reason: str,
+        counts: Mapping[str, float],
+        external_id: Callable[[str], tuple[str, int | None]],
+    ) -> Finished:
+        return cls(rid, *external_id(rid), reason, dict(counts), time.time())
+
+
+def split_held(
+    finished: list[Finished], hold: Callable[[str], bool] | None
+) -> tuple[list[Finished], list[Finished]]:
+    """(to send now, held back): ``hold`` keeps a request whose steps are still running."""
+    if hold is None or not finished:
+        return finished, []
+    done, waiting = [], []
+    for f in finished:
+        (waiting if hold(f.rid) else done).append(f)
+    return done, waiting
+
+
 @dataclass
 class EngineAccounting:
     cost_model: CostModel
@@ -131,7 +197,7 @@ class EngineAccounting:
     calibrate_online: bool = True
     acc: StepAccumulator = field(init=False)
     slot_of: dict[str, int] = field(default_factory=dict, init=False)  # live requests
-    finished: list[tuple[str, str, Mapping[str, float], float]] = field(default_factory=list, init=False)
+    finished: list[Finished] = field(default_factory=list, init=False)  # not sent yet
     steps: int = field(default=0, init=False)
     # everything the hook adds to the scheduler, all steps: the adapter measures it
     hook_s: float = field(default=0.0, init=False)
@@ -299,6 +365,9 @@ class EngineAccounting:
         self._attribute(packed, batch, first_step)
         self._release_scratch()
 
+    def price_raw(self, steps: list[RawStep], prompts: Mapping[str, int] | None = None) -> None:
+        self.price(CompletedSteps.of(steps, prompts))
+
     def _price_rejected(
         self, slot: np.ndarray, valid_end: np.ndarray, rows: np.ndarray, k: np.ndarray
     ) -> None:
@@ -420,48 +489,39 @@ class EngineAccounting:
     # --- finish -------------------------------------------------------------------------
 
     def on_finished(self, rid: str, reason: str, counts: Mapping[str, float]) -> None:
-        """``counts``: prompt_tokens, output_tokens, num_preemptions as the engine saw them
-        (so the API server can still account a request its stat logger never reports),
-        api_server (the API server the totals must reach) and arrival_time. Its totals are
-        sent at the next ``flush`` that does not hold it back."""
-        self.finished.append((rid, reason, counts, time.time()))
+        """Its totals are sent at the next ``flush`` that does not hold it back."""
+        self.finished.append(Finished.of(rid, reason, counts, self.external_id))
 
     def flush(self, hold: Callable[[str], bool] | None = None) -> None:
         """Send the finished requests' totals (one read of their rows), free their slots;
         those for which ``hold`` is true (a step still running has them) wait. Price the
         steps they ran first."""
-        if not self.finished:
-            return
-        done, waiting = [], []
-        for f in self.finished:
-            (waiting if hold is not None and hold(f[0]) else done).append(f)
-        self.finished = waiting
+        done, self.finished = split_held(self.finished, hold)
         if not done:
             return
         slot_of, sent = self.slot_of, self._sent
         picked = []
-        for rid, reason, counts, at in done:
-            picked.append((rid, reason, counts, at, slot_of.pop(rid, -1)))  # -1: never scheduled
+        for f in done:
+            picked.append((f, slot_of.pop(f.rid, -1)))  # -1: never scheduled
             if len(sent) == sent.maxlen:
                 self._sent_set.discard(sent[0])
-            sent.append(rid)
-            self._sent_set.add(rid)
-        slots = np.array([p[4] for p in picked if p[4] >= 0], dtype=np.int64)
+            sent.append(f.rid)
+            self._sent_set.add(f.rid)
+        slots = np.array([slot for _, slot in picked if slot >= 0], dtype=np.int64)
         rows = self.acc.read(slots)
         served = ref.served_pte(rows, self.gammas)
         seconds = self.timing.take(slots).T.tolist()  # per request: its six columns
         cached = self.state[CACHED, slots].tolist()
         messages, k = [], 0
-        for rid, reason, counts, finished_at, slot in picked:
-            external, child = self.external_id(rid)
+        for f, slot in picked:
             common = {
-                "request_id": rid,
-                "external_id": external,
-                "child_index": child,
+                "request_id": f.rid,
+                "external_id": f.external_id,
+                "child_index": f.child_index,
                 "engine": self.engine,
-                "finish_reason": reason,
-                **counts,
-                "finished_at": finished_at,
+                "finish_reason": f.reason,
+                **f.counts,
+                "finished_at": f.finished_at,
                 "engine_live": self.live,
                 "engine_steps": self.steps,
                 "engine_hook_s": self.hook_s,

@@ -25,7 +25,8 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from pte_instrument.cost.step_time import StepTimeModel
-from pte_instrument.engine.accounting import CompletedSteps, EngineAccounting
+from pte_instrument.engine.accounting import EngineAccounting
+from pte_instrument.engine.pricing import PricingConfig, PricingProcess, step_log_off
 from pte_instrument.engine.sender import EngineSender
 from pte_instrument.failpoints import failpoint
 from pte_instrument.faults import FaultTracker, install_log_handler, log
@@ -55,14 +56,15 @@ class _PteHook:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         install_log_handler()
-        self._pte: EngineAccounting | None = None
+        self._pte: EngineAccounting | PricingProcess | None = None
         self._pte_faults = FaultTracker()
         self._pte_sender: EngineSender | None = None
         self._pte_clock = time.perf_counter
         self._pte_inflight: deque[list[Any]] = deque()  # scheduled, outputs not back (in order)
-        self._pte_done: list[list[Any]] = []  # outputs back, not priced yet
+        self._pte_done: list[list[Any]] = []  # outputs back, not priced yet: RawStep's fields
         self._pte_rows = 0  # their rows
         self._pte_finished_at: float | None = None  # the earliest finish not sent yet
+        self._pte_prompts: dict[str, int] = {}  # prompt lengths from steps lost to the accounting
         try:
             settings = Settings.from_env()
             cfg = self.vllm_config  # type: ignore[attr-defined]
@@ -76,37 +78,74 @@ class _PteHook:
                 return
             engine = compat.engine_index(cfg)
             self._pte_sender = EngineSender(Sender(address), engine, self._pte_faults)
-            self._pte = self._pte_accounting(cfg, settings, engine, self._pte_send)
-            if self._pte.step_log_error is not None:
-                self._pte_step_log_off(settings.step_log, self._pte.step_log_error)
-            self._pte_sender.hello(compat.api_server_count(cfg), self._pte.calibration())
+            self._pte = self._pte_pricing(cfg, settings, engine, address)
+            pte = self._pte
             log.info(
-                "pte-instrument engine hook active (engine %d, %s scheduling, %s accumulator, totals to %s)",
+                "pte-instrument engine hook active (engine %d, %s scheduling, %s, totals to %s)",
                 engine,
                 "async" if isinstance(self, AsyncScheduler) else "sync",
-                self._pte.acc.backend,
+                f"{pte.backend} accumulator in pricing process {pte.pid}"
+                if isinstance(pte, PricingProcess)
+                else f"{pte.acc.backend} accumulator on the engine thread",
                 address,
             )
         except Exception as e:
             self._pte_fault("setup", e)
 
+    def _pte_pricing(
+        self, cfg: Any, settings: Settings, engine: int, address: str
+    ) -> EngineAccounting | PricingProcess:
+        """The pricing process, or the accounting on the engine thread (``inline``, or a
+        pricing process that could not start)."""
+        if settings.engine_pricing == "process":
+            try:
+                return PricingProcess(
+                    PricingConfig(
+                        **self._pte_accounting_args(cfg, settings, engine, pricing_process=True),
+                        ring=PricingProcess.ring_path(),
+                        transport=address,
+                        api_servers=compat.api_server_count(cfg),
+                    ),
+                    compat.external_request_id,
+                )
+            except Exception as e:
+                log.error("pte-instrument: %s; pricing on the engine thread", e)
+                self._pte_faults.record("engine_setup", e, logged=True)
+        accounting = self._pte_accounting(cfg, settings, engine, self._pte_send)
+        if accounting.step_log_error is not None:
+            step_log_off(self._pte_faults, settings.step_log, accounting.step_log_error)
+        assert self._pte_sender is not None
+        self._pte_sender.hello(compat.api_server_count(cfg), accounting.calibration())
+        return accounting
+
     def _pte_accounting(self, cfg: Any, settings: Settings, engine: int, send: Any) -> EngineAccounting:
+        return EngineAccounting(
+            send=send,
+            external_id=compat.external_request_id,
+            prompt_of=self._pte_prompt_of,
+            **self._pte_accounting_args(cfg, settings, engine),
+        )
+
+    @staticmethod
+    def _pte_accounting_args(
+        cfg: Any, settings: Settings, engine: int, pricing_process: bool = False
+    ) -> dict[str, Any]:
         step_model, source = None, "theory"
         if settings.calibration not in ("off", "online"):  # a saved fit
             step_model, source = StepTimeModel.load(settings.calibration), "file"
-        return EngineAccounting(
-            compat.cost_model_from_vllm(cfg, settings),
-            send,
-            engine=engine,
-            backend=settings.accumulator_backend,
-            step_log=settings.step_log,
-            external_id=compat.external_request_id,
-            prompt_of=self._pte_prompt_of,
-            weight_bytes=compat.weight_bytes(cfg),
-            step_model=step_model,
-            step_model_source=source,
-            calibrate_online=settings.calibration != "off",
-        )
+        backend = settings.accumulator_backend
+        if pricing_process and backend == "auto":  # no CUDA context of its own on the serving device
+            backend = "numpy"
+        return {
+            "cost_model": compat.cost_model_from_vllm(cfg, settings),
+            "engine": engine,
+            "backend": backend,
+            "step_log": settings.step_log,
+            "weight_bytes": compat.weight_bytes(cfg),
+            "step_model": step_model,
+            "step_model_source": source,
+            "calibrate_online": settings.calibration != "off",
+        }
 
     def _pte_check_kind(self, cfg: Any) -> None:
         """One warning when this class's kind is not the one vLLM's engine runs: a
@@ -122,16 +161,6 @@ class _PteHook:
     def _pte_prompt_of(self, rid: str) -> int:
         request = self.requests.get(rid)  # type: ignore[attr-defined]
         return request.num_prompt_tokens if request is not None else 0
-
-    def _pte_step_log_off(self, path: str | None, error: OSError) -> None:
-        """One line, counted once; the step log is off, the accounting goes on."""
-        log.error(
-            "pte-instrument: step log PTE_STEP_LOG=%r is not writable (%s); the step log is off, the "
-            'engine hook\'s accounting continues; counted in pte_plugin_faults_total{stage="engine_step_log"}',
-            path,
-            error,
-        )
-        self._pte_faults.record("engine_step_log", error, logged=True)
 
     def _pte_send(self, totals: list[RequestTotals]) -> None:
         try:
@@ -149,9 +178,12 @@ class _PteHook:
                 self._pte_sender.send([])
         if sum(self._pte_faults.counts.values()) >= MAX_FAULTS and self._pte is not None:
             log.error("pte-instrument engine hook switched off after %d faults", MAX_FAULTS)
-            self._pte = None
+            pte, self._pte = self._pte, None
             self._pte_inflight.clear()
             self._pte_done.clear()
+            if isinstance(pte, PricingProcess):
+                with contextlib.suppress(Exception):
+                    pte.close()
 
     # --- vLLM's scheduler interface -------------------------------------------------------
 
@@ -165,6 +197,7 @@ class _PteHook:
                 failpoint("engine_step")
                 self._pte_inflight.append([out, t, 0.0, 0.0, None, None, None])
             except Exception as e:  # this step is lost to the accounting
+                self._pte_lost(out)
                 self._pte_fault("step", e)
             pte.hook_s += clock() - t
         return out
@@ -190,13 +223,15 @@ class _PteHook:
         t1 = clock()
         outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
         t2 = clock()
+        raw = None
         try:
             if step is not None:
-                step[_DONE] = t0
                 if drafts is not None:
                     self._pte_rejected(step, drafts)
                 if rows := len(scheduler_output.num_scheduled_tokens):
-                    self._pte_done.append(step)
+                    step[_DONE] = t0
+                    raw = _raw_step(step)
+                    self._pte_done.append(raw)
                     self._pte_rows += rows
             finished_at = self._pte_finished_at
             if (
@@ -212,8 +247,8 @@ class _PteHook:
             self._pte_fault("finish", e)
         spent = (t1 - t0) + (clock() - t2)
         pte.hook_s += spent
-        if step is not None:
-            step[_HOOK] += spent
+        if raw is not None:  # for its line in the step log, unless priced already
+            raw[_RAW_HOOK] += spent
         return outputs
 
     def finish_requests(self, *args: Any, **kwargs: Any) -> Any:
@@ -246,7 +281,7 @@ class _PteHook:
     def shutdown(self) -> None:
         if self._pte is not None:
             try:
-                self._pte_done += self._pte_inflight  # never to complete: priced as they are
+                self._pte_done += map(_raw_step, self._pte_inflight)  # never to complete: as they are
                 self._pte_inflight.clear()
                 self._pte_price()
             except Exception as e:
@@ -267,10 +302,16 @@ class _PteHook:
             return inflight.popleft()
         for k, step in enumerate(inflight):
             if step[_OUT] is scheduler_output:
-                for _ in range(k + 1):
-                    inflight.popleft()
-                return step
+                for _ in range(k):
+                    self._pte_lost(inflight.popleft()[_OUT])
+                return inflight.popleft()
         return None  # a step the hook lost (a fault): the ones in flight stay
+
+    def _pte_lost(self, out: Any) -> None:
+        """A step the accounting will not see: the prompt lengths of the requests it started,
+        which later steps do not carry (the pricing process cannot ask the scheduler)."""
+        for d in out.scheduled_new_reqs:
+            self._pte_prompts[d.req_id] = compat.prompt_length(d)
 
     def _pte_rejected(self, step: list[Any], drafts: list[tuple[str, Any, int]]) -> None:
         """A step's drafts of requests still live: vLLM rolled each one's computed tokens back
@@ -294,7 +335,8 @@ class _PteHook:
             return
         done, self._pte_done, self._pte_rows = self._pte_done, [], 0
         if done:
-            pte.price(_completed_steps(done))
+            pte.price_raw(done, self._pte_prompts)
+            self._pte_prompts = {}
         inflight = self._pte_inflight
         pte.flush(
             (lambda rid: any(rid in s[_OUT].num_scheduled_tokens for s in inflight)) if inflight else None
@@ -303,28 +345,26 @@ class _PteHook:
             self._pte_finished_at = None
 
 
-def _completed_steps(done: list[list[Any]]) -> CompletedSteps:
-    """vLLM's scheduler outputs as the accounting's plain rows: new requests first, then
-    the cached ones (running and resumed), each with the tokens computed before the step."""
-    batch = CompletedSteps()
-    prompts = batch.prompts
-    for out, scheduled_at, done_at, hook_s, drafts, rejected, back in done:
-        new, cached, counts = out.scheduled_new_reqs, out.scheduled_cached_reqs, out.num_scheduled_tokens
-        if new:
-            rids = [d.req_id for d in new]
-            c = [d.num_computed_tokens for d in new]
-            for d in new:
-                prompts[d.req_id] = compat.prompt_length(d)
-            rids += cached.req_ids
-            c += cached.num_computed_tokens
-        else:
-            rids, c = cached.req_ids, cached.num_computed_tokens
-        if back:
-            c = [k - back.get(rid, 0) for rid, k in zip(rids, c, strict=True)]
-        batch.add(
-            rids, c, list(map(counts.__getitem__, rids)), scheduled_at, done_at, hook_s, drafts, rejected
-        )
-    return batch
+_RAW_HOOK = 6  # RawStep's field: the hook's time for the step
+
+
+def _raw_step(step: list[Any]) -> list[Any]:
+    """A step whose outputs are back as a ``RawStep`` (a list: its hook time still grows):
+    references to the scheduler output's lists, not the output itself, and no per-row work."""
+    out, scheduled_at, done_at, hook_s, drafts, rejected, back = step
+    new, cached = out.scheduled_new_reqs, out.scheduled_cached_reqs
+    return [
+        [(d.req_id, d.num_computed_tokens, compat.prompt_length(d)) for d in new] if new else None,
+        cached.req_ids,
+        cached.num_computed_tokens,
+        out.num_scheduled_tokens,
+        scheduled_at,
+        done_at,
+        hook_s,
+        drafts,
+        rejected,
+        back,
+    ]
 
 
 class PteScheduler(_PteHook, Scheduler):

@@ -120,7 +120,7 @@ def test_a_held_request_is_sent_after_its_last_step_and_a_late_row_is_nobodys():
     ea.on_finished("a", "stop", COUNTS)
     ea.on_finished("b", "stop", COUNTS)
     ea.flush(hold=lambda rid: rid == "a")  # a step still running has "a"
-    assert [m["request_id"] for m in sent] == ["b"] and [f[0] for f in ea.finished] == ["a"]
+    assert [m["request_id"] for m in sent] == ["b"] and [f.rid for f in ea.finished] == ["a"]
     ea.price(completed([[("a", 10, 1), ("b", 10, 1)]], t0=0.002))  # that step; "b" was sent already
     ea.flush()
     a = sent[1]

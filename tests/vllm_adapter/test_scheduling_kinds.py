@@ -176,6 +176,89 @@ def test_the_hooks_totals_are_an_independent_count_of_what_ran(runs, name, async
 
 @pytest.mark.parametrize("name", STREAMS)
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_the_pricing_process_sends_the_same_exact_totals(runs, name, asynchronous, monkeypatch, tmp_path):
+    """The default: the engine thread ships its steps to a pricing process of its own, which
+    sends each request's totals to the API server: the same totals as priced on the engine
+    thread, all of them by the time the engine has shut down."""
+    import queue
+    import uuid
+
+    from pte_instrument.engine.pricing import PricingProcess
+    from pte_instrument.transport import Receiver, address_for
+    from pte_instrument.wire import EngineHello, RequestTotals
+
+    base = f"ipc://{tmp_path}/pte-{uuid.uuid4().hex[:6]}"
+    monkeypatch.setenv("PTE_ENGINE_TRANSPORT", base)
+    inbox: queue.Queue = queue.Queue()
+    receiver = Receiver(address_for(base, 0), inbox.put)
+    case = STREAMS[name]
+    s = build_scheduler(
+        PteScheduler,
+        MODEL,
+        async_scheduling=asynchronous,
+        num_blocks=case["num_blocks"],
+        num_spec_tokens=case["num_spec_tokens"],
+        prefix_caching=case["prefix_caching"],
+        max_num_batched_tokens=256,
+    )
+    assert isinstance(s._pte, PricingProcess)
+    pricing = s._pte._proc
+    d = Driver(s, async_scheduling=asynchronous)
+    d.run(case["stream"])
+    s.shutdown()
+    assert pricing.poll() == 0  # ended with the engine
+    messages = []
+    while not inbox.empty():
+        messages += inbox.get()
+    assert not s._pte_faults.counts and receiver.errors == 0
+    assert [m.engine for m in messages if isinstance(m, EngineHello)] == [0]
+    sent = [m for m in messages if isinstance(m, RequestTotals)]
+    assert sorted(m.request_id for m in sent) == sorted(d.arrivals)
+    assert hook_totals(sent) == independent_totals(d)
+    inline = {m.request_id: m for m in runs[name, asynchronous, "pte"][1]}
+    for m in sent:  # the prices and seconds too, but for the clock each run reads
+        assert m.pte_served == pytest.approx(inline[m.request_id].pte_served)
+        assert m.pte_roofline == pytest.approx(inline[m.request_id].pte_roofline)
+    assert max(m.engine_hook_s for m in sent) > 0
+
+
+def test_a_pricing_process_that_cannot_start_leaves_pricing_on_the_engine_thread(monkeypatch, tmp_path):
+    from pte_instrument.engine.accounting import EngineAccounting
+    from pte_instrument.faults import log
+    from pte_instrument.vllm_adapter import scheduler
+
+    class NeverStarts(scheduler.PricingProcess):
+        def __init__(self, *args, **kwargs) -> None:
+            raise RuntimeError("the pricing process did not start within 60 s")
+
+    class Lines(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lines: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.lines.append(record.getMessage())
+
+    monkeypatch.setattr(scheduler, "PricingProcess", NeverStarts)
+    monkeypatch.setenv("PTE_ENGINE_TRANSPORT", f"ipc://{tmp_path}/pte")
+    handler = Lines()
+    log.addHandler(handler)
+    try:
+        s = build_scheduler(PteScheduler, MODEL, async_scheduling=False)
+    finally:
+        log.removeHandler(handler)
+    assert isinstance(s._pte, EngineAccounting)
+    assert s._pte_faults.counts == {"engine_setup": 1}
+    assert (
+        "pte-instrument: the pricing process did not start within 60 s; pricing on the engine thread"
+        in handler.lines
+    )
+    assert any("numpy accumulator on the engine thread" in line for line in handler.lines), handler.lines
+    s.shutdown()
+
+
+@pytest.mark.parametrize("name", STREAMS)
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
 def test_the_hook_schedules_as_vllms_own_class(runs, name, asynchronous):
     ours, _ = runs[name, asynchronous, "pte"]
     theirs, _ = runs[name, asynchronous, "vllm"]

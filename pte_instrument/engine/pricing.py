@@ -1,0 +1,274 @@
+"""The engine's pricing process: the hook's accounting (``EngineAccounting``) in a process of
+its own beside the engine core, so that the engine thread only keeps references to its
+steps and hands them over.
+
+At each pricing pass the hook gives ``PricingProcess`` its completed steps (``RawStep``:
+references to the scheduler outputs' lists) and the finished requests no running step still
+has; it encodes them as one message (msgspec, in C) into a ring in shared memory
+(``engine.ring``) and returns, with no system call. The pricing process polls the ring every
+few milliseconds, prices the steps, writes the step log, fits the step-time model and sends
+each finished request's totals to its API server, as the hook would: the same code, off the
+engine thread and its GIL.
+
+Messages are read in the order they were written, so a request's steps are priced before
+its totals are read. A message the ring has no room for (the pricing process is gone or far
+behind) is dropped and counted as a fault; the engine never waits. The pricing process
+ends when the hook shuts down, or when the engine process is gone (its stdin closes).
+
+    python -m pte_instrument.engine.pricing   (started by the hook; its config on stdin)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import select
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+from pte_instrument.cost.model import CostModel
+from pte_instrument.cost.step_time import StepTimeModel
+from pte_instrument.engine.accounting import EngineAccounting, Finished, RawStep, split_held
+from pte_instrument.engine.ring import Ring, ring_directory
+from pte_instrument.engine.sender import EngineSender
+from pte_instrument.failpoints import failpoint
+from pte_instrument.faults import FaultTracker, install_log_handler, log
+from pte_instrument.transport import Sender
+
+START_TIMEOUT_S = 60.0  # its imports take ~0.3 s; a loaded machine may take far longer
+STOP_TIMEOUT_S = 10.0  # to price what is left and send it, at shutdown
+RING_BYTES = 16 << 20  # pricing passes waiting to be read (a pass of 8,192 rows: ~1 MB)
+POLL_S = 0.005  # how often the pricing process looks at the ring
+
+
+@dataclass(frozen=True)
+class PricingConfig:
+    """What the pricing process needs to account for one engine (pickled to its stdin)."""
+
+    cost_model: CostModel
+    engine: int
+    ring: str  # the shared-memory ring's file
+    transport: str  # the API servers' transport base address
+    api_servers: int
+    backend: str = "numpy"
+    step_log: str | None = None
+    weight_bytes: float = 2.0
+    step_model: StepTimeModel | None = None
+    step_model_source: str = "theory"
+    calibrate_online: bool = True
+
+
+class PricingBatch(msgspec.Struct, array_like=True, gc=False):
+    """One pricing pass: steps to price, then the finished requests to send (in that order);
+    ``hook_s``: the hook's time on the engine thread so far; ``last``: the hook shut down."""
+
+    steps: list[RawStep]
+    prompts: dict[str, int]  # of requests whose first step was lost
+    finished: list[Finished]
+    hook_s: float
+    last: bool = False
+
+
+class PricingDropped(RuntimeError):
+    """A pricing pass the pricing process's queue had no room for."""
+
+
+class PricingProcess:
+    """The engine thread's end: ``on_finished``, ``price`` and ``flush`` as
+    ``EngineAccounting``'s, which it runs in the pricing process."""
+
+    def __init__(
+        self,
+        config: PricingConfig,
+        external_id: Callable[[str], tuple[str, int | None]],
+        start_timeout_s: float = START_TIMEOUT_S,
+    ) -> None:
+        self.backend = config.backend
+        self.external_id = external_id
+        self.finished: list[Finished] = []
+        self.hook_s = 0.0
+        self._steps: list[RawStep] = []
+        self._prompts: Mapping[str, int] = {}
+        self._encoder = msgspec.msgpack.Encoder()
+        self._ring = Ring(config.ring, RING_BYTES)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
+        try:
+            assert self._proc.stdin is not None
+            self._proc.stdin.write(pickle.dumps(config))
+            self._proc.stdin.flush()  # stays open: its end tells the process the engine is gone
+            _wait_ready(self._proc, start_timeout_s)
+        except BaseException:
+            self._proc.kill()
+            self._proc.wait()
+            self._ring.close()
+            raise
+        finally:
+            with contextlib.suppress(OSError):  # both have it mapped: no name needed any more
+                os.unlink(config.ring)
+
+    @classmethod
+    def ring_path(cls) -> str:
+        """A fresh name for a ring."""
+        return str(Path(ring_directory()) / f"pte-pricing-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def on_finished(self, rid: str, reason: str, counts: Mapping[str, float]) -> None:
+        self.finished.append(Finished.of(rid, reason, counts, self.external_id))
+
+    def price_raw(self, steps: list[RawStep], prompts: Mapping[str, int] | None = None) -> None:
+        """Kept until the ``flush`` that follows, which ships them."""
+        self._steps += steps
+        self._prompts = {**self._prompts, **prompts} if prompts else self._prompts
+
+    def flush(self, hold: Callable[[str], bool] | None = None) -> None:
+        """Ship the steps and the finished requests ``hold`` does not keep back."""
+        done, self.finished = split_held(self.finished, hold)
+        steps, self._steps = self._steps, []
+        prompts, self._prompts = self._prompts, {}
+        if steps or done:
+            self._ship(PricingBatch(steps, dict(prompts), done, self.hook_s))
+
+    def _ship(self, batch: PricingBatch) -> None:
+        if not self._ring.put(self._encoder.encode(batch)):
+            raise PricingDropped(
+                f"a pricing pass of {len(batch.steps)} steps and {len(batch.finished)} finished "
+                "requests dropped: the pricing process is gone or behind"
+            )
+
+    def close(self) -> None:
+        """The last pass, then wait for the process to send what is left."""
+        try:
+            self._ship(PricingBatch([], {}, [], self.hook_s, last=True))
+            self._proc.wait(STOP_TIMEOUT_S)
+        except Exception as e:  # shutting down: say it, end the process
+            log.error("pte-instrument: the pricing process did not finish cleanly (%s)", e)
+        finally:
+            if self._proc.poll() is None:
+                self._proc.kill()
+            self._proc.wait()
+            self._ring.close()
+            if self._proc.stdin is not None:
+                with contextlib.suppress(OSError):
+                    self._proc.stdin.close()
+
+
+def _wait_ready(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """Until the pricing process says it is ready (its first line on stdout)."""
+    assert proc.stdout is not None
+    readable, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    if not readable or proc.stdout.readline() != b"ready\n":
+        raise RuntimeError(
+            f"the pricing process did not start within {timeout_s:g} s"
+            if not readable
+            else f"the pricing process did not start (exit code {proc.poll()})"
+        )
+
+
+# --- the pricing process ------------------------------------------------------------------
+
+
+def serve(config: PricingConfig, ready: Callable[[], None]) -> None:
+    """Price what the hook ships until its last pass."""
+    faults = FaultTracker()
+    sender = EngineSender(Sender(config.transport), config.engine, faults)
+    acc: EngineAccounting | None = None
+
+    def send(totals: list) -> None:
+        try:
+            failpoint("transport")
+            sender.send(totals, acc.calibration() if acc is not None else None)
+        except Exception as e:  # those totals are lost; the API server prices without them
+            fault("transport", e)
+
+    def fault(stage: str, e: Exception) -> None:
+        faults.record(f"engine_{stage}", e)
+        with contextlib.suppress(Exception):  # still counted; reported with the next batch
+            sender.send([])
+
+    acc = EngineAccounting(
+        config.cost_model,
+        send,
+        engine=config.engine,
+        backend=config.backend,
+        step_log=config.step_log,
+        weight_bytes=config.weight_bytes,
+        step_model=config.step_model,
+        step_model_source=config.step_model_source,
+        calibrate_online=config.calibrate_online,
+    )
+    if acc.step_log_error is not None:
+        step_log_off(faults, config.step_log, acc.step_log_error)
+    sender.hello(config.api_servers, acc.calibration())
+    ring = Ring(config.ring)
+    decoder = msgspec.msgpack.Decoder(PricingBatch)
+    ready()
+    try:
+        while True:
+            messages = ring.take()
+            if not messages:
+                time.sleep(POLL_S)
+            for data in messages:
+                try:
+                    batch = decoder.decode(data)
+                    acc.hook_s = batch.hook_s
+                    acc.finished += batch.finished
+                    acc.price_raw(batch.steps, batch.prompts)
+                    acc.flush()
+                except Exception as e:
+                    fault("finish", e)
+                    continue
+                if batch.last:
+                    return
+    finally:
+        acc.close()
+        sender.close()
+        ring.close()
+
+
+def step_log_off(faults: FaultTracker, path: str | None, error: OSError) -> None:
+    """One line, counted once; the step log is off, the accounting goes on."""
+    log.error(
+        "pte-instrument: step log PTE_STEP_LOG=%r is not writable (%s); the step log is off, the "
+        'engine hook\'s accounting continues; counted in pte_plugin_faults_total{stage="engine_step_log"}',
+        path,
+        error,
+    )
+    faults.record("engine_step_log", error, logged=True)
+
+
+def _exit_when_the_engine_is_gone() -> None:
+    """The engine holds our stdin open; its end (a crash included) ends this process."""
+    with contextlib.suppress(OSError):  # the raw descriptor: no buffer lock held at exit
+        while os.read(sys.stdin.fileno(), 1 << 16):
+            pass
+    os._exit(0)
+
+
+def main() -> None:
+    install_log_handler()
+    config = pickle.load(sys.stdin.buffer)
+
+    def ready() -> None:
+        threading.Thread(target=_exit_when_the_engine_is_gone, daemon=True).start()
+        sys.stdout.write("ready\n")
+        sys.stdout.flush()
+
+    serve(config, ready)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""The pricing process, started for real: what the engine thread ships is priced there and
+reaches the API server's socket; the process ends with the engine, however the engine ends;
+a pass it has no room for is dropped and said, never waited for."""
+
+from __future__ import annotations
+
+import queue
+import uuid
+
+import pytest
+
+from pte_instrument.engine.pricing import RING_BYTES, PricingConfig, PricingDropped, PricingProcess
+from pte_instrument.transport import Receiver, address_for
+from pte_instrument.wire import EngineCalibration, EngineFaults, EngineHello, RequestTotals
+from tests.engine.test_engine_accounting import COST, COUNTS
+from tests.helpers import wait
+
+
+@pytest.fixture
+def api_server(tmp_path):
+    """An API server's receiving end: (transport base address, queue of batches)."""
+    base = f"ipc://{tmp_path}/pte-{uuid.uuid4().hex[:6]}"
+    inbox: queue.Queue = queue.Queue()
+    Receiver(address_for(base, 0), inbox.put)
+    return base, inbox
+
+
+def messages(inbox: queue.Queue, until, timeout_s: float = 20.0) -> list:
+    got: list = []
+
+    def arrived() -> bool:
+        while not inbox.empty():
+            got.extend(inbox.get())
+        return until(got)
+
+    assert wait(arrived, timeout_s=timeout_s), got
+    return got
+
+
+def step(new=(), running=(), t: float = 0.0) -> list:
+    """A ``RawStep``: new requests as (id, prompt length, tokens scheduled), running ones as
+    (id, tokens computed before the step, tokens scheduled); scheduled at t, back 1 ms later."""
+    counts = {r[0]: r[2] for r in (*new, *running)}
+    first = [(rid, 0, prompt) for rid, prompt, _ in new] or None
+    return [
+        first,
+        [r[0] for r in running],
+        [r[1] for r in running],
+        counts,
+        t,
+        t + 0.001,
+        0.0,
+        None,
+        None,
+        None,
+    ]
+
+
+def start(base: str, **kwargs) -> PricingProcess:
+    config = PricingConfig(
+        COST,
+        engine=3,
+        ring=PricingProcess.ring_path(),
+        transport=base,
+        api_servers=1,
+        calibrate_online=False,
+        **kwargs,
+    )
+    return PricingProcess(config, lambda rid: (rid.upper(), None))
+
+
+def test_what_the_engine_ships_is_priced_and_sent_to_the_api_server(api_server):
+    base, inbox = api_server
+    pricing = start(base)
+    try:
+        # a 10-token prompt in one step, then one decode step: prefill 10, decode 2, Σctx 10 + 11
+        pricing.price_raw([step(new=[("a", 10, 10)]), step(running=[("a", 10, 1)], t=0.002)])
+        pricing.on_finished("a", "stop", COUNTS)
+        pricing.hook_s = 0.25
+        pricing.flush()
+        got = messages(inbox, lambda m: any(isinstance(x, RequestTotals) for x in m))
+    finally:
+        pricing.close()
+    assert pricing._proc.returncode == 0
+    assert isinstance(got[0], EngineHello) and got[0].engine == 3
+    assert any(isinstance(m, EngineCalibration) for m in got)
+    (totals,) = [m for m in got if isinstance(m, RequestTotals)]
+    assert (totals.request_id, totals.external_id, totals.engine) == ("a", "A", 3)
+    assert (totals.prefill, totals.decode_tokens, totals.ctx) == (10, 2, (21.0,))
+    assert totals.engine_hook_s == 0.25 and totals.engine_steps == 2
+
+
+def test_a_request_a_running_step_still_has_waits_for_that_step(api_server):
+    base, inbox = api_server
+    pricing = start(base)
+    try:
+        pricing.price_raw([step(new=[("a", 10, 10), ("b", 10, 10)])])
+        pricing.on_finished("a", "stop", COUNTS)
+        pricing.on_finished("b", "stop", COUNTS)
+        pricing.flush(hold=lambda rid: rid == "a")
+        assert [f.rid for f in pricing.finished] == ["a"]
+        pricing.price_raw([step(running=[("a", 10, 1)], t=0.01)])
+        pricing.flush()
+        got = messages(inbox, lambda m: sum(isinstance(x, RequestTotals) for x in m) == 2)
+    finally:
+        pricing.close()
+    totals = {m.request_id: m for m in got if isinstance(m, RequestTotals)}
+    assert totals["a"].decode_tokens == 2 and totals["b"].decode_tokens == 1
+
+
+def test_the_pricing_process_ends_when_the_engine_is_gone(api_server):
+    """A crashed engine says nothing: its end of the pipe closes."""
+    pricing = start(api_server[0])
+    pricing._proc.stdin.close()
+    assert pricing._proc.wait(timeout=10) == 0
+
+
+def test_a_pass_with_no_room_is_dropped_and_said_the_engine_never_waits(api_server):
+    pricing = start(api_server[0])
+    pricing._proc.kill()
+    pricing._proc.wait()
+    running = [(f"request-{i:05d}", 100, 1) for i in range(1000)]  # over 10 kB a pass
+    with pytest.raises(PricingDropped, match="pricing process is gone or behind"):
+        for _ in range(RING_BYTES // 10_000):
+            pricing.price_raw([step(running=running)])
+            pricing.flush()
+
+
+def test_a_step_log_that_cannot_be_opened_is_reported_by_the_pricing_process(api_server, tmp_path):
+    base, inbox = api_server
+    (tmp_path / "file").write_text("")
+    pricing = start(base, step_log=str(tmp_path / "file" / "steps.jsonl"))
+    try:
+        got = messages(inbox, lambda m: any(isinstance(x, EngineFaults) for x in m))
+    finally:
+        pricing.close()
+    assert [m.counts for m in got if isinstance(m, EngineFaults)] == [{"engine_step_log": 1}]
