@@ -525,8 +525,8 @@ TABLE: tuple[Setting, ...] = (
         "auto",
         choice("auto", "numpy", "torch", "triton"),
         accepted="`auto`, `numpy`, `torch`, `triton`",
-        help="backend of the engine-side step accumulator (the `--scheduler-cls` hook); `auto`: Triton on CUDA when importable, else torch on CUDA, else numpy",
-        summary="engine hook's accumulator: `numpy`, `torch`, `triton` (`auto`: Triton on CUDA, else numpy)",
+        help="backend of the engine-side step accumulator (the `--scheduler-cls` hook); `auto`: numpy in the pricing process (`PTE_ENGINE_PRICING=process`), and with inline pricing Triton on CUDA when importable, else torch on CUDA, else numpy. `torch` or `triton` in the pricing process opens a CUDA context of its own there",
+        summary="engine hook's accumulator: `numpy`, `torch`, `triton` (`auto`: numpy in the pricing process; inline, Triton on CUDA, else numpy)",
     ),
     Setting(
         "PTE_ENGINE_PRICING",
@@ -535,7 +535,7 @@ TABLE: tuple[Setting, ...] = (
         "process",
         choice("process", "inline"),
         accepted="`process`, `inline`",
-        help="where the engine hook prices its steps: `process`: a pricing process of its own beside each engine core (one more process, about one pricing pass of CPU every 40 ms on another core), so the engine thread only keeps a reference to each step and ships the completed ones; `inline`: on the engine thread, in vLLM's scheduler calls. With `process`, `PTE_ACCUMULATOR=auto` is numpy (a device backend there would open a CUDA context of its own). A pricing process that cannot start: one log line, `inline`",
+        help="where the engine hook prices its steps: `process`: in a pricing process of its own beside each engine core, which takes the completed steps from a shared-memory ring every 5 ms (the engine thread keeps references to each step's lists and writes one message per pass, with no system call); `inline`: on the engine thread, inside vLLM's scheduler calls (about a millisecond per pass). A pricing process that cannot start: one log line, counted in `pte_plugin_faults_total{stage=\"engine_setup\"}`, and `inline`",
         summary="where the engine hook prices its steps: `process` (its own process, off the engine thread) or `inline`",
     ),
     Setting(

@@ -67,8 +67,8 @@ STREAMS = {
 }
 
 
-def drive(kind: type, asynchronous: bool, case: dict, clock: StepClock | None = None) -> tuple[Driver, list]:
-    s = build_scheduler(
+def scheduler_for(kind: type, asynchronous: bool, case: dict):
+    return build_scheduler(
         kind,
         MODEL,
         async_scheduling=asynchronous,
@@ -77,6 +77,10 @@ def drive(kind: type, asynchronous: bool, case: dict, clock: StepClock | None = 
         prefix_caching=case["prefix_caching"],
         max_num_batched_tokens=256,
     )
+
+
+def drive(kind: type, asynchronous: bool, case: dict, clock: StepClock | None = None) -> tuple[Driver, list]:
+    s = scheduler_for(kind, asynchronous, case)
     sent: list = []
     if isinstance(s, PteScheduler):  # the hook's own accounting, totals into a list
         s._pte = s._pte_accounting(s.vllm_config, Settings.from_env(), 0, sent.extend)
@@ -192,15 +196,7 @@ def test_the_pricing_process_sends_the_same_exact_totals(runs, name, asynchronou
     inbox: queue.Queue = queue.Queue()
     receiver = Receiver(address_for(base, 0), inbox.put)
     case = STREAMS[name]
-    s = build_scheduler(
-        PteScheduler,
-        MODEL,
-        async_scheduling=asynchronous,
-        num_blocks=case["num_blocks"],
-        num_spec_tokens=case["num_spec_tokens"],
-        prefix_caching=case["prefix_caching"],
-        max_num_batched_tokens=256,
-    )
+    s = scheduler_for(PteScheduler, asynchronous, case)
     assert isinstance(s._pte, PricingProcess)
     pricing = s._pte._proc
     d = Driver(s, async_scheduling=asynchronous)
