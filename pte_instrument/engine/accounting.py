@@ -3,13 +3,15 @@ scheduler adapter hands it plain numbers; it keeps per-request totals in the bat
 accumulator and reports each finished request once, through a transport.
 
 The hook does almost nothing per step: the adapter keeps a reference to each step's
-scheduler output and two clock readings, and converts the steps whose outputs are back into
-one ``CompletedSteps`` only when they are priced — every ``PRICE_EVERY_STEPS`` steps (or rows), or
-soon after a request finished (docs/cost-model.md §5c). ``price`` then processes all of them
-in one vectorized pass: one accumulator update over the rows of every step, the roofline
-attribution, the split of each step's measured time and the step-log lines. At these sizes a
-numpy call costs about the same whatever its size, and far more than a list append; the pass
-needs a few dozen of them, paid once per batch of steps instead of once per step.
+scheduler output and two clock readings and, once its outputs are back, references to the
+output's lists (a ``RawStep``); those become rows (``CompletedSteps``) only when they are
+priced — every ``PRICE_EVERY_STEPS`` steps (or rows), or soon after a request finished
+(docs/cost-model.md §5c), in the hook's pricing process or on the engine thread. ``price``
+then processes all of them in one vectorized pass: one accumulator update over the rows of
+every step, the roofline attribution, the split of each step's measured time and the
+step-log lines. At these sizes a numpy call costs about the same whatever its size, and far
+more than a list append; the pass needs a few dozen of them, paid once per batch of steps
+instead of once per step.
 
 Only completed steps are priced, so every step's duration is known when it is split, and a
 request's totals are read only after every step that scheduled it has completed (the

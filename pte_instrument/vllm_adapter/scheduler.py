@@ -5,13 +5,15 @@
 scheduling on (the GPU builds' default), it is vLLM's ``AsyncScheduler`` with the hook, and
 otherwise vLLM's ``Scheduler`` with the hook. It never changes ``async_scheduling``.
 
-Per step the hook keeps a reference to the scheduler output and two clock readings; the
-steps whose outputs are back are priced together (``EngineAccounting.price``) every
-``PRICE_EVERY_STEPS`` steps or ``PRICE_EVERY_ROWS`` rows, or ``PRICE_DELAY_S`` after a
-request finished, or at once when the engine runs out of requests. A finished request's exact totals then go to the
-API server through the transport, once no step still running has it. A fault inside the
-hook is counted and logged, never raised into vLLM; a hook that keeps failing switches
-itself off.
+Per step the hook keeps a reference to the scheduler output and two clock readings; once
+the step's outputs are back, references to the output's lists. The completed steps are
+priced together every ``PRICE_EVERY_STEPS`` steps or ``PRICE_EVERY_ROWS`` rows, or
+``PRICE_DELAY_S`` after a request finished, or at once when the engine runs out of requests:
+by default handed to the hook's pricing process (``engine.pricing``), which prices them
+(``EngineAccounting``) off the engine thread; with ``PTE_ENGINE_PRICING=inline``, priced
+here. A finished request's exact totals then go to the API server through the transport,
+once no step still running has it. A fault inside the hook is counted and logged, never
+raised into vLLM; a hook that keeps failing switches itself off.
 """
 
 from __future__ import annotations
