@@ -119,14 +119,21 @@ def test_preemption_recompute_and_conservation(hooked, tiny_model):
     gamma = independent_gamma(json.loads((tiny_model / "config.json").read_text()))
     client = httpx.Client(base_url=vllm.url, timeout=300)
     rng = random.Random()
-    prompts = [(words(rng, 250), rng.randint(150, 250)) for _ in range(6)]
     n_before = len(steps(work))
-    with ThreadPoolExecutor(6) as pool:
-        outs = list(pool.map(lambda p: complete(client, vllm.served_name, *p), prompts))
-    ids = {o["id"] for o in outs}
-    recs = records_for(work, ids)
-    assert set(recs) == ids and all(len(v) == 1 for v in recs.values()), "one ledger entry per request"
-    recs = {k: v[0] for k, v in recs.items()}
+    recs: dict = {}
+    # A preemption needs more of the burst in the KV cache at once than it holds; a starved API
+    # server hands the requests to the engine one by one (seen with three test workers on two
+    # cores: at most 3 running), so the burst is sent again until one is preempted.
+    for _ in range(3):
+        prompts = [(words(rng, 250), rng.randint(150, 250)) for _ in range(6)]
+        with ThreadPoolExecutor(6) as pool:
+            outs = list(pool.map(lambda p: complete(client, vllm.served_name, *p), prompts))
+        ids = {o["id"] for o in outs}
+        burst = records_for(work, ids)
+        assert set(burst) == ids and all(len(v) == 1 for v in burst.values()), "one ledger entry per request"
+        recs |= {k: v[0] for k, v in burst.items()}
+        if any(r["num_preemptions"] > 0 for r in recs.values()):
+            break
     preempted = [r for r in recs.values() if r["num_preemptions"] > 0]
     assert preempted, "the small KV cache should have forced a preemption"
     for r in recs.values():
