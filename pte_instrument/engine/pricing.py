@@ -144,9 +144,15 @@ class PricingProcess:
 
     def _ship(self, batch: PricingBatch) -> None:
         if not self._ring.put(self._encoder.encode(batch)):
+            code = self._proc.poll()
             raise PricingDropped(
                 f"a pricing pass of {len(batch.steps)} steps and {len(batch.finished)} finished "
-                "requests dropped: the pricing process is gone or behind"
+                "requests dropped: "
+                + (
+                    "the pricing process is behind"
+                    if code is None
+                    else f"the pricing process exited ({code})"
+                )
             )
 
     def close(self) -> None:
