@@ -21,6 +21,7 @@ ends when the hook shuts down, or when the engine process is gone (its stdin clo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import pickle
 import select
@@ -31,14 +32,13 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 import msgspec
 
 from pte_instrument.cost.model import CostModel
 from pte_instrument.cost.step_time import StepTimeModel
 from pte_instrument.engine.accounting import EngineAccounting, Finished, RawStep, split_held
-from pte_instrument.engine.ring import Ring, ring_directory
+from pte_instrument.engine.ring import Ring
 from pte_instrument.engine.sender import EngineSender
 from pte_instrument.failpoints import failpoint
 from pte_instrument.faults import FaultTracker, install_log_handler, log
@@ -46,7 +46,7 @@ from pte_instrument.transport import Sender
 
 START_TIMEOUT_S = 60.0  # its imports take ~0.3 s; a loaded machine may take far longer
 STOP_TIMEOUT_S = 10.0  # to price what is left and send it, at shutdown
-RING_BYTES = 16 << 20  # pricing passes waiting to be read (a pass of 8,192 rows: ~1 MB)
+RING_BYTES = 4 << 20  # pricing passes waiting to be read (a pass of 8,192 rows: ~0.5 MB)
 POLL_S = 0.005  # how often the pricing process looks at the ring
 
 
@@ -56,9 +56,9 @@ class PricingConfig:
 
     cost_model: CostModel
     engine: int
-    ring: str  # the shared-memory ring's file
     transport: str  # the API servers' transport base address
     api_servers: int
+    ring: str = ""  # the shared-memory ring's file (``PricingProcess`` makes it)
     backend: str = "numpy"
     step_log: str | None = None
     weight_bytes: float = 2.0
@@ -99,7 +99,8 @@ class PricingProcess:
         self._steps: list[RawStep] = []
         self._prompts: Mapping[str, int] = {}
         self._encoder = msgspec.msgpack.Encoder()
-        self._ring = Ring(config.ring, RING_BYTES)
+        self._ring = Ring.create(f"pte-pricing-{os.getpid()}-{uuid.uuid4().hex[:8]}", RING_BYTES)
+        config = dataclasses.replace(config, ring=self._ring.path)
         self._proc = subprocess.Popen(
             [sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE
         )
@@ -116,11 +117,6 @@ class PricingProcess:
         finally:
             with contextlib.suppress(OSError):  # both have it mapped: no name needed any more
                 os.unlink(config.ring)
-
-    @classmethod
-    def ring_path(cls) -> str:
-        """A fresh name for a ring."""
-        return str(Path(ring_directory()) / f"pte-pricing-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
     @property
     def pid(self) -> int:

@@ -8,6 +8,10 @@ read (the reader's), then the data area. A message is its length (4 bytes), its 
 by advancing its count after the bytes; on a processor that may make the count visible
 before the bytes (weak memory ordering), the reader sees a CRC that does not match yet and
 reads the message again on its next poll.
+
+The file lives in ``/dev/shm`` (memory) where it has room, else in the temporary directory;
+its space is reserved when it is made, so that a full memory file system is an error at
+start-up rather than a bus error on the engine thread later.
 """
 
 from __future__ import annotations
@@ -25,31 +29,47 @@ _WRITTEN, _READ = 0, 8
 DATA = _COUNTS.size
 
 
-def ring_directory() -> str:
-    """Memory-backed where the system has it."""
-    return (
-        "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-    )
+def ring_directories() -> list[str]:
+    """Where a ring may go, in order: memory-backed where the system has it, else the
+    temporary directory."""
+    shm = "/dev/shm"
+    return [shm, tempfile.gettempdir()] if os.path.isdir(shm) else [tempfile.gettempdir()]
 
 
 class Ring:
     def __init__(self, path: str | Path, size: int | None = None) -> None:
-        """``size``: create the file with a data area of that many bytes; None: open it."""
+        """``size``: create the file with a data area of that many bytes, its space reserved
+        (a write into a full memory file system would kill the process); None: open it."""
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if size is not None else 0)
         fd = os.open(path, flags, 0o600)
         try:
             if size is not None:
-                os.ftruncate(fd, DATA + size)
+                os.posix_fallocate(fd, 0, DATA + size)
             self._mm = mmap.mmap(fd, 0)
             if size is not None:  # its pages now, not on the engine thread's first pass over them
                 for at in range(DATA, DATA + size, 1 << 20):
                     self._mm[at : at + (1 << 20)] = bytes(min(1 << 20, DATA + size - at))
+        except OSError:
+            if size is not None:
+                os.unlink(path)
+            raise
         finally:
             os.close(fd)
         self.path = str(path)
         self.size = len(self._mm) - DATA
         self._written = _COUNTS.unpack_from(self._mm, 0)[0]  # the writer's own count
         self._read = _COUNTS.unpack_from(self._mm, 0)[1]  # the reader's own count
+
+    @classmethod
+    def create(cls, name: str, size: int) -> Ring:
+        """A new ring in the first of ``ring_directories()`` with room for it."""
+        problems = []
+        for directory in ring_directories():
+            try:
+                return cls(Path(directory) / name, size)
+            except OSError as e:
+                problems.append(f"{directory}: {e.strerror or e}")
+        raise OSError(f"no room for a {size / (1 << 20):g} MiB ring ({'; '.join(problems)})")
 
     def put(self, payload: bytes) -> bool:
         """Append one message; False (nothing written) where the reader has left no room."""

@@ -104,7 +104,6 @@ class _PteHook:
                 return PricingProcess(
                     PricingConfig(
                         **self._pte_accounting_args(cfg, settings, engine, pricing_process=True),
-                        ring=PricingProcess.ring_path(),
                         transport=address,
                         api_servers=compat.api_server_count(cfg),
                     ),

@@ -60,7 +60,6 @@ def start(base: str, **kwargs) -> PricingProcess:
     config = PricingConfig(
         COST,
         engine=3,
-        ring=PricingProcess.ring_path(),
         transport=base,
         api_servers=1,
         calibrate_online=False,

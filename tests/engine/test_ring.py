@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import struct
+
+import pytest
 
 from pte_instrument.engine.ring import DATA, Ring
 
@@ -47,3 +51,29 @@ def test_a_message_whose_bytes_are_not_visible_yet_is_read_on_a_later_poll(tmp_p
     mm[at : at + 6] = b"second"
     assert reader.take() == [b"second"]
     assert struct.unpack_from("<QQ", mm, 0) == (27, 27)  # written, read
+
+
+def test_a_memory_file_system_without_room_is_passed_over_and_leaves_no_file(tmp_path, monkeypatch):
+    """A write into a full tmpfs would kill the engine (SIGBUS): the space is reserved at
+    creation, and where it cannot be, the next directory is tried."""
+    from pte_instrument.engine import ring
+
+    full, roomy = tmp_path / "full", tmp_path / "roomy"
+    full.mkdir()
+    roomy.mkdir()
+    reserve = os.posix_fallocate
+
+    def fallocate(fd: int, offset: int, length: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(str(full)):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        reserve(fd, offset, length)
+
+    monkeypatch.setattr(ring.os, "posix_fallocate", fallocate)
+    monkeypatch.setattr(ring, "ring_directories", lambda: [str(full), str(roomy)])
+    made = Ring.create("r", 1 << 16)
+    assert made.path == str(roomy / "r") and made.size == 1 << 16
+    assert not list(full.iterdir())
+    monkeypatch.setattr(ring, "ring_directories", lambda: [str(full)])
+    with pytest.raises(OSError, match=r"no room for a 0.0625 MiB ring \(.*No space left on device"):
+        Ring.create("s", 1 << 16)
+    assert not list(full.iterdir())
