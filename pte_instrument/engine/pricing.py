@@ -100,23 +100,30 @@ class PricingProcess:
         self._prompts: Mapping[str, int] = {}
         self._encoder = msgspec.msgpack.Encoder()
         self._ring = Ring.create(f"pte-pricing-{os.getpid()}-{uuid.uuid4().hex[:8]}", RING_BYTES)
-        config = dataclasses.replace(config, ring=self._ring.path)
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE
-        )
         try:
-            assert self._proc.stdin is not None
-            self._proc.stdin.write(pickle.dumps(config))
-            self._proc.stdin.flush()  # stays open: its end tells the process the engine is gone
-            _wait_ready(self._proc, start_timeout_s)
+            self._proc = self._start(dataclasses.replace(config, ring=self._ring.path), start_timeout_s)
         except BaseException:
-            self._proc.kill()
-            self._proc.wait()
             self._ring.close()
             raise
         finally:
-            with contextlib.suppress(OSError):  # both have it mapped: no name needed any more
-                os.unlink(config.ring)
+            with contextlib.suppress(OSError):  # both have it mapped, or it failed: no name needed
+                os.unlink(self._ring.path)
+
+    @staticmethod
+    def _start(config: PricingConfig, timeout_s: float) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
+        try:
+            assert proc.stdin is not None
+            proc.stdin.write(pickle.dumps(config))
+            proc.stdin.flush()  # stays open: its end tells the process the engine is gone
+            _wait_ready(proc, timeout_s)
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        return proc
 
     @property
     def pid(self) -> int:
@@ -172,12 +179,12 @@ def _wait_ready(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
     """Until the pricing process says it is ready (its first line on stdout)."""
     assert proc.stdout is not None
     readable, _, _ = select.select([proc.stdout], [], [], timeout_s)
-    if not readable or proc.stdout.readline() != b"ready\n":
-        raise RuntimeError(
-            f"the pricing process did not start within {timeout_s:g} s"
-            if not readable
-            else f"the pricing process did not start (exit code {proc.poll()})"
-        )
+    if not readable:
+        raise RuntimeError(f"the pricing process did not start within {timeout_s:g} s")
+    if proc.stdout.readline() != b"ready\n":  # it failed, and said why on stderr
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(5)
+        raise RuntimeError(f"the pricing process did not start (exit code {proc.poll()})")
 
 
 # --- the pricing process ------------------------------------------------------------------

@@ -134,3 +134,17 @@ def test_a_step_log_that_cannot_be_opened_is_reported_by_the_pricing_process(api
     finally:
         pricing.close()
     assert [m.counts for m in got if isinstance(m, EngineFaults)] == [{"engine_step_log": 1}]
+
+
+def test_a_pricing_process_that_fails_at_start_is_an_error_and_leaves_no_ring(
+    api_server, tmp_path, monkeypatch
+):
+    from pte_instrument.engine import ring
+
+    monkeypatch.setattr(ring, "ring_directories", lambda: [str(tmp_path)])
+    with pytest.raises(RuntimeError, match=r"the pricing process did not start \(exit code 1\)"):
+        start(api_server[0], backend="abacus")  # not an accumulator backend: it fails at start
+    assert not list(tmp_path.glob("pte-pricing-*"))
+    pricing = start(api_server[0])  # a good one: its ring's name is gone once it is mapped
+    assert not list(tmp_path.glob("pte-pricing-*")) and pricing._ring.path.startswith(str(tmp_path))
+    pricing.close()
