@@ -123,6 +123,8 @@ class PricingProcess:
             proc.kill()
             proc.wait()
             raise
+        finally:
+            proc.stdout.close()  # type: ignore[union-attr]
         return proc
 
     @property
@@ -275,6 +277,7 @@ def main() -> None:
         threading.Thread(target=_exit_when_the_engine_is_gone, daemon=True).start()
         sys.stdout.write("ready\n")
         sys.stdout.flush()
+        os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # nobody reads the pipe any more
 
     serve(config, ready)
 
