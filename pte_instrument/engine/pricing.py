@@ -40,7 +40,6 @@ from pte_instrument.cost.step_time import StepTimeModel
 from pte_instrument.engine.accounting import EngineAccounting, Finished, RawStep, split_held
 from pte_instrument.engine.ring import Ring
 from pte_instrument.engine.sender import EngineSender
-from pte_instrument.failpoints import failpoint
 from pte_instrument.faults import FaultTracker, install_log_handler, log
 from pte_instrument.transport import Sender
 
@@ -97,7 +96,7 @@ class PricingProcess:
         self.finished: list[Finished] = []
         self.hook_s = 0.0
         self._steps: list[RawStep] = []
-        self._prompts: Mapping[str, int] = {}
+        self._prompts: dict[str, int] = {}
         self._encoder = msgspec.msgpack.Encoder()
         self._ring = Ring.create(f"pte-pricing-{os.getpid()}-{uuid.uuid4().hex[:8]}", RING_BYTES)
         try:
@@ -137,7 +136,7 @@ class PricingProcess:
     def price_raw(self, steps: list[RawStep], prompts: Mapping[str, int] | None = None) -> None:
         """Kept until the ``flush`` that follows, which ships them."""
         self._steps += steps
-        self._prompts = {**self._prompts, **prompts} if prompts else self._prompts
+        self._prompts.update(prompts or {})
 
     def flush(self, hold: Callable[[str], bool] | None = None) -> None:
         """Ship the steps and the finished requests ``hold`` does not keep back."""
@@ -145,7 +144,7 @@ class PricingProcess:
         steps, self._steps = self._steps, []
         prompts, self._prompts = self._prompts, {}
         if steps or done:
-            self._ship(PricingBatch(steps, dict(prompts), done, self.hook_s))
+            self._ship(PricingBatch(steps, prompts, done, self.hook_s))
 
     def _ship(self, batch: PricingBatch) -> None:
         if not self._ring.put(self._encoder.encode(batch)):
@@ -196,23 +195,9 @@ def serve(config: PricingConfig, ready: Callable[[], None]) -> None:
     """Price what the hook ships until its last pass."""
     faults = FaultTracker()
     sender = EngineSender(Sender(config.transport), config.engine, faults)
-    acc: EngineAccounting | None = None
-
-    def send(totals: list) -> None:
-        try:
-            failpoint("transport")
-            sender.send(totals, acc.calibration() if acc is not None else None)
-        except Exception as e:  # those totals are lost; the API server prices without them
-            fault("transport", e)
-
-    def fault(stage: str, e: Exception) -> None:
-        faults.record(f"engine_{stage}", e)
-        with contextlib.suppress(Exception):  # still counted; reported with the next batch
-            sender.send([])
-
     acc = EngineAccounting(
         config.cost_model,
-        send,
+        lambda totals: sender.deliver(totals, acc.calibration()),
         engine=config.engine,
         backend=config.backend,
         step_log=config.step_log,
@@ -240,7 +225,7 @@ def serve(config: PricingConfig, ready: Callable[[], None]) -> None:
                     acc.price_raw(batch.steps, batch.prompts)
                     acc.flush()
                 except Exception as e:
-                    fault("finish", e)
+                    sender.fault("finish", e)
                     continue
                 if batch.last:
                     return

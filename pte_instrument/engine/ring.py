@@ -57,8 +57,7 @@ class Ring:
             os.close(fd)
         self.path = str(path)
         self.size = len(self._mm) - DATA
-        self._written = _COUNTS.unpack_from(self._mm, 0)[0]  # the writer's own count
-        self._read = _COUNTS.unpack_from(self._mm, 0)[1]  # the reader's own count
+        self._written, self._read = _COUNTS.unpack_from(self._mm, 0)  # each side keeps its own
 
     @classmethod
     def create(cls, name: str, size: int) -> Ring:

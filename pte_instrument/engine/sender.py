@@ -4,8 +4,10 @@ several API servers they are counted once in the merged metrics)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 
+from pte_instrument.failpoints import failpoint
 from pte_instrument.faults import FaultTracker
 from pte_instrument.transport import Sender
 from pte_instrument.wire import EngineCalibration, EngineFaults, EngineHello, EngineMessage, RequestTotals
@@ -44,6 +46,23 @@ class EngineSender:
             by_server[0].append(calibration)
             self._calibration_sent = calibration
         self._send(by_server)
+
+    def deliver(self, totals: list[RequestTotals], calibration: EngineCalibration | None = None) -> bool:
+        """``send`` that never raises: a failed send is a transport fault, counted and
+        reported (False); the API server prices those requests without their totals."""
+        try:
+            failpoint("transport")
+            self.send(totals, calibration)
+        except Exception as e:
+            self.fault("transport", e)
+            return False
+        return True
+
+    def fault(self, stage: str, e: Exception) -> None:
+        """Counted, and reported now: no later totals need follow (an idle engine sends none)."""
+        self.faults.record(f"engine_{stage}", e)
+        with contextlib.suppress(Exception):  # still counted; reported with the next batch
+            self.send([])
 
     def _send(self, by_server: defaultdict[int, list[EngineMessage]]) -> None:
         """The batches, and the faults not yet reported to API server 0."""

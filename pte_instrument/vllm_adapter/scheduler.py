@@ -164,19 +164,20 @@ class _PteHook:
         return request.num_prompt_tokens if request is not None else 0
 
     def _pte_send(self, totals: list[RequestTotals]) -> None:
-        try:
-            failpoint("transport")
-            if self._pte_sender is not None:
-                self._pte_sender.send(totals, self._pte.calibration() if self._pte is not None else None)
-        except Exception as e:  # those totals are lost; the API server prices without them
-            self._pte_fault("transport", e)
+        if self._pte_sender is not None and not self._pte_sender.deliver(
+            totals, self._pte.calibration() if isinstance(self._pte, EngineAccounting) else None
+        ):
+            self._pte_switch_off_if_failing()
 
     def _pte_fault(self, stage: str, e: Exception) -> None:
-        """Counted, and reported now: no later totals need follow (an idle engine sends none)."""
-        self._pte_faults.record(f"engine_{stage}", e)
+        """Counted, and reported now."""
         if self._pte_sender is not None:
-            with contextlib.suppress(Exception):  # still counted; reported with the next batch
-                self._pte_sender.send([])
+            self._pte_sender.fault(stage, e)
+        else:
+            self._pte_faults.record(f"engine_{stage}", e)
+        self._pte_switch_off_if_failing()
+
+    def _pte_switch_off_if_failing(self) -> None:
         if sum(self._pte_faults.counts.values()) >= MAX_FAULTS and self._pte is not None:
             log.error("pte-instrument engine hook switched off after %d faults", MAX_FAULTS)
             pte, self._pte = self._pte, None
