@@ -32,6 +32,7 @@ from pte_instrument.wire import EngineMessage, decode_batch, encode_batch
 
 ADDRESS_ENV = "PTE_ENGINE_TRANSPORT"
 HIGH_WATER_MARK = 10_000  # queued messages per socket before sends are dropped
+CLOSE_WAIT_S = 2.0  # a closing sender delivers what it queued, for at most this long
 
 
 def address_problem(addr: str) -> str | None:
@@ -74,10 +75,11 @@ def address_for(base: str, api_server: int) -> str:
 
 
 class Sender:
-    """One PUSH socket per API server, connected on first use."""
+    """One PUSH socket per API server, connected on first use. Its own ZeroMQ context, so that
+    closing it can wait for what it queued without waiting on anyone else's sockets."""
 
     def __init__(self, base: str) -> None:
-        self._ctx = zmq.Context.instance()
+        self._ctx = zmq.Context()
         self._base = base
         self._socks: dict[int, zmq.Socket] = {}
         self.dropped = 0  # messages
@@ -102,9 +104,12 @@ class Sender:
             return False
         return True
 
-    def close(self) -> None:
+    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
+        """Deliver what is queued, for at most ``wait_s`` (an API server that is gone gets
+        nothing), then end: a process that exits right after loses nothing it sent."""
         for sock in self._socks.values():
-            sock.close(0)
+            sock.close(linger=int(wait_s * 1000))
+        self._ctx.term()
 
 
 class Receiver:

@@ -88,3 +88,31 @@ def test_over_tcp_api_server_i_listens_on_the_base_port_plus_i():
     assert sender.send([totals("over-tcp")], api_server=1)
     assert [m.external_id for m in inbox.get(timeout=5)] == ["over-tcp"]
     sender.close()
+
+
+def test_what_a_sender_queued_before_it_closed_arrives_after_its_process_exits(tmp_path):
+    """A process sends, closes its sender and exits at once (the pricing process at the
+    engine's shutdown): the batches it queued still reach a live API server."""
+    import subprocess
+    import sys
+
+    base = f"ipc://{tmp_path}/pte-{uuid.uuid4().hex[:6]}"
+    inbox: queue.Queue = queue.Queue()
+    receiver = Receiver(address_for(base, 0), inbox.put)
+    script = (
+        "from pte_instrument.transport import Sender\n"
+        "from pte_instrument.wire import RequestTotals\n"
+        f"s = Sender({base!r})\n"
+        "for i in range(200):\n"
+        "    s.send([RequestTotals(f'r{i}', f'r{i}', engine=0, finish_reason='stop')] * 50)\n"
+        "s.close()\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
+    got = 0
+    while got < 200:
+        try:
+            inbox.get(timeout=5)
+        except queue.Empty:
+            break
+        got += 1
+    assert got == 200 and receiver.errors == 0

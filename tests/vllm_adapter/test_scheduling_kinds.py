@@ -203,9 +203,14 @@ def test_the_pricing_process_sends_the_same_exact_totals(runs, name, asynchronou
     d.run(case["stream"])
     s.shutdown()
     assert pricing.poll() == 0  # ended with the engine
-    messages = []
-    while not inbox.empty():
-        messages += inbox.get()
+    messages: list = []
+
+    def every_request_sent() -> bool:  # sent before it exited; the receiver's thread may lag
+        while not inbox.empty():
+            messages.extend(inbox.get())
+        return sum(isinstance(m, RequestTotals) for m in messages) >= len(d.arrivals)
+
+    wait(every_request_sent, timeout_s=10, interval_s=0.05)
     assert not s._pte_faults.counts and receiver.errors == 0
     assert [m.engine for m in messages if isinstance(m, EngineHello)] == [0]
     sent = [m for m in messages if isinstance(m, RequestTotals)]
