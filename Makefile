@@ -32,9 +32,14 @@ demo: $(STAMP) models/tiny/config.json
 WORKERS ?= 2
 PYTEST  := $(BIN)/python -m pytest -ra -n $(WORKERS) --dist loadfile
 
+# Tests marked `alone` keep an engine busy for long: they run last, one at a time, because
+# a vLLM CPU engine that never idles (its processes poll with sched_yield) starves processes
+# that start beside it on two cores — a neighbour's server start-up took minutes. Exit code
+# 5 (nothing selected, e.g. with PYTEST_ARGS naming other files) is not a failure.
 test: $(STAMP) models/tiny/config.json
 	bash scripts/install_test_deps.sh   # Debian's prometheus + promtool for the scrape test
-	$(PYTEST) --durations=15 $(PYTEST_ARGS)
+	$(PYTEST) -m "not alone" --durations=15 $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(BIN)/python -m pytest -ra -m alone --durations=5 $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 # The tests that start no vLLM server and install nothing beyond the venv.
 test-unit: $(STAMP) models/tiny/config.json

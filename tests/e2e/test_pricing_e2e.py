@@ -23,6 +23,9 @@ from pte_instrument.server.engine_join import ORPHAN_AFTER_S
 from tests.e2e.conftest import serving
 from tests.helpers import jsonl
 
+# Its slot holder keeps the engine decoding for as long as a test needs the slot taken.
+pytestmark = pytest.mark.alone
+
 HOOK = ["--scheduler-cls", "pte_instrument.vllm_adapter.scheduler.PteScheduler"]
 CHUNK = 64  # --max-num-batched-tokens: the prefill tokens of one step
 # The slot holder's length: minutes of decoding on two cores (about 300 tokens/s at 4k
