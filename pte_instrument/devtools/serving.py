@@ -114,7 +114,7 @@ class VllmServer:
                     return self
             except httpx.HTTPError:
                 pass
-            time.sleep(1)
+            time.sleep(0.25)  # ready within a quarter second of vLLM
         self.stop()
         raise TimeoutError(f"vLLM not ready after {self.startup_timeout_s:.0f}s:\n{self.log_tail()}")
 
