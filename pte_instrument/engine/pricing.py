@@ -13,7 +13,8 @@ engine thread and its GIL.
 Messages are read in the order they were written, so a request's steps are priced before
 its totals are read. A message the ring has no room for (the pricing process is gone or far
 behind) is dropped and counted as a fault; the engine never waits. The pricing process
-ends when the hook shuts down, or when the engine process is gone (its stdin closes).
+ends when the hook shuts down, or when the engine process is gone (its stdin closes); a
+SIGINT or SIGTERM to the server's process group does not end it before the engine's last pass.
 
     python -m pte_instrument.engine.pricing   (started by the hook; its config on stdin)
 """
@@ -25,6 +26,7 @@ import dataclasses
 import os
 import pickle
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -255,6 +257,10 @@ def _exit_when_the_engine_is_gone() -> None:
 
 
 def main() -> None:
+    # Ctrl-C or a service manager signals the server's whole process group: the engine then
+    # ships its last pass, which this process prices before it ends (or its stdin closes).
+    for number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(number, signal.SIG_IGN)
     install_log_handler()
     config = pickle.load(sys.stdin.buffer)
 

@@ -4,7 +4,10 @@ a pass it has no room for is dropped and said, never waited for."""
 
 from __future__ import annotations
 
+import os
 import queue
+import signal
+import time
 import uuid
 
 import pytest
@@ -112,6 +115,28 @@ def test_the_pricing_process_ends_when_the_engine_is_gone(api_server):
     pricing = start(api_server[0])
     pricing._proc.stdin.close()
     assert pricing._proc.wait(timeout=10) == 0
+
+
+@pytest.mark.parametrize("signal_number", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_to_the_servers_process_group_leaves_the_pricing_to_end_with_its_engine(
+    api_server, signal_number
+):
+    """Ctrl-C in a terminal, or a service manager stopping the server, signals every process
+    of the group: the engine shuts down and ships its last pass, which is still priced."""
+    base, inbox = api_server
+    pricing = start(base)
+    messages(inbox, lambda m: any(isinstance(x, EngineHello) for x in m))
+    try:
+        os.kill(pricing.pid, signal_number)
+        time.sleep(0.3)  # the signal is handled (or not) before the engine's last pass
+        pricing.price_raw([step(new=[("a", 10, 10)])])
+        pricing.on_finished("a", "stop", COUNTS)
+        pricing.flush()
+        got = messages(inbox, lambda m: any(isinstance(x, RequestTotals) for x in m))
+    finally:
+        pricing.close()
+    assert [m.request_id for m in got if isinstance(m, RequestTotals)] == ["a"]
+    assert pricing._proc.returncode == 0
 
 
 def test_a_pass_with_no_room_is_dropped_and_said_the_engine_never_waits(api_server):
