@@ -91,6 +91,11 @@ class VllmServer:
         return args + self.extra_args
 
     def start(self) -> VllmServer:
+        """Launch it and wait until it serves."""
+        return self.launch().wait_ready()
+
+    def launch(self) -> VllmServer:
+        """Start its process and return at once (several servers start side by side)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         if self._fresh_store:
             for suffix in ("", "-wal", "-shm"):
@@ -103,6 +108,11 @@ class VllmServer:
             env=self.env,
             start_new_session=True,  # so stop() can end the engine-core children too
         )
+        return self
+
+    def wait_ready(self) -> VllmServer:
+        """Until its /health answers; an exit or the start-up timeout is an error."""
+        assert self.proc is not None, "launch() first"
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -4,6 +4,7 @@ the engine); a SIGKILL under load leaves the store whole, losing at most the tur
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -139,7 +140,13 @@ def test_two_servers_on_one_host_have_their_own_default_store_and_a_shared_one_s
     def summary(url: str) -> dict:
         return httpx.get(f"{url}/pte/summary", timeout=10).json()
 
-    with server("a", "") as a, server("b", "") as b:
+    a, b = server("a", ""), server("b", "")
+    with contextlib.ExitStack() as running:
+        for vllm in (a, b):  # side by side: both start at once
+            running.callback(vllm.stop)
+            vllm.launch()
+        a.wait_ready()
+        b.wait_ready()
         stores = []
         try:
             for vllm, sid in ((a, "on-a"), (b, "on-b")):
