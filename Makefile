@@ -26,9 +26,10 @@ models/tiny/config.json: $(STAMP)
 demo: $(STAMP) models/tiny/config.json
 	$(BIN)/pte demo
 
-# Test files run in WORKERS processes (pytest-xdist), each file whole in one of them, so a
-# file's vLLM server starts once; most of the suite's time is vLLM start-ups, which are
-# single-threaded: two run side by side on two cores.
+# Test files run in WORKERS processes (pytest-xdist), each file whole in one of them, and the
+# files that share the session's server in the same one (tests/conftest.py), so a server
+# starts once; most of the suite's time is vLLM start-ups, which are single-threaded:
+# two run side by side on two cores.
 WORKERS ?= 2
 PYTEST  := $(BIN)/python -m pytest -ra -n $(WORKERS) --dist loadfile
 

@@ -20,6 +20,37 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL = ROOT / "models" / "tiny"
 
 
+# The test files that use the session's shared ``server``: under pytest-xdist they run in the
+# same worker, so that it starts once (a file that uses it and is not named here is an error).
+SHARED_SERVER_FILES = {
+    "tests/e2e/test_otel_e2e.py",
+    "tests/e2e/test_routes_hostile.py",
+    "tests/e2e/test_sessions_e2e.py",
+    "tests/e2e/test_vllm_plugin.py",
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        if "server" in item.fixturenames and path not in SHARED_SERVER_FILES:
+            raise pytest.UsageError(f"{path} uses the shared server: name it in SHARED_SERVER_FILES")
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Under ``--dist loadfile``, the files of SHARED_SERVER_FILES go to one worker together."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Scheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "shared-server" if path in SHARED_SERVER_FILES else path
+
+    return Scheduling(config, log)
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
     from pte_instrument.devtools.tinymodel import build_model
