@@ -1,12 +1,15 @@
 """Benchmark (not a test) of the shared session store: what a priced request pays on the
-request path for its session (``context_for`` + ``add``), and how many turns per second
-the store commits with several API-server processes writing one file at once.
+pricing thread for its session (``context_for`` + ``add``), and how many turns per second
+the store commits with several processes writing it at once: the API servers of one server
+on its SQLite file (``--store sqlite``), or the replicas of a fleet on one Redis server
+(``--store redis``: a ``redis-server`` started for each run, AOF on with fsync every second,
+as a deployment would keep it; ``--redis-url`` names one instead).
 
-Each process (``--processes``, API servers) runs ``--streams`` agent sessions round-robin,
-``--turns`` turns each, every turn priced from the tiny model's cost model and handed to its
-own ``SessionLedger`` on one SQLite file, as the stat logger does. Sessions of one process
-continue on the other (turn t of a session goes to process t mod P), so every context read
-crosses processes, as with fresh connections behind a kernel-balanced port.
+Each process (``--processes``: API servers or replicas) runs ``--streams`` agent sessions
+round-robin, ``--turns`` turns each, every turn priced from the tiny model's cost model and
+handed to its own ledger, as the pricer does. Sessions of one process continue on the other
+(turn t of a session goes to process t mod P), so every context read crosses processes, as
+with fresh connections behind a kernel-balanced port or a router without affinity.
 
 Figures:
   request_path_us  per turn, in the pricing thread: context_for + add (the queue put)
@@ -14,14 +17,15 @@ Figures:
                    last process's flush returned)
   lag_ms           per process: its last add → its flush returned (the writer's backlog)
 
-Writes bench/results/session-store-<hostname>-<YYYY-MM-DD>.json and prints a table.
+Writes bench/results/session-store[-redis]-<hostname>-<YYYY-MM-DD>.json and prints a table.
 
-    python -m bench.session_store_bench [--processes 2] [--streams 256] [--turns 8] [--out F]
+    python -m bench.session_store_bench [--store sqlite|redis] [--processes 2] [--streams 256] [--turns 8]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import statistics
 import tempfile
@@ -30,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.provenance import header_line, print_table, provenance, write_results
+from pte_instrument.devtools.redis_server import RedisServer
 
 MODEL = Path("models/tiny/config.json")
 
@@ -40,10 +45,11 @@ def _worker(args: tuple[str, int, int, int, int, Any]) -> dict[str, float]:
     from pte_instrument.cost.devices import PROFILES
     from pte_instrument.cost.model import CostModel
     from pte_instrument.server.records import FinishedRequest, price_request
-    from pte_instrument.server.sessions import SessionLedger
+    from pte_instrument.server.redis_store import open_ledger
 
     cost = CostModel(parse_shape(load_config(MODEL)), PROFILES["h100-sxm"])
-    ledger = SessionLedger(path, max_sessions=100_000, block_size=16)
+    replica = f"replica-{index}"
+    ledger = open_ledger(path, max_sessions=100_000, block_size=16, server_id=replica)
     start.wait()
     add_s = ctx_s = 0.0
     n = 0
@@ -70,6 +76,8 @@ def _worker(args: tuple[str, int, int, int, int, Any]) -> dict[str, float]:
                 turn=ctx.turn,
                 reusable_tokens=ctx.reusable_tokens,
                 pause_s=ctx.pause_s,
+                replica=replica,
+                previous_replica=ctx.previous_replica,
             )
             record = price_request(cost, req, time.time())
             t1 = time.perf_counter()
@@ -93,6 +101,8 @@ def _worker(args: tuple[str, int, int, int, int, Any]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--store", choices=("sqlite", "redis"), default="sqlite")
+    ap.add_argument("--redis-url", help="with --store redis: this server (its prefix pte: is written over)")
     ap.add_argument("--processes", type=int, default=2)
     ap.add_argument("--streams", type=int, default=256)
     ap.add_argument("--turns", type=int, default=8)
@@ -103,8 +113,18 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     ctx = mp.get_context("spawn")
     for _ in range(args.repeats):
-        with tempfile.TemporaryDirectory(prefix="pte-store-bench-") as tmp:
-            path = str(Path(tmp) / "sessions.sqlite3")
+        with contextlib.ExitStack() as stack:
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="pte-store-bench-"))
+            if args.store == "sqlite":
+                path = str(Path(tmp) / "sessions.sqlite3")
+            elif args.redis_url:
+                path = args.redis_url
+                import redis
+
+                for key in redis.Redis.from_url(path).scan_iter("pte:*"):
+                    redis.Redis.from_url(path).delete(key)
+            else:
+                path = stack.enter_context(RedisServer(tmp)).url
             start = ctx.Manager().Event()
             with ctx.Pool(args.processes) as pool:
                 pending = pool.map_async(
@@ -133,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "session_store",
         **provenance(),
         "config": {
+            "store": args.store,
             "processes": args.processes,
             "streams": args.streams,
             "turns": args.turns,
@@ -148,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             "turns",
             "context_for µs",
             "add µs",
-            "request path µs",
+            "pricing thread µs",
             "turns/s committed",
             "writer lag ms",
         ],
@@ -164,8 +185,9 @@ def main(argv: list[str] | None = None) -> int:
             ]
         ],
     )
-    out = write_results(report, "session-store", args.out)
-    print(header_line(report, "sqlite WAL"))
+    name = "session-store" if args.store == "sqlite" else "session-store-redis"
+    out = write_results(report, name, args.out)
+    print(header_line(report, "sqlite WAL" if args.store == "sqlite" else "redis"))
     print(f"wrote {out}")
     return 0
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from prometheus.rules import ROUTING_TAX_SHARE
+
 RATE = "$__rate_interval"
 # vLLM's own series the dashboard joins with (by model_name and engine), as vLLM names them;
 # tests check each against the installed vLLM.
@@ -397,6 +399,50 @@ ROWS: tuple[Row, ...] = (
                     ),
                 ),
                 unit="s",
+            ),
+        ),
+    ),
+    Row(
+        "What routing costs",
+        (
+            Panel(
+                "Reuse lost to routing and to eviction",
+                "PTE per second that agent turns prefilled again although their session's previous turn "
+                "had computed it: routing tax, where the turn reached another replica than the previous "
+                "one (the cache was on another GPU; needs a session store the replicas share), and "
+                "eviction tax, where the same replica had dropped it.",
+                _rates_by_model(routing="pte_routing_tax_pte_total", eviction="pte_eviction_tax_pte_total"),
+                stacked=True,
+            ),
+            Panel(
+                "Routing tax share of served PTE",
+                "Routing tax as a share of served PTE (the PteRoutingTaxHigh alert fires above "
+                f"{ROUTING_TAX_SHARE:.0%} for 30 minutes).",
+                (
+                    Query(
+                        f"{_rate('pte_routing_tax_pte_total', 'model_name')}"
+                        f" / {_rate('pte_served_pte_total', 'model_name')}",
+                        "{{model_name}}",
+                    ),
+                ),
+                unit="percentunit",
+            ),
+            Panel(
+                "Routing tax in GPU seconds and USD per hour",
+                "GPU seconds per second spent on the routing tax (its share of the prefill seconds of "
+                "the turns that paid it; with the step hook), and what they cost per hour at the "
+                "model's price per GPU second (with PTE_GPU_HOURLY_PRICE).",
+                (
+                    Query(_rate("pte_routing_tax_gpu_seconds_total", "model_name"), "GPU s/s {{model_name}}"),
+                    Query(
+                        f"3600 * {_rate('pte_routing_tax_gpu_seconds_total', 'model_name')}"
+                        f" * on (model_name) ({_rate('pte_cost_usd_total', 'model_name')}"
+                        f" / {_rate('pte_gpu_seconds_total', 'model_name')})",
+                        "USD/h {{model_name}}",
+                        optional=True,
+                        empty_on_test_server=UNPRICED,
+                    ),
+                ),
             ),
         ),
     ),

@@ -38,6 +38,7 @@ FAULTS_FOR = "5m"
 # Near 0 when the KV cache holds sessions across their tool pauses; a fifth of the work
 # done twice, for half an hour, is a cache too small for the traffic.
 EVICTION_TAX_SHARE = 0.2
+ROUTING_TAX_SHARE = 0.1  # of served PTE re-prefilled because a turn left its cache's replica
 # |engine exact − request-level estimate| as a share of the engine's served PTE. Without
 # speculative decoding the two agree to rounding; a tenth apart means they price different work.
 ENGINE_GAP_SHARE = 0.1
@@ -112,6 +113,15 @@ RECORDING: tuple[Recording, ...] = (
     Recording(
         "model_name_engine:pte_eviction_tax_pte_per_served_pte:ratio_rate5m",
         "model_name_engine:pte_eviction_tax_pte:rate5m / model_name_engine:pte_served_pte:rate5m",
+    ),
+    Recording("model_name:pte_routing_tax_pte:rate5m", _rate("pte_routing_tax_pte_total", "model_name")),
+    Recording(
+        "model_name:pte_routing_tax_pte_per_served_pte:ratio_rate5m",
+        "model_name:pte_routing_tax_pte:rate5m / model_name:pte_served_pte:rate5m",
+    ),
+    Recording(
+        "model_name:pte_routing_tax_gpu_seconds:rate5m",
+        _rate("pte_routing_tax_gpu_seconds_total", "model_name"),
     ),
     Recording(
         "model_name:pte_cached_tokens_per_prompt_tokens:ratio_rate5m",
@@ -196,6 +206,17 @@ ALERTS: tuple[Alert, ...] = (
         "Agent sessions re-prefill context their previous turn had already computed: the prefix "
         "cache lost it during the tool pause. Compare vllm:kv_cache_usage_perc; give the KV cache more "
         "memory or fewer concurrent sessions per replica, and route each session to one replica.",
+    ),
+    Alert(
+        "PteRoutingTaxHigh",
+        f"model_name:pte_routing_tax_pte_per_served_pte:ratio_rate5m > {ROUTING_TAX_SHARE:g}",
+        "30m",
+        "warning",
+        "{{ $labels.model_name }}: {{ $value | humanizePercentage }} of served PTE is routing tax",
+        "Agent turns reach another replica than their session's previous turn and prefill again the "
+        "context cached there: the router breaks session affinity (replica restarts, scale-in, load "
+        "shedding, or a cache-aware router's choice). Route by the session header; see which replicas "
+        "the turns alternate between in /pte/sessions/<id> (each turn row's replica).",
     ),
     Alert(
         "PteEngineEstimateGap",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import socket
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -125,6 +126,21 @@ def _flag(raw: str, _: list[str]) -> bool:
 
 def _text(raw: str, _: list[str]) -> str:
     return raw
+
+
+MAX_INSTANCE_LEN = 128
+
+
+def _instance(raw: str, _: list[str]) -> str:
+    if len(raw) > MAX_INSTANCE_LEN or not raw.isprintable():
+        raise Invalid(f"is not a replica name (printable, at most {MAX_INSTANCE_LEN} characters)")
+    return raw
+
+
+def default_instance(port: int | None = None) -> str:
+    """This host's name, and the server's port when known: one name per replica."""
+    host = socket.gethostname() or "localhost"
+    return host if port is None else f"{host}:{port}"
 
 
 def _labels(raw: str, _: list[str]) -> frozenset[str]:
@@ -371,11 +387,23 @@ TABLE: tuple[Setting, ...] = (
         str | None,
         None,
         _text,
-        accepted="file path",
-        help="the host's session store: one SQLite file (WAL) that every API server of the server shares, so a session's turns are one session whichever process each reaches, and that outlives a restart (a session continues its turn numbers; its first turn after the restart shows the eviction tax it paid). The default is private to the server (by the `--port` of `vllm serve`), so two servers on one host keep apart; two servers given the same file merge their sessions and totals, and a server that starts while another one writes to its file says so in one line. A file that cannot be opened (a directory, not a session store, an unwritable place): one log line, a fault counted in `pte_plugin_faults_total{stage=\"sessions\"}`, and a private store per process instead ([below](#the-session-store))",
-        summary="the server's session store: one SQLite file all its API servers share (a session is one session whichever process each turn reaches) and that outlives a restart. The default is the server's own (by its `--port`); two servers given one file share sessions and totals, and the one that starts second says so in a line",
+        accepted="file path, or a `redis://…` / `rediss://…` URL",
+        help="`redis://…` or `rediss://…`: a Redis (or Valkey) server shared by a fleet of replicas ([below](#a-fleet-of-replicas)). Otherwise the host's session store: one SQLite file (WAL) that every API server of the server shares, so a session's turns are one session whichever process each reaches, and that outlives a restart (a session continues its turn numbers; its first turn after the restart shows the eviction tax it paid). The default is private to the server (by the `--port` of `vllm serve`), so two servers on one host keep apart; two servers given the same file merge their sessions and totals, and a server that starts while another one writes to its file says so in one line. A file that cannot be opened (a directory, not a session store, an unwritable place): one log line, a fault counted in `pte_plugin_faults_total{stage=\"sessions\"}`, and a private store per process instead ([below](#the-session-store))",
+        summary="the server's session store: one SQLite file all its API servers share (a session is one session whichever process each turn reaches) and that outlives a restart. The default is the server's own (by its `--port`); two servers given one file share sessions and totals, and the one that starts second says so in a line. A `redis://…` URL: one store a fleet of replicas shares",
         default_shown="`<temp dir>/pte-instrument-<uid>/sessions-<port>.sqlite3`",
         default_from=lambda env: default_session_store(),
+    ),
+    Setting(
+        "PTE_INSTANCE",
+        "instance",
+        str,
+        "",
+        _instance,
+        accepted=f"printable text, at most {MAX_INSTANCE_LEN} characters",
+        help="this replica's name in a fleet that shares a session store: each turn records the replica that served it, and a turn served by another replica than its session's previous turn is charged a routing tax instead of an eviction tax ([below](#a-fleet-of-replicas))",
+        summary="this replica's name in a fleet sharing a session store (routing tax: a turn served away from its previous turn's replica)",
+        default_shown="`<hostname>:<port>`",
+        default_from=lambda env: default_instance(),
     ),
     Setting(
         "PTE_MAX_SESSIONS",

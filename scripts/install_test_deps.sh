@@ -1,20 +1,25 @@
 #!/usr/bin/env bash
-# System packages the test suite needs beyond the Python venv: Debian's `prometheus`
-# (a real Prometheus server and promtool, for tests/test_prometheus_e2e.py).
-# Idempotent: installs only what is missing, runs `apt-get update` only when the package
-# lists are missing or older than a day. Safe to run as root in CI; prints what it did.
+# System packages the test suite needs beyond the Python venv: Debian's `prometheus` (a real
+# Prometheus server and promtool, for tests/e2e/test_prometheus_e2e.py) and `redis-server`
+# (the fleet's shared session store, for tests/server/test_fleet_store.py and
+# tests/e2e/test_fleet_e2e.py). Idempotent: installs only what is missing, runs
+# `apt-get update` only when the package lists are missing or older than a day. Safe to run
+# as root in CI; prints what it did.
 set -euo pipefail
 
 log() { printf 'install_test_deps: %s\n' "$*"; }
 
-if [[ -x /usr/bin/prometheus && -x /usr/bin/promtool ]]; then
-    log "prometheus already installed ($(/usr/bin/prometheus --version 2>&1 | head -n1)); nothing to do"
+missing=()
+[[ -x /usr/bin/prometheus && -x /usr/bin/promtool ]] || missing+=(prometheus)
+[[ -x /usr/bin/redis-server ]] || missing+=(redis-server)
+
+if [[ ${#missing[@]} -eq 0 ]]; then
+    log "prometheus and redis-server already installed; nothing to do"
     exit 0
 fi
 
 if ! command -v apt-get >/dev/null 2>&1; then
-    log "no apt-get on this system: install Prometheus (prometheus, promtool) yourself;" \
-        "tests/test_prometheus_e2e.py is skipped without it"
+    log "no apt-get on this system: install ${missing[*]} yourself; the tests that need them are skipped"
     exit 0
 fi
 
@@ -23,7 +28,7 @@ if [[ $(id -u) -ne 0 ]]; then
     if command -v sudo >/dev/null 2>&1; then
         SUDO=(sudo)
     else
-        log "not root and no sudo: cannot install prometheus; tests/test_prometheus_e2e.py will be skipped"
+        log "not root and no sudo: cannot install ${missing[*]}; the tests that need them will be skipped"
         exit 0
     fi
 fi
@@ -38,6 +43,6 @@ else
     log "apt package lists are fresh; skipping apt-get update"
 fi
 
-log "apt-get install -y prometheus"
-"${SUDO[@]}" apt-get install -y -qq --no-install-recommends prometheus >/dev/null
-log "installed: $(/usr/bin/prometheus --version 2>&1 | head -n1)"
+log "apt-get install -y ${missing[*]}"
+"${SUDO[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+log "installed: $(/usr/bin/prometheus --version 2>&1 | head -n1); $(/usr/bin/redis-server --version)"

@@ -124,7 +124,13 @@ def cmd_tenant_hash(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from pte_instrument.devtools.demo import run_demo
 
-    return run_demo(model_dir=args.model_dir, port=args.port, turns=args.turns, sessions=args.sessions)
+    return run_demo(
+        model_dir=args.model_dir,
+        port=args.port,
+        turns=args.turns,
+        sessions=args.sessions,
+        replicas=args.replicas,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -163,6 +169,15 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--port", type=int, default=0, help="0: pick a free port")
     m.add_argument("--sessions", type=int, default=3)
     m.add_argument("--turns", type=int, default=4)
+    m.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        choices=range(1, 5),
+        metavar="N",
+        help="N servers (1–4) sharing one session store on a redis-server the demo starts (Debian's "
+        "redis-server package), with sessions whose turns move between them: the routing tax",
+    )
     m.set_defaults(func=cmd_demo)
 
     add_efficiency_parser(sub)

@@ -1,8 +1,10 @@
 """``pte demo``: a real vLLM server with the plugin on the locally generated tiny model,
-driven by a multi-turn agent workload, then the PTE report."""
+driven by a multi-turn agent workload, then the PTE report. ``--replicas N``: N servers
+sharing one session store on Redis, and sessions that move between them (routing tax)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import tempfile
@@ -14,6 +16,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from pte_instrument.devtools.redis_server import RedisServer
 from pte_instrument.devtools.serving import VllmServer
 from pte_instrument.devtools.tinymodel import build_model
 from pte_instrument.devtools.workload import WorkloadConfig, run_workload
@@ -37,6 +40,8 @@ REQUEST_COLUMNS: tuple[Column, ...] = (
     ("engine exact", lambda r: _dash(r.get("engine_pte_served"), ".1f")),
     ("PTE ideal", lambda r: f"{r['pte_ideal']:.1f}"),
     ("eviction tax", lambda r: f"{r['pte_eviction_tax']:.1f}"),
+    ("routing tax", lambda r: f"{r.get('pte_routing_tax', 0.0):.1f}"),
+    ("replica", lambda r: _dash(r.get("replica"))),
     ("inference s", lambda r: f"{r['inference_s']:.3f}"),
 )
 SESSION_COLUMNS: tuple[Column, ...] = (
@@ -48,6 +53,7 @@ SESSION_COLUMNS: tuple[Column, ...] = (
     ("PTE served", lambda s: f"{s['pte_served']:.1f}"),
     ("PTE ideal", lambda s: f"{s['pte_ideal']:.1f}"),
     ("eviction tax", lambda s: f"{s['pte_eviction_tax']:.1f}"),
+    ("routing tax", lambda s: f"{s.get('pte_routing_tax', 0.0):.1f}"),
     ("tool pause s", lambda s: f"{s['pause_s']:.2f}"),
 )
 
@@ -61,54 +67,75 @@ def _table(title: str, columns: tuple[Column, ...], rows: list[dict]) -> Table:
     return t
 
 
-def _wait_for_records(path: Path, n: int, timeout_s: float = 10.0) -> list[dict]:
-    """The stat logger sees a request a moment after its response is sent."""
+def _wait_for_all(paths: list[Path], n: int, timeout_s: float = 10.0) -> list[dict]:
+    """The records of ``n`` requests in the request logs ``paths`` (the stat logger sees a
+    request a moment after its response is sent); what is there after the timeout."""
     deadline = time.monotonic() + timeout_s
     while True:
-        lines = path.read_text().splitlines() if path.exists() else []
+        lines = [line for p in paths if p.exists() for line in p.read_text().splitlines()]
         if len(lines) >= n or time.monotonic() > deadline:
             return [json.loads(line) for line in lines]
         time.sleep(0.2)
 
 
-def run_demo(model_dir: str = "models/tiny", port: int = 0, sessions: int = 3, turns: int = 4) -> int:
+def run_demo(
+    model_dir: str = "models/tiny", port: int = 0, sessions: int = 3, turns: int = 4, replicas: int = 1
+) -> int:
+    """``replicas`` > 1: that many vLLM servers sharing one session store on a redis-server
+    the demo starts, and sessions whose turns move between them (routing tax)."""
     # Tables are wide; do not squeeze them to 80 columns when piped to a file or CI log.
     console = Console(width=None if sys.stdout.isatty() else 160)
     console.print(f"[bold]Building the tiny model[/] in {model_dir} (random weights, seed 0)…")
     build_model(model_dir, "tiny", seed=0)
-    with tempfile.TemporaryDirectory(prefix="pte-demo-") as tmp:
-        log_path = Path(tmp) / "requests.jsonl"
-        server = VllmServer(
-            model_dir,
-            port=port,
-            log_path=Path(tmp) / "vllm.log",
-            extra_args=[
-                "--enable-prefix-caching",
-                # the engine-side step hook: exact per-step accounting beside the estimate
-                "--scheduler-cls",
-                "pte_instrument.vllm_adapter.scheduler.PteScheduler",
-            ],
-            # VLLM_PLUGINS=pte opts in to the session routes; dev mode exposes the cache reset.
-            env={"PTE_REQUEST_LOG": str(log_path), "VLLM_PLUGINS": "pte", "VLLM_SERVER_DEV_MODE": "1"},
-        )
-        console.print("[bold]Starting vLLM[/] (CPU build) with pte-instrument; this takes about a minute…")
-        with server:
-            console.print(
-                f"Server up at {server.url}. Running {sessions} agent sessions × {turns} turns; "
-                "the prefix cache is dropped before the last turn, as a long tool pause would evict it…"
+    with tempfile.TemporaryDirectory(prefix="pte-demo-") as tmp, contextlib.ExitStack() as running:
+        env = {"VLLM_PLUGINS": "pte", "VLLM_SERVER_DEV_MODE": "1"}
+        if replicas > 1:
+            redis = running.enter_context(RedisServer(tmp))
+            env["PTE_SESSION_STORE"] = redis.url
+            console.print(f"Session store shared by {replicas} replicas: redis-server at {redis.url}")
+        logs = [Path(tmp) / f"requests-{i}.jsonl" for i in range(replicas)]
+        servers = [
+            VllmServer(
+                model_dir,
+                port=port + i if port else 0,
+                log_path=Path(tmp) / f"vllm-{i}.log",
+                extra_args=[
+                    "--enable-prefix-caching",
+                    # the engine-side step hook: exact per-step accounting beside the estimate
+                    "--scheduler-cls",
+                    "pte_instrument.vllm_adapter.scheduler.PteScheduler",
+                ],
+                # VLLM_PLUGINS=pte opts in to the session routes; dev mode exposes the cache reset.
+                env={**env, "PTE_REQUEST_LOG": str(log), "PTE_INSTANCE": f"replica-{i}"},
             )
+            for i, log in enumerate(logs)
+        ]
+        console.print("[bold]Starting vLLM[/] (CPU build) with pte-instrument; this takes about a minute…")
+        for server in servers:  # side by side
+            running.callback(server.stop)
+            server.launch()
+        for server in servers:
+            server.wait_ready()
+        where = servers[0].url if replicas == 1 else ", ".join(s.url for s in servers)
+        moving = (
+            "" if replicas == 1 else "; the first session stays on replica-0, the others move at every turn"
+        )
+        console.print(
+            f"Server up at {where}. Running {sessions} agent sessions × {turns} turns{moving}; "
+            "the prefix cache is dropped before the last turn, as a long tool pause would evict it…"
+        )
 
-            def evict_before_last_round(client: httpx.Client, round_: int) -> None:
-                if round_ == turns - 2:
-                    client.post("/reset_prefix_cache").raise_for_status()
+        def evict_before_last_round(client: httpx.Client, round_: int) -> None:
+            if round_ == turns - 2:
+                client.post("/reset_prefix_cache").raise_for_status()
 
-            cfg = WorkloadConfig(sessions=sessions, turns=turns)
-            results = run_workload(server.url, server.served_name, cfg, evict_before_last_round)
-            records = _wait_for_records(log_path, len(results))
-            metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
-            session_rows = httpx.get(f"{server.url}/pte/sessions", timeout=10).json()["sessions"]
+        cfg = WorkloadConfig(sessions=sessions, turns=turns)
+        results = run_workload([s.url for s in servers], servers[0].served_name, cfg, evict_before_last_round)
+        records = _wait_for_all(logs, len(results))
+        metrics = httpx.get(f"{servers[0].url}/metrics", timeout=10).text
+        session_rows = httpx.get(f"{servers[0].url}/pte/sessions", timeout=10).json()["sessions"]
         records.sort(key=lambda r: (r["session_id"] or "", r["turn"] or 0))
-        console.print(_table("PTE per request (from the plugin's request log)", REQUEST_COLUMNS, records))
+        console.print(_table("PTE per request (from the plugin's request logs)", REQUEST_COLUMNS, records))
         console.print(_table("PTE per agent session (GET /pte/sessions)", SESSION_COLUMNS, session_rows))
         total = {
             k: sum(r[k] for r in records)
@@ -129,9 +156,9 @@ def run_demo(model_dir: str = "models/tiny", port: int = 0, sessions: int = 3, t
         if records:
             r = records[0]
             console.print(f"γ = {r['gamma']:.6g} on device profile {r['device']} (HOI {r['hoi']:.1f}).")
-        console.print("\n[bold]The plugin's series on /metrics[/]:")
+        console.print(f"\n[bold]The plugin's series on {servers[0].url}/metrics[/]:")
         for line in metrics.splitlines():
             if line.startswith("pte_") and "_created" not in line and "_bucket" not in line:
                 print(line)
-    console.print("Server stopped.")
+    console.print("Servers stopped." if replicas > 1 else "Server stopped.")
     return 0 if len(records) == len(results) else 1

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,14 +101,18 @@ class AgentSession:
 
 
 def run_workload(
-    base_url: str,
+    base_url: str | Sequence[str],
     model: str,
     cfg: WorkloadConfig,
     between_rounds: Callable[[httpx.Client, int], None] | None = None,
 ) -> list[TurnResult]:
     """Round-robin over sessions, one turn each, so every session pauses between turns
     while the others run (the tool pause). ``between_rounds(client, round)`` runs after
-    each round but the last (the demo drops the prefix cache there)."""
+    each round but the last (the demo drops the prefix cache there), once per server.
+    Several servers (replicas behind a router without session affinity): the first session
+    stays on the first server, and turn ``r`` of session ``i`` > 0 goes to server ``(i + r)
+    mod n``, so that it moves at every turn."""
+    urls = [base_url] if isinstance(base_url, str) else list(base_url)
     rng = random.Random(cfg.seed)
     system_prompt = "You are an agent with tools. " + random_words(rng, cfg.system_words)
     sessions = [
@@ -116,12 +120,17 @@ def run_workload(
         for i in range(cfg.sessions)
     ]
     results: list[TurnResult] = []
-    with httpx.Client(base_url=base_url, timeout=300) as client:
+    clients = [httpx.Client(base_url=url, timeout=300) for url in urls]
+    try:
         for round_ in range(cfg.turns):
-            for s in sessions:
-                results.append(s.step(client, model))
+            for i, s in enumerate(sessions):
+                results.append(s.step(clients[(i + round_) % len(clients) if i else 0], model))
             if round_ + 1 < cfg.turns:
                 if between_rounds is not None:
-                    between_rounds(client, round_)
+                    for client in clients:
+                        between_rounds(client, round_)
                 time.sleep(cfg.tool_pause_s)
+    finally:
+        for client in clients:
+            client.close()
     return results

@@ -105,6 +105,7 @@ class ApiServer:
                     rt.exporters_for(served.name, engine, cost_model),
                     rt.faults,
                     rt.sessions,
+                    replica=s.instance,
                     usd_per_gpu_second=usd_per_engine_second,
                     new_trace_id=rt.new_trace_id,
                     on_state=partial(rt.exporter_state, served.name, engine),

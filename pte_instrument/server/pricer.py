@@ -51,6 +51,7 @@ class RequestPricer:
         exporters: Sequence[tuple[str, Exporter]],
         faults: FaultTracker,
         sessions: SessionLedger | None = None,
+        replica: str | None = None,  # this replica's name (PTE_INSTANCE)
         clock: Callable[[], float] = time.time,
         usd_per_gpu_second: float | None = None,  # the engine's price per second, all its GPUs
         on_state: Callable[[str, bool], None] | None = None,  # (stage, on): suspended (False) or resumed
@@ -64,6 +65,7 @@ class RequestPricer:
         self.exporters = list(exporters)
         self.faults = faults
         self.sessions = sessions
+        self.replica = replica
         self.clock = clock
         self.on_state = on_state
         self.on_lost = on_lost
@@ -80,12 +82,17 @@ class RequestPricer:
     def on_finished(self, request: FinishedRequest) -> RequestRecord | None:
         now = self.clock()
         try:
+            request = replace(request, replica=self.replica)
             if request.session_id is not None and self.sessions is not None:
                 ctx = self.sessions.context_for(
                     request.session_id, request.arrived_at or now - request.e2e_s, request.prompt_tokens
                 )
                 request = replace(
-                    request, turn=ctx.turn, reusable_tokens=ctx.reusable_tokens, pause_s=ctx.pause_s
+                    request,
+                    turn=ctx.turn,
+                    reusable_tokens=ctx.reusable_tokens,
+                    pause_s=ctx.pause_s,
+                    previous_replica=ctx.previous_replica,
                 )
             if self.new_trace_id is not None:
                 request = replace(request, trace_id=trace_of(request.traceparent) or self.new_trace_id())

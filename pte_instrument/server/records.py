@@ -31,6 +31,8 @@ class FinishedRequest:
     turn: int | None = None
     reusable_tokens: int = 0  # context the session's previous turn already paid for
     pause_s: float | None = None  # tool pause between the previous turn's end and this arrival
+    replica: str | None = None  # the replica (PTE_INSTANCE) that served it
+    previous_replica: str | None = None  # the replica that served its session's previous turn
     engine_totals: RequestTotals | None = None  # exact step-level totals from the engine hook
     benchmark: str = "none"  # allow-listed evaluation label (X-PTE-Benchmark)
     tenant: str | None = None  # allow-listed tenant or "other" (None: tenants off)
@@ -85,6 +87,12 @@ class RequestRecord:
     finished_at: float
     benchmark: str = "none"
     tenant: str | None = None  # allow-listed tenant or "other" (None: tenants off)
+    # The reuse its session's previous turn left that it prefilled again, when that turn was
+    # served by another replica (the cache was on another GPU; ``pte_eviction_tax`` is then 0);
+    # its GPU seconds: that share of its prefill seconds.
+    pte_routing_tax: float = 0.0
+    gpu_seconds_routing_tax: float | None = None
+    replica: str | None = None  # the replica (PTE_INSTANCE) that served it
     # the LoRA adapter that served it, priced as its base ``model`` (None: the base)
     lora_name: str | None = None
     arrived_at: float | None = None  # unix time vLLM received it
@@ -138,6 +146,8 @@ def price_request(
     tokens = charged_tokens(req)
     cost = price_turn(model, tokens)
     totals = req.engine_totals
+    moved = req.replica is not None and req.previous_replica not in (None, req.replica)
+    missed = cost.eviction_tax  # reusable prefix prefilled again: routing's doing if the turn moved
     wasted_aborted = 0.0
     if totals is not None and req.finish_reason == "abort":  # its last step's work was never returned
         wasted_aborted = max(0.0, totals.pte_served - totals.pte_rejected - cost.served)
@@ -163,7 +173,14 @@ def price_request(
         pte_prefill=cost.served_prefill,
         pte_decode=cost.served_decode,
         pte_recompute=cost.recompute,
-        pte_eviction_tax=cost.eviction_tax,
+        pte_eviction_tax=0.0 if moved else missed,
+        pte_routing_tax=missed if moved else 0.0,
+        gpu_seconds_routing_tax=(
+            totals.gpu_prefill_s * missed / cost.served_prefill
+            if moved and totals is not None and cost.served_prefill > 0
+            else (0.0 if totals is not None else None)
+        ),
+        replica=req.replica,
         queued_s=req.queued_s,
         prefill_s=req.prefill_s,
         decode_s=req.decode_s,
@@ -260,6 +277,7 @@ SUMMED_TOKENS_AND_PTE = (
     "pte_decode",
     "pte_recompute",
     "pte_eviction_tax",
+    "pte_routing_tax",
 )
 GPU_SECONDS_TERMS = (
     "gpu_seconds_prefill",
@@ -270,7 +288,16 @@ GPU_SECONDS_TERMS = (
 TIMED = ("gpu_seconds", *GPU_SECONDS_TERMS, "predicted_seconds", "latency_explained_s", "interference_s")
 PRICED = ("cost_usd",)
 TIMED_COUNT, PRICED_COUNT = "requests_timed", "requests_priced"
-MODEL_TOTALS = ("requests", *SUMMED_TOKENS_AND_PTE, TIMED_COUNT, *TIMED, PRICED_COUNT, *PRICED)
+ROUTING_SECONDS = "gpu_seconds_routing_tax"
+MODEL_TOTALS = (
+    "requests",
+    *SUMMED_TOKENS_AND_PTE,
+    TIMED_COUNT,
+    *TIMED,
+    ROUTING_SECONDS,
+    PRICED_COUNT,
+    *PRICED,
+)
 
 
 def model_totals_row(r: RequestRecord) -> tuple[float, ...]:
@@ -280,6 +307,7 @@ def model_totals_row(r: RequestRecord) -> tuple[float, ...]:
         *(getattr(r, k) for k in SUMMED_TOKENS_AND_PTE),
         int(r.gpu_seconds is not None),
         *(getattr(r, k) or 0.0 for k in TIMED),
+        r.gpu_seconds_routing_tax or 0.0,
         int(r.cost_usd is not None),
         *(getattr(r, k) or 0.0 for k in PRICED),
     )

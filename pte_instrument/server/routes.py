@@ -28,6 +28,7 @@ MAX_BODY_BYTES = 64 * 1024  # a feedback body is a few ids: anything larger is r
 SORT_KEYS = (
     "pte_served",
     "pte_eviction_tax",
+    "pte_routing_tax",
     "pte_reference",
     "prompt_tokens",
     "output_tokens",

@@ -26,6 +26,7 @@ from pte_instrument.server.exporters.request_log import RequestLogWriter
 from pte_instrument.server.live_efficiency import LiveEfficiency
 from pte_instrument.server.lora import LoraNames
 from pte_instrument.server.records import FinishedRequest
+from pte_instrument.server.redis_store import open_ledger
 from pte_instrument.server.request_tags import PendingTags, RequestTag
 from pte_instrument.server.sessions import SessionLedger, StoreError
 from pte_instrument.server.tenants import TenantPolicy
@@ -164,7 +165,7 @@ class Runtime:
             server_id=settings.engine_transport,  # one per vllm serve, shared by its API servers
         )
         try:
-            ledger = SessionLedger(settings.session_store, **kwargs)
+            ledger = open_ledger(settings.session_store, **kwargs)
         except StoreError as e:
             self.faults.record("sessions", e, logged=True)  # the one line below says it all
             log.error(

@@ -41,6 +41,7 @@ TURN_FIELDS = (
     "pte_served",
     "pte_ideal",
     "pte_eviction_tax",
+    "pte_routing_tax",
     "pte_recompute",
     "pause_s",
     "inference_s",
@@ -51,6 +52,7 @@ TURN_FIELDS = (
     "latency_explained_s",
     "interference_s",
     "cost_usd",
+    "replica",
 )
 
 SUMMED = (
@@ -61,6 +63,7 @@ SUMMED = (
     "pte_served",
     "pte_ideal",
     "pte_eviction_tax",
+    "pte_routing_tax",
     "pte_recompute",
     "pause_s",
     "gpu_seconds",
@@ -86,7 +89,7 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS sessions (
     id TEXT PRIMARY KEY, model TEXT NOT NULL, first_seen REAL NOT NULL, last_seen REAL NOT NULL,
     touched INTEGER NOT NULL, n_turns INTEGER NOT NULL, turns_dropped INTEGER NOT NULL,
-    last_prompt INTEGER NOT NULL, last_output INTEGER NOT NULL, last_finished_at REAL,
+    last_prompt INTEGER NOT NULL, last_output INTEGER NOT NULL, last_finished_at REAL, last_replica TEXT,
     {", ".join(f"{k} REAL NOT NULL DEFAULT 0" for k in SUMMED)}
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS sessions_touched ON sessions (touched);
@@ -116,6 +119,14 @@ CREATE TABLE IF NOT EXISTS lora_totals (
     lora_name TEXT PRIMARY KEY, model TEXT NOT NULL, {", ".join(f"{k} NOT NULL DEFAULT 0" for k in MODEL_TOTALS)}
 ) WITHOUT ROWID;
 """  # tables added later are created in an existing store as they are in a new one
+# Columns added later, added to an existing store's tables (a sum starts at 0 there).
+ADDED_COLUMNS = {
+    "sessions": ("last_replica TEXT", "pte_routing_tax REAL NOT NULL DEFAULT 0"),
+    **{
+        table: ("pte_routing_tax NOT NULL DEFAULT 0", "gpu_seconds_routing_tax NOT NULL DEFAULT 0")
+        for table in ("model_totals", "tenant_totals", "lora_totals")
+    },
+}
 COUNTED = ("sessions_opened", "sessions_expired", "sessions_evicted", "turns_dropped")
 SUMMARY_COLUMNS = ("id", "model", "n_turns", "turns_dropped", "first_seen", "last_seen", *SUMMED)
 
@@ -142,6 +153,7 @@ def connect(path: Path) -> sqlite3.Connection:
         db.execute("PRAGMA journal_mode = WAL")
         db.execute("PRAGMA synchronous = NORMAL")  # WAL: a process crash loses nothing committed
         db.executescript(SCHEMA)
+        _add_columns(db)
         db.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (SCHEMA_VERSION,))
         version = db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()[0]
     except (sqlite3.Error, OSError) as e:
@@ -152,6 +164,15 @@ def connect(path: Path) -> sqlite3.Connection:
             f"the session store {path} has schema {version!r}, this version reads {SCHEMA_VERSION}"
         )
     return db
+
+
+def _add_columns(db: sqlite3.Connection) -> None:
+    for table, columns in ADDED_COLUMNS.items():
+        present = {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
+        for column in columns:
+            if column.split()[0] not in present:
+                with contextlib.suppress(sqlite3.OperationalError):  # another process added it first
+                    db.execute(f"ALTER TABLE {table} ADD COLUMN {column}")
 
 
 def session_summary(row: tuple[Any, ...]) -> dict[str, Any]:
@@ -165,57 +186,25 @@ def session_summary(row: tuple[Any, ...]) -> dict[str, Any]:
     }
 
 
-# The owner's transaction: the connection (None: the store could not be opened), the batch's
+# The owner's transaction: the connection (None: the store is not reachable), the batch's
 # items in the order they were queued, and whether idle sessions are due to close.
-Commit = Callable[[sqlite3.Connection | None, list[tuple[Any, ...]], bool], None]
+Commit = Callable[[Any, list[tuple[Any, ...]], bool], None]
 
 
-class Store:
-    """One process's use of the store: a connection for reads (``reading``), and a writer
-    thread that hands what has queued (``put``) to ``commit``, a batch at a time. A store
-    deleted or replaced while the server runs (SQLite would go on writing the unlinked file,
-    lost at restart) is opened again at its path, created if need be, as the request log
-    is; the first write that finds it so says it (``on_error``) and counts it
-    (``reopened``)."""
+class BatchWriter:
+    """A writer thread that hands what has queued (``put``) to ``commit``, a batch at a time,
+    with the connection ``_connection`` gives it; the queue is bounded (a full one refuses)."""
 
     def __init__(
-        self,
-        path: str | Path | None,
-        commit: Commit,
-        on_error: Callable[[Exception], None],
-        server_id: str,
-        max_queued: int = MAX_QUEUED,
+        self, commit: Commit, on_error: Callable[[Exception], None], server_id: str, max_queued: int
     ) -> None:
-        """``path``: the file (None: a private one, deleted at ``close``). ``server_id``: the
-        server this process serves for (its API servers share one), so that a store two
-        servers write to can say so (``other_servers``)."""
         self.commit = commit
         self.on_error = on_error
         self.server_id = server_id
         self.max_queued = max_queued
-        self.reopened = 0
-        self._private = path is None
-        if path is None:
-            fd, name = tempfile.mkstemp(prefix="pte-sessions-", suffix=".sqlite3")
-            os.close(fd)
-            path = name
-        self.path = Path(path)
-        self._reader_db = connect(self.path)
-        self._store_id = self._reader_id = file_id(self.path)  # the file the connections use
-        self._reader_lock = threading.Lock()
         self._queue: queue.Queue[Any] = queue.Queue(max_queued)
         self._writer: threading.Thread | None = None
         self._writer_lock = threading.Lock()
-
-    @contextlib.contextmanager
-    def reading(self) -> Iterator[sqlite3.Connection]:
-        """The readers' connection, on the file the writer uses; one reader at a time."""
-        with self._reader_lock:
-            if self._reader_id != self._store_id:
-                with contextlib.suppress(sqlite3.Error):
-                    self._reader_db.close()
-                self._reader_db, self._reader_id = connect(self.path), self._store_id
-            yield self._reader_db
 
     def put(self, item: tuple[Any, ...]) -> bool:
         """Queue an item for the next batch; False (and nothing queued) when the queue is full."""
@@ -241,13 +230,108 @@ class Store:
         self._ensure_writer()
         return done.wait(max(0.0, deadline - time.monotonic()))
 
-    def close(self) -> None:
-        """Commit what is queued, stop the writer and close the store."""
+    def stop_writer(self) -> None:
+        """Commit what is queued and stop the writer."""
         with self._writer_lock:
             writer, self._writer = self._writer, None
         if writer is not None:
             self._queue.put(("stop",))
             writer.join(10)
+
+    def _connection(self, conn: Any) -> Any:
+        """The writer's connection for the next batch (``conn``: the last one; None at first)."""
+        raise NotImplementedError
+
+    def _release(self, conn: Any) -> None:
+        """The writer stops: this server no longer uses the store."""
+
+    def _ensure_writer(self) -> None:
+        if self._writer is not None:
+            return
+        with self._writer_lock:
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._run, name="pte-session-store", daemon=True)
+                self._writer.start()
+
+    def _run(self) -> None:
+        conn = None
+        next_expiry = 0.0
+        while True:
+            try:
+                first = self._queue.get(timeout=_EXPIRE_EVERY_S)
+            except queue.Empty:
+                first = ("expire",)
+            batch = [first]
+            while len(batch) < _BATCH:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            conn = self._connection(conn)
+            expire = any(item[0] == "expire" for item in batch) or time.monotonic() >= next_expiry
+            if expire:
+                next_expiry = time.monotonic() + _EXPIRE_EVERY_S
+            items = [item for item in batch if item[0] not in ("expire", "flush", "stop")]
+            if items or expire:
+                self.commit(conn, items, expire)
+            for item in batch:
+                if item[0] == "flush":
+                    item[1].set()
+            if any(item[0] == "stop" for item in batch):
+                self._release(conn)
+                return
+            # Let the committed batch go before waiting for the next: held, it is up to a
+            # batch of records kept alive between bursts.
+            del first, batch, items
+
+    def _error(self, e: Exception) -> None:
+        with contextlib.suppress(Exception):  # the fault counter must not raise either
+            self.on_error(e)
+
+
+class Store(BatchWriter):
+    """One process's use of the SQLite store: a connection for reads (``reading``), and the
+    writer thread with a connection of its own. A store deleted or replaced while the server
+    runs (SQLite would go on writing the unlinked file, lost at restart) is opened again at
+    its path, created if need be, as the request log is; the first write that finds it so
+    says it (``on_error``) and counts it (``reopened``)."""
+
+    def __init__(
+        self,
+        path: str | Path | None,
+        commit: Commit,
+        on_error: Callable[[Exception], None],
+        server_id: str,
+        max_queued: int = MAX_QUEUED,
+    ) -> None:
+        """``path``: the file (None: a private one, deleted at ``close``). ``server_id``: the
+        server this process serves for (its API servers share one), so that a store two
+        servers write to can say so (``other_servers``)."""
+        super().__init__(commit, on_error, server_id, max_queued)
+        self.reopened = 0
+        self._private = path is None
+        if path is None:
+            fd, name = tempfile.mkstemp(prefix="pte-sessions-", suffix=".sqlite3")
+            os.close(fd)
+            path = name
+        self.path = Path(path)
+        self._reader_db = connect(self.path)
+        self._store_id = self._reader_id = file_id(self.path)  # the file the connections use
+        self._reader_lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[sqlite3.Connection]:
+        """The readers' connection, on the file the writer uses; one reader at a time."""
+        with self._reader_lock:
+            if self._reader_id != self._store_id:
+                with contextlib.suppress(sqlite3.Error):
+                    self._reader_db.close()
+                self._reader_db, self._reader_id = connect(self.path), self._store_id
+            yield self._reader_db
+
+    def close(self) -> None:
+        """Commit what is queued, stop the writer and close the store."""
+        self.stop_writer()
         with self._reader_lock:
             self._reader_db.close()
         if self._private:
@@ -271,53 +355,13 @@ class Store:
             ).fetchall()
         return [r[0] for r in rows]
 
-    def _ensure_writer(self) -> None:
-        if self._writer is not None:
-            return
-        with self._writer_lock:
-            if self._writer is None:
-                self._writer = threading.Thread(target=self._run, name="pte-session-store", daemon=True)
-                self._writer.start()
+    def _release(self, db: sqlite3.Connection | None) -> None:
+        if db is not None:
+            with contextlib.suppress(sqlite3.Error):  # no longer a server of this store
+                db.execute("DELETE FROM servers WHERE id = ?", (self.server_id,))
+            db.close()
 
-    def _run(self) -> None:
-        try:
-            db = connect(self.path)
-        except Exception as e:
-            self._error(e)
-            db = None
-        next_expiry = 0.0
-        while True:
-            try:
-                first = self._queue.get(timeout=_EXPIRE_EVERY_S)
-            except queue.Empty:
-                first = ("expire",)
-            batch = [first]
-            while len(batch) < _BATCH:
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            db = self._on_the_file(db)
-            expire = any(item[0] == "expire" for item in batch) or time.monotonic() >= next_expiry
-            if expire:
-                next_expiry = time.monotonic() + _EXPIRE_EVERY_S
-            items = [item for item in batch if item[0] not in ("expire", "flush", "stop")]
-            if items or expire:
-                self.commit(db, items, expire)
-            for item in batch:
-                if item[0] == "flush":
-                    item[1].set()
-            if any(item[0] == "stop" for item in batch):
-                if db is not None:
-                    with contextlib.suppress(sqlite3.Error):  # no longer a server of this store
-                        db.execute("DELETE FROM servers WHERE id = ?", (self.server_id,))
-                    db.close()
-                return
-            # Let the committed batch go before waiting for the next: held, it is up to a
-            # batch of records kept alive between bursts.
-            del first, batch, items
-
-    def _on_the_file(self, db: sqlite3.Connection | None) -> sqlite3.Connection | None:
+    def _connection(self, db: sqlite3.Connection | None) -> sqlite3.Connection | None:
         """The writer's connection to the file now at the store's path."""
         if db is not None and file_id(self.path) == self._store_id:
             return db
@@ -340,7 +384,3 @@ class Store:
             )
         self._store_id = found
         return db
-
-    def _error(self, e: Exception) -> None:
-        with contextlib.suppress(Exception):  # the fault counter must not raise either
-            self.on_error(e)

@@ -51,16 +51,18 @@ class TurnContext:
     turn: int
     reusable_tokens: int  # context the previous turn already paid for
     pause_s: float | None  # tool pause since the previous turn finished
+    previous_replica: str | None = None  # the replica that served the previous turn (None: unknown)
 
 
 @dataclass(frozen=True)
-class _Tail:
+class Tail:
     """The latest turn of a session: all the next turn's context depends on."""
 
     n_turns: int
     last_prompt: int
     last_output: int
     last_finished_at: float | None
+    last_replica: str | None = None
 
 
 @dataclass
@@ -104,14 +106,22 @@ class SessionLedger:
         self.on_error = on_error
         self.clock = clock
         self.stats = LedgerStats()
-        self.store = Store(path, self._commit, self._error, server_id or f"pid-{os.getpid()}", max_queued)
-        self._overlay: dict[str, _Tail] = {}  # this process's turns not yet committed
+        self.server_id = server_id or f"pid-{os.getpid()}"
+        self.store = self._open(path, max_queued)
+        self._overlay: dict[str, Tail] = {}  # this process's turns not yet committed
         self._overlay_lock = threading.Lock()
+        self._live = self._count_live()
+
+    def _open(self, path: str | Path | None, max_queued: int) -> Any:
+        return Store(path, self._commit, self._error, self.server_id, max_queued)
+
+    def _count_live(self) -> int:
         with self.store.reading() as db:
-            self._live = int(db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0])
+            return int(db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0])
 
     @property
-    def path(self) -> Path:
+    def path(self) -> Path | str:
+        """Where the store is (shown in log lines)."""
         return self.store.path
 
     def __len__(self) -> int:
@@ -127,7 +137,7 @@ class SessionLedger:
             return TurnContext(turn=1, reusable_tokens=0, pause_s=None)
         pause = None if tail.last_finished_at is None else max(0.0, arrived_at - tail.last_finished_at)
         reusable = reusable_prefix(tail.last_prompt, tail.last_output, prompt_tokens, self.block_size)
-        return TurnContext(tail.n_turns + 1, reusable, pause)
+        return TurnContext(tail.n_turns + 1, reusable, pause, tail.last_replica)
 
     def add(self, record: RequestRecord) -> None:
         """Queue a priced request (its model's totals; a turn, if it has a session) for the
@@ -140,7 +150,7 @@ class SessionLedger:
             before = self._tail(record.session_id)
             if before is not None:
                 prompt, output = before.last_prompt, before.last_output
-        tail = _Tail(record.turn or 1, prompt, output, record.finished_at)
+        tail = Tail(record.turn or 1, prompt, output, record.finished_at, record.replica)
         with self._overlay_lock:  # before the writer can see it, so that its commit settles it
             self._overlay[record.session_id] = tail
         if not self._queue_record(("add", record, tail)):
@@ -251,19 +261,19 @@ class SessionLedger:
 
     # --- the writer's transactions ---
 
-    def _tail(self, session_id: str) -> _Tail | None:
+    def _tail(self, session_id: str) -> Tail | None:
         """The session's latest turn: this process's, queued, or else the store's."""
         with self._overlay_lock:
             tail = self._overlay.get(session_id)
         return tail if tail is not None else self._stored_tail(session_id)
 
-    def _stored_tail(self, session_id: str) -> _Tail | None:
+    def _stored_tail(self, session_id: str) -> Tail | None:
         with self.store.reading() as db:
             row = db.execute(
-                "SELECT n_turns, last_prompt, last_output, last_finished_at FROM sessions WHERE id = ?",
+                "SELECT n_turns, last_prompt, last_output, last_finished_at, last_replica FROM sessions WHERE id = ?",
                 (session_id,),
             ).fetchone()
-        return None if row is None else _Tail(*row)
+        return None if row is None else Tail(*row)
 
     def _queue_record(self, item: tuple[Any, ...]) -> bool:
         """Queue a record for the writer; a full queue loses it, counted."""
@@ -300,12 +310,7 @@ class SessionLedger:
                 self.store.mark_alive(db)
                 failpoint("session_store")
         except Exception as e:
-            self.stats.records_lost += len(adds) + len(observed)
-            self._error(
-                StoreError(
-                    f"session store {self.path}: a batch of {len(adds) + len(observed)} records was lost ({e})"
-                )
-            )
+            self._lost(len(adds) + len(observed), e)
             self._settle(adds)
             return
         self._live = batch.live
@@ -313,6 +318,11 @@ class SessionLedger:
             setattr(self.stats, name, getattr(self.stats, name) + getattr(batch.delta, name))
         self._settle(adds)
         self._notify(batch.closed)
+
+    def _lost(self, n: int, e: Exception) -> None:
+        """A batch of ``n`` records the store did not take: counted, and said."""
+        self.stats.records_lost += n
+        self._error(StoreError(f"session store {self.path}: a batch of {n} records was lost ({e})"))
 
     def _settle(self, adds: Iterable[tuple[Any, ...]]) -> None:
         """Drop the overlay entries the batch committed (unless a later turn replaced them)."""
@@ -346,14 +356,14 @@ def computed_context(r: RequestRecord) -> int:
 
 _UPSERT = (
     "INSERT INTO sessions (id, model, first_seen, last_seen, touched, n_turns, turns_dropped, last_prompt,"
-    f" last_output, last_finished_at, {', '.join(SUMMED)}) VALUES (?, ?, ?, ?, ?, 1, 0, ?, ?, ?,"
+    f" last_output, last_finished_at, last_replica, {', '.join(SUMMED)}) VALUES (?, ?, ?, ?, ?, 1, 0, ?, ?, ?, ?,"
     f" {', '.join('?' * len(SUMMED))}) ON CONFLICT (id) DO UPDATE SET last_seen = excluded.last_seen,"
     " touched = excluded.touched, n_turns = n_turns + 1,"
     # a turn that computed nothing (aborted while queued) leaves the context the turn before left
     " last_prompt = CASE WHEN excluded.last_prompt + excluded.last_output > 0 THEN excluded.last_prompt"
     " ELSE last_prompt END, last_output = CASE WHEN excluded.last_prompt + excluded.last_output > 0"
     " THEN excluded.last_output ELSE last_output END,"
-    " last_finished_at = excluded.last_finished_at, "
+    " last_finished_at = excluded.last_finished_at, last_replica = excluded.last_replica, "
     + ", ".join(f"{k} = {k} + excluded.{k}" for k in SUMMED)
     + " RETURNING n_turns"
 )
@@ -388,6 +398,7 @@ class _Batch:
                 computed_context(r),
                 r.output_tokens,
                 r.finished_at,
+                r.replica,
                 *sums,
             ),
         ).fetchone()[0]

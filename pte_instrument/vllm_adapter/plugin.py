@@ -1,7 +1,7 @@
 """``vllm.general_plugins`` entry point: runs in every vLLM process. In the first one (the
 API server, or ``vllm serve``'s launcher) it creates the engine → API-server transport
-address and, unless ``PTE_SESSION_STORE`` names one, the server's own session store path
-(by its port); the engine and API-server processes, spawned later, inherit both (see
+address and, unless ``PTE_SESSION_STORE`` and ``PTE_INSTANCE`` name them, the server's own
+session store path and replica name (by its port); the engine and API-server processes, spawned later, inherit both (see
 ``pte_instrument.transport``). The launcher of engines started ``--headless`` (a node
 without an API server) names the settings it does not take, as an API server does."""
 
@@ -15,14 +15,16 @@ VLLM_DEFAULT_PORT = 8000
 
 
 def register() -> None:
-    from pte_instrument.settings import default_session_store, is_set, read
+    from pte_instrument.settings import default_instance, default_session_store, is_set, read
     from pte_instrument.transport import ADDRESS_ENV, ensure_address
 
     ensure_address(read(ADDRESS_ENV))
-    if not is_set("PTE_SESSION_STORE"):
-        port = serve_port(sys.argv)
-        if port is not None:
+    port = serve_port(sys.argv)
+    if port is not None:
+        if not is_set("PTE_SESSION_STORE"):
             os.environ["PTE_SESSION_STORE"] = default_session_store(port)
+        if not is_set("PTE_INSTANCE"):
+            os.environ["PTE_INSTANCE"] = default_instance(port)
     # spawned processes carry their parent's argv: only the launcher itself speaks
     if "--headless" in sys.argv and multiprocessing.parent_process() is None:
         from pte_instrument.faults import install_log_handler, say_configuration

@@ -30,7 +30,9 @@ SYSTEM = "You are an agent. " + words(random.Random(3), 150)
 
 
 def serve(tiny_model: Path, store: Path, log: Path) -> VllmServer:
-    env = {"VLLM_PLUGINS": "pte", "PTE_SESSION_STORE": str(store)}
+    # One replica restarted: its name is kept (by default it is host:port, and each start here
+    # takes a free port); a turn that finds its cache gone pays eviction tax, not routing tax
+    env = {"VLLM_PLUGINS": "pte", "PTE_SESSION_STORE": str(store), "PTE_INSTANCE": "restarted"}
     return VllmServer(tiny_model, log_path=log, env=env, extra_args=["--enable-prefix-caching", EAGER])
 
 

@@ -30,6 +30,7 @@ BY_TYPE_AND_LABELS: dict[tuple[str, tuple[str, ...]], tuple[str, ...]] = {
     ("counter", (*M, "reason")): ("pte_wasted_pte_total",),
     ("counter", M): (
         "pte_ideal_pte_total", "pte_recompute_tax_pte_total", "pte_eviction_tax_pte_total",
+        "pte_routing_tax_pte_total", "pte_routing_tax_gpu_seconds_total",
         "pte_engine_served_pte_total", "pte_engine_recompute_tax_pte_total", "pte_engine_roofline_pte_total",
         "pte_spec_draft_tokens_total", "pte_spec_rejected_tokens_total", "pte_interference_seconds_total",
     ),

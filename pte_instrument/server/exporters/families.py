@@ -110,6 +110,9 @@ FAMILIES: tuple[FamilySpec, ...] = (
                "PTE spent re-prefilling tokens already computed once (preemption, KV loss).", REQ),
     FamilySpec("eviction", "pte_eviction_tax_pte", "counter",
                "PTE spent re-prefilling context a session's previous turn had already paid for.", REQ),
+    FamilySpec("routing", "pte_routing_tax_pte", "counter",
+               "PTE spent re-prefilling context a session's previous turn had already paid for on another "
+               "replica: the turn was routed away from its cache (not part of pte_eviction_tax_pte).", REQ),
     FamilySpec("prompt_tokens", "pte_prompt_tokens", "counter", "Prompt tokens of finished requests.",
                ATTRIBUTED),
     FamilySpec("cached_tokens", "pte_cached_tokens", "counter", "Prompt tokens served from the prefix cache.",
@@ -151,6 +154,9 @@ FAMILIES: tuple[FamilySpec, ...] = (
                (*ATTRIBUTED, "phase")),
     FamilySpec("request_gpu_seconds", "pte_request_gpu_seconds", "histogram",
                "GPU seconds per finished request.", REQ, buckets=SECONDS_BUCKETS),
+    FamilySpec("routing_seconds", "pte_routing_tax_gpu_seconds", "counter",
+               "GPU seconds of the routing tax: the share of each such turn's prefill seconds it spent "
+               "re-prefilling context left on another replica.", REQ),
     FamilySpec("interference", "pte_interference_seconds", "counter",
                "Latency of finished requests spent on other requests' work (queue included).", REQ),
     FamilySpec("cost_usd", "pte_cost_usd", "counter",

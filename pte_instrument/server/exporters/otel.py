@@ -188,6 +188,7 @@ def span_attributes(r: RequestRecord) -> dict[str, Any]:
         "pte.decode": r.pte_decode,
         "pte.recompute_tax": r.pte_recompute,
         "pte.eviction_tax": r.pte_eviction_tax,
+        "pte.routing_tax": r.pte_routing_tax,
         "pte.gamma": r.gamma,
         "pte.device": r.device,
         "pte.computed_prefill_tokens": r.computed_prefill_tokens,
@@ -204,6 +205,8 @@ def span_attributes(r: RequestRecord) -> dict[str, Any]:
         attrs["pte.tenant"] = r.tenant
     if r.lora_name is not None:  # gen_ai.request.model stays the base model the adapter is priced as
         attrs["pte.lora_name"] = r.lora_name
+    if r.replica is not None:
+        attrs["pte.replica"] = r.replica
     for key, value in (
         ("pte.gpu_seconds", r.gpu_seconds),
         ("pte.predicted_seconds", r.predicted_seconds),

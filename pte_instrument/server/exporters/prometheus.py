@@ -54,6 +54,7 @@ class PteMetrics:
     ideal: Counter
     recompute: Counter
     eviction: Counter
+    routing: Counter
     prompt_tokens: Counter
     cached_tokens: Counter
     output_tokens: Counter
@@ -71,6 +72,7 @@ class PteMetrics:
     gpu_seconds: Counter
     request_gpu_seconds: Histogram
     interference: Counter
+    routing_seconds: Counter
     cost_usd: Counter
     engine_busy: Gauge
     busy_gap: Gauge
@@ -193,6 +195,7 @@ class _RequestSeries:
     ideal: Counter
     recompute: Counter
     eviction: Counter
+    routing: Counter
     request_pte: Histogram
 
     @classmethod
@@ -201,6 +204,7 @@ class _RequestSeries:
             m.ideal.labels(*lab),
             m.recompute.labels(*lab),
             m.eviction.labels(*lab),
+            m.routing.labels(*lab),
             m.request_pte.labels(*lab),
         )
 
@@ -244,6 +248,7 @@ class _EngineSeries:
     gap: Gauge
     request_gpu_seconds: Histogram
     interference: Counter
+    routing_seconds: Counter
 
     @classmethod
     def bind(cls, m: PteMetrics, lab: Labels) -> _EngineSeries:
@@ -258,6 +263,7 @@ class _EngineSeries:
             m.engine_gap.labels(*lab),
             m.request_gpu_seconds.labels(*lab),
             m.interference.labels(*lab),
+            m.routing_seconds.labels(*lab),
         )
 
 
@@ -390,6 +396,7 @@ class PrometheusExporter:
         s.ideal.inc(r.pte_ideal)
         s.recompute.inc(r.pte_recompute)
         s.eviction.inc(r.pte_eviction_tax)
+        s.routing.inc(r.pte_routing_tax)
         s.request_pte.observe(r.pte_served, exemplar=_exemplar(r))
         if r.pause_s is not None:
             self._tool_pause.observe(r.pause_s)
@@ -411,6 +418,7 @@ class PrometheusExporter:
             t.gpu_overhead.inc(r.gpu_seconds_overhead)
             e.request_gpu_seconds.observe(r.gpu_seconds, exemplar=_exemplar(r))
             e.interference.inc(max(0.0, r.interference_s or 0.0))
+            e.routing_seconds.inc(r.gpu_seconds_routing_tax or 0.0)
             if r.cost_usd is not None:
                 self._cost[by].inc(r.cost_usd)
             self._gpu_priced += r.gpu_seconds

@@ -1,0 +1,581 @@
+"""The session store a fleet of replicas shares: a Redis (or Valkey) server, named by
+``PTE_SESSION_STORE=redis://…`` or ``rediss://…``. The same ledger as the SQLite store
+(``sessions``): the same bounds, the same answers from every replica, writes off the request
+path, a batch at a time. Each write is one Lua script, so each is whole, and each request is
+applied once whichever replica or retry sends it (its id is remembered for a day).
+
+Redis unreachable or slow: nothing waits for it longer than ``TIMEOUT_S``. The first failure
+says it in one line and counts it; the store is then left alone for a back-off (1 s, doubling
+to 30 s) during which every write is lost, counted, and reads answer from this process's own
+queued turns; then it is tried again. One Redis server (or a primary), not a cluster: the
+scripts touch keys they do not declare."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from pte_instrument.failpoints import failpoint
+from pte_instrument.faults import log
+from pte_instrument.server.records import MODEL_TOTALS, RequestRecord, model_totals_row
+from pte_instrument.server.session_store import (
+    COUNTED,
+    OUTCOME_COUNTS,
+    SERVER_ALIVE_S,
+    SUMMED,
+    TURN_FIELDS,
+    BatchWriter,
+    Commit,
+    StoreError,
+)
+from pte_instrument.server.sessions import SessionLedger, Tail
+
+TIMEOUT_S = 0.25  # a command that takes longer has failed
+FIRST_BACKOFF_S, MAX_BACKOFF_S = 1.0, 30.0
+SEEN_TTL_S = 86_400  # how long a request id is remembered, so that it is applied once
+PREFIX = "pte:"
+
+# KEYS: none (standalone Redis). ARGV: prefix, now, max_turns, seen_ttl, the turn (JSON).
+# Returns {turn number (0: no session; -1: applied before), opened, rows dropped}.
+_ADD = """
+local p, now, max_turns = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local r = cjson.decode(ARGV[5])
+if not redis.call('SET', p .. 'seen:' .. r.request_id, 1, 'NX', 'EX', ARGV[4]) then
+  return {-1, 0, 0}
+end
+local function add(key, values)
+  for i = 1, #values, 2 do redis.call('HINCRBYFLOAT', key, values[i], values[i + 1]) end
+end
+add(p .. 'totals:model:' .. r.model, r.totals)
+redis.call('SADD', p .. 'models', r.model)
+if r.tenant then
+  add(p .. 'totals:tenant:' .. r.tenant, r.totals)
+  redis.call('SADD', p .. 'tenants', r.tenant)
+end
+if r.lora then
+  add(p .. 'totals:lora:' .. r.lora, r.totals)
+  redis.call('HSET', p .. 'totals:lora:' .. r.lora, 'model', r.model)
+  redis.call('SADD', p .. 'loras', r.lora)
+end
+if not r.session_id then return {0, 0, 0} end
+local s, t = p .. 's:' .. r.session_id, p .. 't:' .. r.session_id
+local seq = redis.call('HINCRBY', s, 'n_turns', 1)
+if seq == 1 then redis.call('HSET', s, 'model', r.model, 'first_seen', now, 'turns_dropped', 0) end
+redis.call('HSET', s, 'last_seen', now, 'last_finished_at', r.finished_at, 'last_replica', r.replica)
+if r.last_prompt + r.last_output > 0 then
+  redis.call('HSET', s, 'last_prompt', r.last_prompt, 'last_output', r.last_output)
+elseif seq == 1 then
+  redis.call('HSET', s, 'last_prompt', 0, 'last_output', 0)
+end
+add(s, r.sums)
+redis.call('RPUSH', t, r.row)
+local dropped = 0
+local n = redis.call('LLEN', t)
+if n > max_turns then
+  dropped = n - max_turns
+  redis.call('LTRIM', t, dropped, -1)
+  redis.call('HINCRBY', s, 'turns_dropped', dropped)
+  redis.call('HINCRBY', p .. 'counters', 'turns_dropped', dropped)
+end
+redis.call('ZADD', p .. 'live', redis.call('INCR', p .. 'touched'), r.session_id)
+redis.call('ZADD', p .. 'seen', now, r.session_id)
+if seq == 1 then redis.call('HINCRBY', p .. 'counters', 'sessions_opened', 1) end
+return {seq, seq == 1 and 1 or 0, dropped}
+"""
+
+# ARGV: prefix, idle cut-off (last seen before it), max live sessions. Returns the closed
+# sessions: {id, reason, {field, value, …}} each.
+_CLOSE = """
+local p, cutoff, max_live = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local closed = {}
+local function close(sid, reason)
+  local s = p .. 's:' .. sid
+  local fields = redis.call('HGETALL', s)
+  redis.call('DEL', s, p .. 't:' .. sid)
+  redis.call('ZREM', p .. 'live', sid)
+  redis.call('ZREM', p .. 'seen', sid)
+  redis.call('HINCRBY', p .. 'counters', reason == 'idle' and 'sessions_expired' or 'sessions_evicted', 1)
+  table.insert(closed, {sid, reason, fields})
+end
+for _, sid in ipairs(redis.call('ZRANGEBYSCORE', p .. 'seen', '-inf', '(' .. cutoff)) do close(sid, 'idle') end
+local over = redis.call('ZCARD', p .. 'live') - max_live
+if over > 0 then
+  for _, sid in ipairs(redis.call('ZRANGE', p .. 'live', 0, over - 1)) do close(sid, 'evicted') end
+end
+return closed
+"""
+
+# ARGV: prefix, window, then (request id, session id or '', model, benchmark, output tokens,
+# truncated) per finished request. The window's requests: hash r:<id> and zset recent (by seq);
+# a session's: zset rs:<session>. Counts per cell: hash outcomes, fields <model>\\x1f<benchmark>\\x1f<count>.
+_OBSERVE = """
+local p, window = ARGV[1], tonumber(ARGV[2])
+local seq
+local function cell(model, benchmark, name, n)
+  redis.call('HINCRBY', p .. 'outcomes', model .. '\\31' .. benchmark .. '\\31' .. name, n)
+end
+for i = 3, #ARGV, 6 do
+  local rid, sid, model, benchmark = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+  local tokens, truncated = tonumber(ARGV[i + 4]), tonumber(ARGV[i + 5])
+  seq = redis.call('INCR', p .. 'recent:seq')
+  local k = p .. 'r:' .. rid
+  local before = redis.call('HGET', k, 'session_id')
+  if before and before ~= '' then redis.call('ZREM', p .. 'rs:' .. before, rid) end
+  redis.call('HSET', k, 'seq', seq, 'model', model, 'benchmark', benchmark, 'output_tokens', tokens,
+             'truncated', truncated, 'session_id', sid, 'labeled', 0)
+  redis.call('ZADD', p .. 'recent', seq, rid)
+  if sid ~= '' then redis.call('ZADD', p .. 'rs:' .. sid, seq, rid) end
+  cell(model, benchmark, 'requests', 1)
+  cell(model, benchmark, 'truncated', truncated)
+  cell(model, benchmark, 'output_tokens', tokens)
+end
+if seq then
+  for _, rid in ipairs(redis.call('ZRANGEBYSCORE', p .. 'recent', '-inf', seq - window)) do
+    local k = p .. 'r:' .. rid
+    local sid = redis.call('HGET', k, 'session_id')
+    if sid and sid ~= '' then redis.call('ZREM', p .. 'rs:' .. sid, rid) end
+    redis.call('DEL', k)
+  end
+  redis.call('ZREMRANGEBYSCORE', p .. 'recent', '-inf', seq - window)
+end
+return 0
+"""
+
+# ARGV: prefix, correct (0/1), session id ('' for none), then the request ids (spellings of
+# one id). Returns JSON: null (none in the window), [] (already labeled) or the outcome.
+_LABEL = """
+local p, correct, sid = ARGV[1], ARGV[2] == '1', ARGV[3]
+local rows = {}
+if #ARGV > 3 then
+  for i = 4, #ARGV do
+    if redis.call('EXISTS', p .. 'r:' .. ARGV[i]) == 1 then rows = {ARGV[i]}; break end
+  end
+else
+  rows = redis.call('ZRANGE', p .. 'rs:' .. sid, 0, -1)
+end
+if #rows == 0 then return 'null' end
+local tokens, labeled = 0, false
+for _, rid in ipairs(rows) do
+  local k = p .. 'r:' .. rid
+  tokens = tokens + tonumber(redis.call('HGET', k, 'output_tokens'))
+  if redis.call('HGET', k, 'labeled') == '1' then labeled = true end
+end
+if labeled then return '[]' end
+local first, last = p .. 'r:' .. rows[1], p .. 'r:' .. rows[#rows]
+local model, benchmark = redis.call('HGET', first, 'model'), redis.call('HGET', first, 'benchmark')
+local truncated = redis.call('HGET', last, 'truncated') == '1'
+correct = correct and not truncated
+local function cell(name, n)
+  redis.call('HINCRBY', p .. 'outcomes', model .. '\\31' .. benchmark .. '\\31' .. name, n)
+end
+cell('labeled', 1)
+cell('labeled_truncated', truncated and 1 or 0)
+cell('labeled_output_tokens', tokens)
+cell('correct', correct and 1 or 0)
+for _, rid in ipairs(rows) do redis.call('HSET', p .. 'r:' .. rid, 'labeled', 1) end
+return cjson.encode({model = model, benchmark = benchmark, requests = #rows, output_tokens = tokens,
+                     truncated = truncated, correct = correct})
+"""
+
+
+def shown_url(url: str) -> str:
+    """The store's URL for a log line: without its password."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def number(value: str | bytes) -> int | float:
+    """A number Redis stored: an int when it is whole, as the SQLite store answers."""
+    text = value.decode() if isinstance(value, bytes) else value
+    try:
+        return int(text)
+    except ValueError:
+        f = float(text)
+        return int(f) if f.is_integer() and abs(f) < 2**53 else f
+
+
+class RedisStore(BatchWriter):
+    """One process's use of the Redis store: a client for reads (``reading``: raises
+    :class:`StoreError` while the store is left alone), and the batch writer."""
+
+    def __init__(
+        self,
+        url: str,
+        commit: Commit,
+        on_error: Callable[[Exception], None],
+        server_id: str,
+        max_queued: int,
+        prefix: str = PREFIX,
+        timeout_s: float = TIMEOUT_S,
+    ) -> None:
+        super().__init__(commit, on_error, server_id, max_queued)
+        self.path = shown_url(url)
+        try:
+            import redis
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
+        except ImportError:
+            raise StoreError(
+                f"the session store {self.path} is a Redis server, and the redis client is not installed "
+                "(pip install 'pte-instrument[redis]')"
+            ) from None
+        self.prefix = prefix
+        try:
+            self.client = redis.Redis.from_url(
+                url,
+                socket_timeout=timeout_s,
+                socket_connect_timeout=timeout_s,
+                retry=Retry(NoBackoff(), 0),  # the back-off below is the only retry
+                decode_responses=True,
+            )
+        except ValueError as e:
+            raise StoreError(f"PTE_SESSION_STORE {self.path} is not a usable Redis URL: {e}") from None
+        self.scripts = {
+            name: self.client.register_script(src)
+            for name, src in (("add", _ADD), ("close", _CLOSE), ("observe", _OBSERVE), ("label", _LABEL))
+        }
+        self._errors = (redis.RedisError, OSError)
+        self._lock = threading.Lock()
+        self._down_until = 0.0
+        self._backoff = 0.0
+        self.outages = 0
+
+    @property
+    def available(self) -> bool:
+        """False while the store is left alone after a failure."""
+        return time.monotonic() >= self._down_until
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[Any]:
+        """The client, for one read or write; a failure is a :class:`StoreError`, and starts
+        (or lengthens) the back-off."""
+        if not self.available:
+            raise StoreError(f"session store {self.path} is unreachable; tried again shortly")
+        try:
+            yield self.client
+        except self._errors as e:
+            self._failed(e)
+            raise StoreError(f"session store {self.path}: {type(e).__name__}: {e}") from None
+        with self._lock:
+            if self._backoff:
+                log.warning("pte-instrument: session store %s is reachable again", self.path)
+            self._backoff = 0.0
+
+    def _failed(self, e: Exception) -> None:
+        with self._lock:
+            first = self._backoff == 0.0
+            self._backoff = FIRST_BACKOFF_S if first else min(2 * self._backoff, MAX_BACKOFF_S)
+            self._down_until = time.monotonic() + self._backoff
+            if first:
+                self.outages += 1
+        if first:
+            log.error(
+                "pte-instrument: session store %s failed (%s: %s); serving goes on, the writes it misses "
+                'are counted in pte_plugin_faults_total{stage="sessions"}, and it is tried again after '
+                "%g s, then with a back-off up to %g s",
+                self.path,
+                type(e).__name__,
+                e,
+                FIRST_BACKOFF_S,
+                MAX_BACKOFF_S,
+            )
+
+    def close(self) -> None:
+        self.stop_writer()
+        with contextlib.suppress(Exception):
+            self.client.close()
+
+    def _connection(self, conn: Any) -> Any:
+        return self
+
+    def _release(self, conn: Any) -> None:
+        with contextlib.suppress(Exception), self.reading() as r:
+            r.zrem(self.prefix + "servers", self.server_id)
+
+    def other_servers(self) -> list[str]:
+        with self.reading() as r:
+            ids = r.zrangebyscore(self.prefix + "servers", time.time() - SERVER_ALIVE_S, "+inf")
+        return sorted(i for i in ids if i != self.server_id)
+
+    # --- the writer's batch: one pipeline ---
+
+    def commit_batch(
+        self,
+        adds: list[tuple[RequestRecord, Any]],
+        observed: list[tuple[Any, ...]],
+        now: float,
+        idle_before: float,
+        limits: tuple[int, int, int],
+    ) -> tuple[list[list[int]], list[tuple[dict[str, Any], str]], int]:
+        """The batch's turns (each with its session's tail), finished requests for the
+        feedback window, then the sessions to close (last seen before ``idle_before``, and the
+        least recently active past ``max_live``), in one round trip. ``limits``: max turns
+        per session, the feedback window, max live sessions. Returns each turn's (number,
+        opened, rows dropped), the closed sessions, and the live count."""
+        max_turns, window, max_live = limits
+        with self.reading() as r:
+            pipe = r.pipeline(transaction=False)
+            for record, tail in adds:
+                payload = json.dumps(_turn(record, tail))
+                self.scripts["add"](args=[self.prefix, now, max_turns, SEEN_TTL_S, payload], client=pipe)
+            if observed:
+                args: list[Any] = [self.prefix, window]
+                for rid, sid, model, benchmark, tokens, truncated in observed:
+                    args += [rid, sid or "", model, benchmark, tokens, truncated]
+                self.scripts["observe"](args=args, client=pipe)
+            self.scripts["close"](args=[self.prefix, idle_before, max_live], client=pipe)
+            pipe.zadd(self.prefix + "servers", {self.server_id: time.time()})
+            pipe.zcard(self.prefix + "live")
+            results = pipe.execute()
+        closed = results[-3]
+        summaries = [
+            (session_summary(sid, dict(zip(f[::2], f[1::2], strict=True))), reason)
+            for sid, reason, f in closed
+        ]
+        return results[: len(adds)], summaries, int(results[-1])
+
+    def label(self, correct: bool, request_ids: list[str], session_id: str | None) -> Any:
+        with self.reading() as r:
+            args = [self.prefix, int(bool(correct)), session_id or "", *request_ids]
+            return json.loads(self.scripts["label"](args=args, client=r))
+
+    # --- reads ---
+
+    def tail(self, session_id: str) -> tuple[Any, ...] | None:
+        with self.reading() as r:
+            n, prompt, output, finished, replica = r.hmget(
+                self.prefix + "s:" + session_id,
+                ["n_turns", "last_prompt", "last_output", "last_finished_at", "last_replica"],
+            )
+        if n is None:
+            return None
+        return (
+            int(n),
+            int(prompt or 0),
+            int(output or 0),
+            float(finished) if finished else None,
+            replica or None,
+        )
+
+    def session(self, session_id: str) -> dict[str, Any] | None:
+        with self.reading() as r:
+            pipe = r.pipeline(transaction=True)
+            pipe.hgetall(self.prefix + "s:" + session_id)
+            pipe.lrange(self.prefix + "t:" + session_id, 0, -1)
+            fields, rows = pipe.execute()
+        if not fields:
+            return None
+        return {**session_summary(session_id, fields), "turn_rows": [json.loads(row) for row in rows]}
+
+    def top(self, limit: int, offset: int, key: str) -> tuple[int, list[dict[str, Any]]]:
+        live = self.prefix + "live"
+        with self.reading() as r:
+            total = r.zcard(live)
+            ids = r.sort(live, by=f"{self.prefix}s:*->{key}", start=offset, num=limit, desc=True)
+            pipe = r.pipeline(transaction=False)
+            for sid in ids:
+                pipe.hgetall(self.prefix + "s:" + sid)
+            rows = pipe.execute()
+        return total, [session_summary(sid, f) for sid, f in zip(ids, rows, strict=True) if f]
+
+    def totals(self, kind: str) -> dict[str, dict[str, Any]]:
+        members = {"model": "models", "tenant": "tenants", "lora": "loras"}[kind]
+        with self.reading() as r:
+            names = sorted(r.smembers(self.prefix + members))
+            pipe = r.pipeline(transaction=False)
+            for name in names:
+                pipe.hgetall(f"{self.prefix}totals:{kind}:{name}")
+            rows = pipe.execute()
+        out: dict[str, dict[str, Any]] = {}
+        for name, fields in zip(names, rows, strict=True):
+            sums: dict[str, Any] = {k: number(fields.get(k, "0")) for k in MODEL_TOTALS}
+            out[name] = {"model": fields.get("model", ""), **sums} if kind == "lora" else sums
+        return out
+
+    def outcomes(self) -> dict[tuple[str, str], dict[str, int]]:
+        with self.reading() as r:
+            fields = r.hgetall(self.prefix + "outcomes")
+        out: dict[tuple[str, str], dict[str, int]] = {}
+        for name, value in fields.items():
+            model, benchmark, count = name.split("\x1f")
+            out.setdefault((model, benchmark), dict.fromkeys(OUTCOME_COUNTS, 0))[count] = int(value)
+        return out
+
+    def host_stats(self) -> dict[str, int]:
+        with self.reading() as r:
+            counts = r.hgetall(self.prefix + "counters")
+            live = r.zcard(self.prefix + "live")
+        return {"live": live, **{k: int(counts.get(k, 0)) for k in COUNTED}}
+
+    def live(self) -> int:
+        with self.reading() as r:
+            return int(r.zcard(self.prefix + "live"))
+
+
+def _exact(x: float | int) -> str:
+    """A number for a script: as text, so that Lua's 14-digit numbers do not round it."""
+    return repr(float(x)) if isinstance(x, float) else str(int(x))
+
+
+def _turn(record: RequestRecord, tail: Any) -> dict[str, Any]:
+    """What the add script applies: the record's totals, and its turn if it has a session."""
+    turn: dict[str, Any] = {
+        "request_id": record.engine_request_id or record.request_id,
+        "model": record.model,
+        "totals": [
+            v for k, x in zip(MODEL_TOTALS, model_totals_row(record), strict=True) for v in (k, _exact(x))
+        ],
+    }
+    if record.tenant is not None:
+        turn["tenant"] = record.tenant
+    if record.lora_name is not None:
+        turn["lora"] = record.lora_name
+    if record.session_id is not None:
+        turn.update(
+            session_id=record.session_id,
+            finished_at=_exact(record.finished_at),
+            replica=record.replica or "",
+            last_prompt=tail.last_prompt,
+            last_output=tail.last_output,
+            sums=[v for k in SUMMED for v in (k, _exact(getattr(record, k) or 0.0))],
+            row=json.dumps({k: getattr(record, k) for k in TURN_FIELDS}),
+        )
+    return turn
+
+
+def session_summary(session_id: str, fields: dict[str, str]) -> dict[str, Any]:
+    """A session's row as the SQLite store's ``session_summary`` gives it."""
+    return {
+        "session_id": session_id,
+        "model": fields.get("model", ""),
+        "turns": int(fields.get("n_turns", 0)),
+        "turns_dropped": int(fields.get("turns_dropped", 0)),
+        "first_seen": float(fields.get("first_seen", 0.0)),
+        "last_seen": float(fields.get("last_seen", 0.0)),
+        **{k: number(fields.get(k, "0")) for k in SUMMED},
+    }
+
+
+class RedisSessionLedger(SessionLedger):
+    """The session ledger on a Redis store: the turn accounting of ``SessionLedger``, its
+    transactions and reads in Redis. While the store is unreachable, a turn's context comes
+    from this process's own queued turns (a session it has not seen starts at turn 1)."""
+
+    RECENT_TAILS = 10_000  # sessions whose latest committed turn here is remembered
+
+    def _open(self, path: str | Path | None, max_queued: int) -> RedisStore:
+        # The latest turn this process committed per session, for a context while the store is down.
+        self._recent: OrderedDict[str, Tail] = OrderedDict()
+        return RedisStore(str(path), self._commit, self._error, self.server_id, max_queued)
+
+    def _count_live(self) -> int:
+        try:
+            return self.store.live()
+        except StoreError as e:
+            self._error(e)
+            return 0
+
+    def _stored_tail(self, session_id: str) -> Tail | None:
+        try:
+            found = self.store.tail(session_id)
+        except StoreError as e:
+            self._error(e)
+            return self._recent.get(session_id)
+        return None if found is None else Tail(*found)
+
+    def _commit(self, store: RedisStore, items: list[tuple[Any, ...]], expire: bool) -> None:
+        now = self.clock()
+        adds = [item for item in items if item[0] == "add"]
+        observed = [item[1] for item in items if item[0] == "observe"]
+        limits = (self.max_turns, self.feedback_window, self.max_sessions)
+        try:
+            turns, closed, live = store.commit_batch(
+                [(record, tail) for _, record, tail in adds],
+                observed,
+                now,
+                now - self.idle_ttl_s if expire else 0.0,
+                limits,
+            )
+            failpoint("session_store")
+        except Exception as e:
+            self._lost(len(adds) + len(observed), e)
+            self._settle(adds)
+            return
+        self._live = live
+        for _, record, tail in adds:
+            if tail is not None:
+                self._recent[record.session_id] = tail
+                self._recent.move_to_end(record.session_id)
+        while len(self._recent) > self.RECENT_TAILS:
+            self._recent.popitem(last=False)
+        for _, opened, dropped in turns:
+            self.stats.sessions_opened += opened
+            self.stats.turns_dropped += dropped
+        for _, reason in closed:
+            if reason == "idle":
+                self.stats.sessions_expired += 1
+            else:
+                self.stats.sessions_evicted += 1
+        self._settle(adds)
+        self._notify(closed)
+
+    def label(
+        self, correct: bool, request_ids: list[str], session_id: str | None
+    ) -> dict[str, Any] | list | None:
+        self.flush()
+        return self.store.label(correct, request_ids, session_id)
+
+    def outcomes(self) -> dict[tuple[str, str], dict[str, int]]:
+        self.flush()
+        return self.store.outcomes()
+
+    def other_servers(self) -> list[str]:
+        return self.store.other_servers()
+
+    def get(self, session_id: str) -> dict[str, Any] | None:
+        self.flush()
+        return self.store.session(session_id)
+
+    def top(
+        self, limit: int = 50, offset: int = 0, key: str = "pte_served"
+    ) -> tuple[int, list[dict[str, Any]]]:
+        if key not in SUMMED:
+            raise ValueError(f"cannot sort sessions by {key!r}")
+        self.flush()
+        return self.store.top(limit, offset, key)
+
+    def model_totals(self) -> dict[str, dict[str, float]]:
+        self.flush()
+        return self.store.totals("model")
+
+    def tenant_totals(self) -> dict[str, dict[str, float]]:
+        self.flush()
+        return self.store.totals("tenant")
+
+    def lora_totals(self) -> dict[str, dict[str, Any]]:
+        self.flush()
+        return self.store.totals("lora")
+
+    def host_stats(self) -> dict[str, int]:
+        self.flush()
+        return self.store.host_stats()
+
+
+def is_redis_url(store: str | None) -> bool:
+    return store is not None and store.startswith(("redis://", "rediss://", "unix://"))
+
+
+def open_ledger(store: str | None, **kwargs: Any) -> SessionLedger:
+    """The ledger on the store ``PTE_SESSION_STORE`` names: a Redis URL or a SQLite file."""
+    return RedisSessionLedger(store, **kwargs) if is_redis_url(store) else SessionLedger(store, **kwargs)

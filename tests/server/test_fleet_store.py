@@ -1,0 +1,352 @@
+"""The session store a fleet of replicas shares (a real ``redis-server``), and the routing tax:
+every replica reads whole sessions and totals, each request is applied once, the bounds hold,
+and a store that is down or never answers costs the request path nothing."""
+
+import contextlib
+import shutil
+import socket
+import threading
+import time
+from dataclasses import replace
+
+import pytest
+
+from pte_instrument.devtools.redis_server import RedisServer
+from pte_instrument.server.records import FinishedRequest, price_request
+from pte_instrument.server.redis_store import RedisSessionLedger, open_ledger, shown_url
+from pte_instrument.server.sessions import SessionLedger
+from pte_instrument.wire import RequestTotals
+from tests.server.test_sessions import COST, Clock
+
+REDIS = shutil.which("redis-server")
+pytestmark = pytest.mark.skipif(REDIS is None, reason="redis-server is not installed (make test installs it)")
+
+
+class HoldingProxy:
+    """A TCP relay in front of a Redis server that can stop answering (``hold``): it keeps
+    accepting connections and reading commands, and relays nothing until ``release``."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.holding = threading.Event()
+        self._stop = threading.Event()
+        self._sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def hold(self) -> None:
+        self.holding.set()
+
+    def release(self) -> None:
+        self.holding.clear()
+
+    def close(self) -> None:
+        self._stop.set()
+        for s in [self.listener, *self._sockets]:
+            with contextlib.suppress(OSError):
+                s.close()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            except OSError:
+                client.close()
+                continue
+            self._sockets += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._relay, args=(a, b), daemon=True).start()
+
+    def _relay(self, src: socket.socket, dst: socket.socket) -> None:
+        src.settimeout(0.05)
+        while not self._stop.is_set():
+            if self.holding.is_set():  # read and drop nothing: what arrives waits in the socket
+                time.sleep(0.01)
+                continue
+            try:
+                data = src.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            if not data:
+                with contextlib.suppress(OSError):
+                    dst.shutdown(socket.SHUT_WR)
+                return
+            try:
+                dst.sendall(data)
+            except OSError:
+                return
+
+
+def flush(server: RedisServer) -> None:
+    import redis
+
+    redis.Redis.from_url(server.url).flushall()
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    server = RedisServer(tmp_path_factory.mktemp("redis"), fsync="always").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def fleet(redis_server):
+    """Ledgers on the one Redis store, as replicas would open them; closed after the test."""
+    flush(redis_server)
+    made: list[SessionLedger] = []
+
+    def make(name: str = "a", url: str | None = None, **kwargs) -> RedisSessionLedger:
+        ledger = open_ledger(url or redis_server.url, server_id=name, **kwargs)
+        assert isinstance(ledger, RedisSessionLedger)
+        made.append(ledger)
+        return ledger
+
+    yield make
+    for ledger in made:
+        ledger.close()
+
+
+def serve(ledger: SessionLedger, replica: str, sid: str, prompt: int, output: int, cached: int, at: float):
+    """One turn of ``sid`` served by ``replica``, priced as the pricer does, and filed."""
+    ctx = ledger.context_for(sid, at - 1.0, prompt)
+    req = FinishedRequest(
+        f"{sid}-{ctx.turn}",
+        "m",
+        prompt,
+        cached,
+        output,
+        "stop",
+        session_id=sid,
+        turn=ctx.turn,
+        reusable_tokens=ctx.reusable_tokens,
+        pause_s=ctx.pause_s,
+        e2e_s=1.0,
+        replica=replica,
+        previous_replica=ctx.previous_replica,
+    )
+    record = price_request(COST, req, at)
+    ledger.add(record)
+    return record
+
+
+def test_a_turn_moved_to_another_replica_pays_routing_tax_not_eviction_tax():
+    """The reusable prefix a turn prefilled again is routing's doing when the previous turn ran
+    elsewhere, the engine's when it ran here; delivered + routing + eviction = reusable."""
+    base = FinishedRequest("r", "m", 1000, 200, 10, "stop", reusable_tokens=800, replica="b")
+    same = price_request(COST, replace(base, previous_replica="b"), 1.0)
+    moved = price_request(COST, replace(base, previous_replica="a"), 1.0)
+    first = price_request(COST, replace(base, previous_replica=None), 1.0)
+    # 800 reusable, 200 delivered from the cache: 600 prefilled again
+    assert (same.pte_eviction_tax, same.pte_routing_tax) == (600.0, 0.0)
+    assert (moved.pte_eviction_tax, moved.pte_routing_tax) == (0.0, 600.0)
+    assert (first.pte_eviction_tax, first.pte_routing_tax) == (600.0, 0.0)
+    assert moved.pte_served == same.pte_served  # the split changes no cost
+    assert moved.gpu_seconds_routing_tax is None  # no step hook: no seconds to split
+    totals = RequestTotals("r", "r", 0, "stop", scheduled=True, gpu_prefill_s=0.5)
+    timed = replace(base, previous_replica="a", engine_totals=totals)
+    # 600 of the 1,000 − 200 = 800 positions it prefilled: three quarters of its 0.5 prefill seconds
+    assert price_request(COST, timed, 1.0).gpu_seconds_routing_tax == pytest.approx(0.5 * 600 / 800)
+
+
+def test_replicas_alternating_read_whole_sessions_and_charge_routing_where_it_moved(fleet):
+    a, b = fleet("a"), fleet("b")
+    clock = 1000.0
+    served = []
+    for i, (ledger, name) in enumerate([(a, "a"), (b, "b"), (b, "b"), (a, "a")]):
+        clock += 10
+        prompt = 100 * (i + 1)
+        cached = 0 if i in (0, 1) else 96  # turn 2 moved and found nothing; turn 3 stayed
+        served.append(serve(ledger, name, "s1", prompt, 5, cached, clock))
+        assert ledger.flush()
+    assert [r.turn for r in served] == [1, 2, 3, 4]
+    assert [r.replica for r in served] == ["a", "b", "b", "a"]
+    assert served[1].pte_routing_tax > 0 and served[1].pte_eviction_tax == 0
+    assert served[2].pte_routing_tax == 0  # same replica: what it missed is eviction tax
+    assert served[3].pte_routing_tax > 0
+    for ledger in (a, b):
+        whole = ledger.get("s1")
+        assert whole["turns"] == 4
+        assert [t["replica"] for t in whole["turn_rows"]] == ["a", "b", "b", "a"]
+        assert whole["pte_routing_tax"] == pytest.approx(sum(r.pte_routing_tax for r in served))
+        assert whole["pte_eviction_tax"] == pytest.approx(sum(r.pte_eviction_tax for r in served))
+        assert whole["pte_served"] == pytest.approx(sum(r.pte_served for r in served))
+        totals = ledger.model_totals()["m"]
+        assert totals["requests"] == 4
+        assert totals["pte_routing_tax"] == pytest.approx(whole["pte_routing_tax"])
+        assert ledger.top()[0] == 1
+
+
+def test_a_request_sent_twice_is_applied_once(fleet):
+    a, b = fleet("a"), fleet("b")
+    record = serve(a, "a", "s", 50, 5, 0, 1000.0)
+    b.add(record)  # the same request id, from another replica
+    a.add(record)
+    assert a.flush() and b.flush()
+    assert a.get("s")["turns"] == 1
+    assert b.model_totals()["m"]["requests"] == 1
+
+
+def test_bounds_turn_rows_live_sessions_and_idle_expiry(fleet):
+    clock = Clock()
+    closed: list[tuple[dict, str]] = []
+    a = fleet(
+        "a",
+        max_turns=2,
+        max_sessions=2,
+        idle_ttl_s=60,
+        clock=clock,
+        on_close=lambda s, r: closed.append((s, r)),
+    )
+    for t in range(3):
+        serve(a, "a", "long", 10 * (t + 1), 2, 0, clock.t + t)
+    a.flush()
+    long = a.get("long")
+    assert (long["turns"], long["turns_dropped"], len(long["turn_rows"])) == (3, 1, 2)
+    assert [row["turn"] for row in long["turn_rows"]] == [2, 3]
+    serve(a, "a", "x", 10, 2, 0, clock.t)
+    serve(a, "a", "y", 10, 2, 0, clock.t)  # a third live session: the least recently active closes
+    a.flush()
+    assert [(s["session_id"], r) for s, r in closed] == [("long", "evicted")]
+    assert closed[0][0]["turns"] == 3
+    clock.t += 61
+    a.expire()
+    a.flush()
+    assert sorted((s["session_id"], r) for s, r in closed[1:]) == [("x", "idle"), ("y", "idle")]
+    assert a.host_stats() == {
+        "live": 0,
+        "sessions_opened": 3,
+        "sessions_expired": 2,
+        "sessions_evicted": 1,
+        "turns_dropped": 1,
+    }
+    assert len(a) == 0
+
+
+def test_feedback_labels_an_instance_once_from_any_replica(fleet):
+    a, b = fleet("a"), fleet("b")
+    a.observe("r1", "s", "m", "gsm8k", 10, False)
+    assert a.flush()  # the session's first request is in the window before its second
+    b.observe("r2", "s", "m", "gsm8k", 30, True)
+    b.observe("r3", None, "m", "gsm8k", 7, False)
+    assert b.flush()
+    assert b.label(True, [], "s") == {
+        "model": "m",
+        "benchmark": "gsm8k",
+        "requests": 2,
+        "output_tokens": 40,
+        "truncated": True,
+        "correct": False,  # its last answer was truncated
+    }
+    assert a.label(True, [], "s") == []  # already labeled, from the other replica too
+    assert a.label(True, ["nope", "r3"], None)["correct"] is True
+    assert a.label(False, ["gone"], None) is None
+    assert a.outcomes()[("m", "gsm8k")] == {
+        "requests": 3,
+        "truncated": 1,
+        "output_tokens": 47,
+        "labeled": 2,
+        "labeled_truncated": 1,
+        "labeled_output_tokens": 47,
+        "correct": 1,
+    }
+
+
+def test_the_feedback_window_forgets_the_oldest(fleet):
+    a = fleet("a", feedback_window=2)
+    for i in range(3):
+        a.observe(f"r{i}", None, "m", "none", 1, False)
+    a.flush()
+    assert a.label(True, ["r0"], None) is None
+    assert a.label(True, ["r2"], None) is not None
+
+
+def test_an_unreachable_store_costs_nothing_and_loses_writes_counted_then_recovers(fleet, redis_server):
+    faults: list[Exception] = []
+    a = fleet("a", on_error=faults.append)
+    serve(a, "a", "s", 10, 2, 0, 1000.0)
+    assert a.flush()
+    redis_server.stop()
+    try:
+        t0 = time.monotonic()
+        rec = serve(a, "a", "s", 20, 2, 0, 1010.0)  # its context: this process's own last turn
+        assert rec.turn == 2
+        assert time.monotonic() - t0 < 1.0
+        assert a.flush(5)
+        assert a.stats.records_lost >= 1 and faults
+        t0 = time.monotonic()
+        for i in range(50):  # left alone: no connection attempt per request
+            serve(a, "a", f"other-{i}", 10, 2, 0, 1020.0)
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        redis_server.start()
+    deadline = time.monotonic() + 40
+    while time.monotonic() < deadline:  # the back-off (at most 30 s) ends; writes land again
+        serve(a, "a", "after", 10, 2, 0, 1030.0)
+        a.flush()
+        try:
+            if a.get("after") is not None:
+                break
+        except Exception:
+            pass
+        time.sleep(0.2)
+    assert a.get("after") is not None
+    # the session goes on from what the store kept (its second turn was lost, counted)
+    assert a.get("s")["turns"] == 1
+    assert serve(a, "a", "s", 30, 2, 0, 1040.0).turn == 2
+    a.flush()
+    assert [row["prompt_tokens"] for row in a.get("s")["turn_rows"]] == [10, 30]
+
+
+def test_a_store_that_never_answers_does_not_hold_the_pricing_path(fleet, redis_server):
+    """A store that accepts connections and stops replying: each call gives up after the
+    timeout, the store is then left alone, and it is used again once it answers."""
+    proxy = HoldingProxy(redis_server.port)
+    try:
+        a = fleet("a", url=proxy.url)
+        serve(a, "a", "s", 10, 2, 0, 1000.0)
+        assert a.flush() and a.get("s")["turns"] == 1
+        proxy.hold()
+        t0 = time.monotonic()
+        for i in range(20):
+            serve(a, "a", f"held-{i}", 10, 2, 0, 1000.0 + i)
+        assert time.monotonic() - t0 < 2.0
+        assert a.flush(5)
+        assert a.stats.records_lost == 20
+        proxy.release()
+        assert wait_for(lambda: _stored(a, "s") == 1, timeout_s=40)  # the back-off is at most 30 s
+    finally:
+        proxy.close()
+
+
+def wait_for(predicate, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def _stored(ledger: SessionLedger, sid: str) -> int:
+    try:
+        found = ledger.get(sid)
+    except Exception:
+        return -1
+    return 0 if found is None else found["turns"]
+
+
+def test_the_store_url_is_shown_without_its_password():
+    assert shown_url("redis://user:secret@host:6379/0") == "redis://user:***@host:6379/0"
+    assert shown_url("rediss://host:6380") == "rediss://host:6380"
