@@ -70,7 +70,7 @@ class RequestTotals(msgspec.Struct, tag="totals", frozen=True):
     engine_steps: int = 0
     engine_hook_s: float = 0.0  # the hook's own time, all steps
     engine_busy_s: float = 0.0  # Σ measured step durations so far
-    engine_unattributed_s: float = 0.0  # busy time of requests that finished mid-step (aborts)
+    engine_attributed_s: float = 0.0  # Σ GPU seconds of the engine's totals sent so far, these included
 
 
 class EngineCalibration(msgspec.Struct, tag="calibration", frozen=True):

@@ -203,6 +203,9 @@ class EngineAccounting:
     steps: int = field(default=0, init=False)
     # everything the hook adds to the scheduler, all steps: the adapter measures it
     hook_s: float = field(default=0.0, init=False)
+    # Σ GPU seconds of the totals sent so far: busy time charged to finished requests, whichever
+    # API server prices them
+    attributed_s: float = field(default=0.0, init=False)
     step_log_error: OSError | None = field(default=None, init=False)  # why the step log is off
 
     def __post_init__(self) -> None:
@@ -516,6 +519,8 @@ class EngineAccounting:
         cached = self.state[CACHED, slots].tolist()
         messages, k = [], 0
         for f, slot in picked:
+            if slot >= 0:
+                self.attributed_s += sum(seconds[k][:4])  # prefill, KV read, weights, overhead
             common = {
                 "request_id": f.rid,
                 "external_id": f.external_id,
@@ -528,7 +533,7 @@ class EngineAccounting:
                 "engine_steps": self.steps,
                 "engine_hook_s": self.hook_s,
                 "engine_busy_s": self.timing.busy_s,
-                "engine_unattributed_s": self.timing.unattributed_s,
+                "engine_attributed_s": self.attributed_s,
             }
             if slot < 0:  # never scheduled: no work
                 messages.append(RequestTotals(**common, ctx=(0.0,) * self.acc.n_groups))

@@ -183,7 +183,7 @@ class ApiServer:
         if totals is not None:
             try:
                 self.runtime.prometheus[(request.model, request.engine)].publish_engine_time(
-                    totals.engine_busy_s, totals.engine_unattributed_s
+                    totals.engine_busy_s, totals.engine_attributed_s
                 )
             except Exception as e:
                 self.fault("prometheus", e)

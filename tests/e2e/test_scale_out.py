@@ -118,6 +118,13 @@ def test_two_api_servers_two_engines_match_the_responses(scaled, tiny_model):
         assert metric_sum(m, "pte_engine_served_pte_total", engine=engine) == pytest.approx(
             metric_sum(m, "pte_served_pte_total", engine=engine), rel=1e-9
         )
+    # each engine's busy time is charged whole, whichever API server priced its requests:
+    # nothing runs now, so nothing of it is unattributed
+    for engine in ("0", "1"):
+        busy = metric_sum(m, "pte_engine_busy_seconds", engine=engine)
+        assert busy > 0
+        assert metric_sum(m, "pte_gpu_seconds_total", engine=engine) == pytest.approx(busy, rel=1e-6)
+        assert abs(metric_sum(m, "pte_gpu_seconds_unattributed", engine=engine)) < 1e-6 * busy, engine
     faults = {dict(k[1])["stage"]: v for k, v in m.items() if k[0] == "pte_plugin_faults_total"}
     assert faults and not any(faults.values()), faults
     # gauges merge to one series per engine (no pid label), with the right value

@@ -166,8 +166,8 @@ FAMILIES: tuple[FamilySpec, ...] = (
                "Σ measured step durations of the engine so far.", REQ, multiprocess_mode="mostrecent"),
     FamilySpec("busy_gap", "pte_gpu_seconds_unattributed", "gauge",
                "Engine busy time not (yet) charged to a finished request: in flight, or of requests that "
-               "finished mid-step. With one API server; with several, compare pte_engine_busy_seconds "
-               "with the sum of pte_gpu_seconds_total.", REQ, multiprocess_mode="mostrecent"),
+               "finished mid-step, as the engine reported it with its latest totals (to any API server).",
+               REQ, multiprocess_mode="mostrecent"),
     FamilySpec("step_model", "pte_step_model_coefficient", "gauge",
                "The engine's step-time model now, by term: a (s per prefill token), b (s per context "
                "token), w (s per memory-bound step), o (s per step).", (*REQ, "term", "source"),

@@ -338,7 +338,6 @@ class PrometheusExporter:
         self._seconds = _Bound(lambda key: _SecondsSeries.bind(self.m, (*self.labels, *key)))
         # bound apart from the seconds: without a price there is no cost series, not one at $0
         self._cost = _Bound(lambda key: self.m.cost_usd.labels(*self.labels, *key))
-        self._gpu_priced = 0.0  # Σ GPU seconds of the requests exported here
 
     @cached_property
     def _request(self) -> _RequestSeries:
@@ -352,11 +351,12 @@ class PrometheusExporter:
     def _tool_pause(self) -> Histogram:
         return self.m.tool_pause.labels(self.labels[0])  # by model only
 
-    def publish_engine_time(self, busy_s: float, unattributed_s: float) -> None:
-        """The engine's busy time as it reported it with its latest totals."""
+    def publish_engine_time(self, busy_s: float, attributed_s: float) -> None:
+        """The engine's busy time and what of it the engine has charged to finished requests,
+        as it reported them with its latest totals (to whichever API server)."""
         lab = self.labels
         self.m.engine_busy.labels(*lab).set(busy_s)
-        self.m.busy_gap.labels(*lab).set(busy_s - self._gpu_priced)
+        self.m.busy_gap.labels(*lab).set(busy_s - attributed_s)
 
     def publish_calibration(self, c: EngineCalibration) -> None:
         m, lab = self.m, self.labels
@@ -421,4 +421,3 @@ class PrometheusExporter:
             e.routing_seconds.inc(r.gpu_seconds_routing_tax or 0.0)
             if r.cost_usd is not None:
                 self._cost[by].inc(r.cost_usd)
-            self._gpu_priced += r.gpu_seconds
