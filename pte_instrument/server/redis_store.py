@@ -30,12 +30,11 @@ from pte_instrument.server.session_store import (
     OUTCOME_COUNTS,
     SERVER_ALIVE_S,
     SUMMED,
-    TURN_FIELDS,
     BatchWriter,
     Commit,
     StoreError,
 )
-from pte_instrument.server.sessions import SessionLedger, Tail
+from pte_instrument.server.sessions import SessionLedger, Tail, turn_row
 
 TIMEOUT_S = 0.25  # a command that takes longer has failed
 FIRST_BACKOFF_S, MAX_BACKOFF_S = 1.0, 30.0
@@ -75,7 +74,8 @@ elseif seq == 1 then
   redis.call('HSET', s, 'last_prompt', 0, 'last_output', 0)
 end
 add(s, r.sums)
-redis.call('RPUSH', t, r.row)
+-- the row numbered by the store: its place among the session's turns as they landed
+redis.call('RPUSH', t, '{"turn":' .. seq .. ',' .. string.sub(r.row, 2))
 local dropped = 0
 local n = redis.call('LLEN', t)
 if n > max_turns then
@@ -449,7 +449,7 @@ def _turn(record: RequestRecord, tail: Any) -> dict[str, Any]:
             last_prompt=tail.last_prompt,
             last_output=tail.last_output,
             sums=[v for k in SUMMED for v in (k, _exact(getattr(record, k) or 0.0))],
-            row=json.dumps({k: getattr(record, k) for k in TURN_FIELDS}),
+            row=json.dumps(turn_row(record, None)),
         )
     return turn
 

@@ -347,6 +347,15 @@ class SessionLedger:
                 self.on_error(e)
 
 
+def turn_row(r: RequestRecord, seq: int | None) -> dict[str, Any]:
+    """A turn's row in the store, numbered by the store (``seq``: its place among the session's
+    turns as they landed; None: the store's script puts it first). The record's own ``turn``
+    is the number its context read gave at pricing, which a turn priced on another process
+    before the previous turn's write landed has too low."""
+    row = {k: getattr(r, k) for k in TURN_FIELDS if k != "turn"}
+    return row if seq is None else {"turn": seq, **row}
+
+
 def computed_context(r: RequestRecord) -> int:
     """The prompt positions the engine computed for ``r``, which a prefix cache can hold for
     the next turn: its whole prompt, but for a request aborted before its prompt was through
@@ -402,7 +411,7 @@ class _Batch:
                 *sums,
             ),
         ).fetchone()[0]
-        row = _TURN_ROW.encode({k: getattr(r, k) for k in TURN_FIELDS})
+        row = _TURN_ROW.encode(turn_row(r, seq))
         self.db.execute("INSERT OR REPLACE INTO turns VALUES (?, ?, ?)", (r.session_id, seq, row))
         if seq > self.max_turns:
             cur = self.db.execute(

@@ -350,3 +350,31 @@ def _stored(ledger: SessionLedger, sid: str) -> int:
 def test_the_store_url_is_shown_without_its_password():
     assert shown_url("redis://user:secret@host:6379/0") == "redis://user:***@host:6379/0"
     assert shown_url("rediss://host:6380") == "rediss://host:6380"
+
+
+@pytest.mark.parametrize("store", ["sqlite", "redis"])
+def test_a_turn_priced_before_the_previous_turns_write_landed_is_numbered_by_the_store(
+    store, fleet, tmp_path
+):
+    """Replica b reads the session before a's turn 1 is in the store (its context says turn 1),
+    and its turn lands second: the store numbers the turns in the order they landed."""
+    if store == "sqlite":
+        path = str(tmp_path / "sessions.sqlite3")
+        a, b = SessionLedger(path, server_id="a"), SessionLedger(path, server_id="b")
+    else:
+        a, b = fleet("a"), fleet("b")
+    try:
+        stale = b.context_for("s", 1009.0, 60)
+        assert stale.turn == 1
+        serve(a, "a", "s", 50, 5, 0, 1000.0)
+        assert a.flush()
+        late = FinishedRequest("s-late", "m", 60, 0, 5, "stop", session_id="s", turn=stale.turn, replica="b")
+        b.add(price_request(COST, late, 1010.0))
+        assert b.flush()
+        rows = a.get("s")["turn_rows"]
+        assert [(r["turn"], r["request_id"]) for r in rows] == [(1, "s-1"), (2, "s-late")]
+        assert a.get("s")["turns"] == 2
+    finally:
+        if store == "sqlite":
+            a.close()
+            b.close()
