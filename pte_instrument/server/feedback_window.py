@@ -8,7 +8,16 @@ from __future__ import annotations
 import sqlite3
 from typing import Any
 
-from pte_instrument.server.session_store import OUTCOME_COUNTS
+# Counts of one (model, benchmark) cell of the live efficiency (``live_efficiency.Outcome``).
+OUTCOME_COUNTS = (
+    "requests",
+    "truncated",
+    "output_tokens",
+    "labeled",
+    "labeled_truncated",
+    "labeled_output_tokens",
+    "correct",
+)
 
 _RECENT = "SELECT request_id, model, benchmark, output_tokens, truncated, labeled FROM recent"
 

@@ -470,7 +470,7 @@ def session_summary(session_id: str, fields: dict[str, str]) -> dict[str, Any]:
 class RedisSessionLedger(SessionLedger):
     """The session ledger on a Redis store: the turn accounting of ``SessionLedger``, its
     transactions and reads in Redis. While the store is unreachable, a turn's context comes
-    from this process's own queued turns (a session it has not seen starts at turn 1)."""
+    from this process's latest turns (a session it has not seen starts at turn 1)."""
 
     RECENT_TAILS = 10_000  # sessions whose latest committed turn here is remembered
 
@@ -529,47 +529,6 @@ class RedisSessionLedger(SessionLedger):
                 self.stats.sessions_evicted += 1
         self._settle(adds)
         self._notify(closed)
-
-    def label(
-        self, correct: bool, request_ids: list[str], session_id: str | None
-    ) -> dict[str, Any] | list | None:
-        self.flush()
-        return self.store.label(correct, request_ids, session_id)
-
-    def outcomes(self) -> dict[tuple[str, str], dict[str, int]]:
-        self.flush()
-        return self.store.outcomes()
-
-    def other_servers(self) -> list[str]:
-        return self.store.other_servers()
-
-    def get(self, session_id: str) -> dict[str, Any] | None:
-        self.flush()
-        return self.store.session(session_id)
-
-    def top(
-        self, limit: int = 50, offset: int = 0, key: str = "pte_served"
-    ) -> tuple[int, list[dict[str, Any]]]:
-        if key not in SUMMED:
-            raise ValueError(f"cannot sort sessions by {key!r}")
-        self.flush()
-        return self.store.top(limit, offset, key)
-
-    def model_totals(self) -> dict[str, dict[str, float]]:
-        self.flush()
-        return self.store.totals("model")
-
-    def tenant_totals(self) -> dict[str, dict[str, float]]:
-        self.flush()
-        return self.store.totals("tenant")
-
-    def lora_totals(self) -> dict[str, dict[str, Any]]:
-        self.flush()
-        return self.store.totals("lora")
-
-    def host_stats(self) -> dict[str, int]:
-        self.flush()
-        return self.store.host_stats()
 
 
 def is_redis_url(store: str | None) -> bool:

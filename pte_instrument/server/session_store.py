@@ -11,6 +11,7 @@ whole."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import queue
 import sqlite3
@@ -21,6 +22,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from pte_instrument.server import feedback_window, totals
+from pte_instrument.server.feedback_window import OUTCOME_COUNTS
 from pte_instrument.server.records import MODEL_TOTALS
 
 MAX_QUEUED = 10_000  # items waiting for the writer; past it an item is refused
@@ -70,17 +73,6 @@ SUMMED = (
     "latency_explained_s",
     "interference_s",
     "cost_usd",
-)
-
-# Counts of one (model, benchmark) cell of the live efficiency (``live_efficiency.Outcome``).
-OUTCOME_COUNTS = (
-    "requests",
-    "truncated",
-    "output_tokens",
-    "labeled",
-    "labeled_truncated",
-    "labeled_output_tokens",
-    "correct",
 )
 
 SCHEMA_VERSION = 1
@@ -354,6 +346,61 @@ class Store(BatchWriter):
                 (self.server_id, time.time() - SERVER_ALIVE_S),
             ).fetchall()
         return [r[0] for r in rows]
+
+    # --- reads (the same as the Redis store's) ---
+
+    def tail(self, session_id: str) -> tuple[Any, ...] | None:
+        """The session's (turns, last prompt, last output, last finished at, last replica)."""
+        with self.reading() as db:
+            return db.execute(
+                "SELECT n_turns, last_prompt, last_output, last_finished_at, last_replica FROM sessions WHERE id = ?",
+                (session_id,),
+            ).fetchone()
+
+    def session(self, session_id: str) -> dict[str, Any] | None:
+        with self.reading() as db:
+            row = db.execute(
+                f"SELECT {', '.join(SUMMARY_COLUMNS)} FROM sessions WHERE id = ?", (session_id,)
+            ).fetchone()
+            if row is None:
+                return None
+            turns = db.execute(
+                "SELECT row FROM turns WHERE session_id = ? ORDER BY seq", (session_id,)
+            ).fetchall()
+        return {**session_summary(row), "turn_rows": [json.loads(t[0]) for t in turns]}
+
+    def top(self, limit: int, offset: int, key: str) -> tuple[int, list[dict[str, Any]]]:
+        with self.reading() as db:
+            total = db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0]
+            rows = db.execute(
+                f"SELECT {', '.join(SUMMARY_COLUMNS)} FROM sessions ORDER BY {key} DESC, id LIMIT ? OFFSET ?",
+                (limit, offset),
+            ).fetchall()
+        return total, [session_summary(r) for r in rows]
+
+    def totals(self, kind: str) -> dict[str, dict[str, Any]]:
+        """Per-model, per-tenant or per-adapter sums (``kind``: model, tenant, lora)."""
+        read = {"model": totals.by_model, "tenant": totals.by_tenant, "lora": totals.by_lora}[kind]
+        with self.reading() as db:
+            return read(db)
+
+    def label(self, correct: bool, request_ids: list[str], session_id: str | None) -> Any:
+        with self.reading() as db:
+            return feedback_window.label(db, correct, request_ids, session_id)
+
+    def outcomes(self) -> dict[tuple[str, str], dict[str, int]]:
+        with self.reading() as db:
+            return feedback_window.outcomes(db)
+
+    def host_stats(self) -> dict[str, int]:
+        with self.reading() as db:
+            counts = dict(db.execute("SELECT name, value FROM counters").fetchall())
+            live = db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0]
+        return {"live": live, **{k: int(counts.get(k, 0)) for k in COUNTED}}
+
+    def live(self) -> int:
+        with self.reading() as db:
+            return int(db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0])
 
     def _release(self, db: sqlite3.Connection | None) -> None:
         if db is not None:

@@ -16,7 +16,6 @@ session (totals keep counting). Whatever is dropped is counted.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sqlite3
 import threading
@@ -116,8 +115,7 @@ class SessionLedger:
         return Store(path, self._commit, self._error, self.server_id, max_queued)
 
     def _count_live(self) -> int:
-        with self.store.reading() as db:
-            return int(db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0])
+        return self.store.live()
 
     @property
     def path(self) -> Path | str:
@@ -177,14 +175,12 @@ class SessionLedger:
         requests in it, as one instance: its outcome; None if none is in the window; [] if
         already labeled. One transaction, so two API servers cannot label one instance twice."""
         self.flush()
-        with self.store.reading() as db:
-            return feedback_window.label(db, correct, request_ids, session_id)
+        return self.store.label(correct, request_ids, session_id)
 
     def outcomes(self) -> dict[tuple[str, str], dict[str, int]]:
         """The live efficiency's counts per (model, benchmark), host-wide."""
         self.flush()
-        with self.store.reading() as db:
-            return feedback_window.outcomes(db)
+        return self.store.outcomes()
 
     def expire(self) -> None:
         """Ask the writer to close sessions idle for longer than the TTL now (it also does so
@@ -205,17 +201,9 @@ class SessionLedger:
         return self.store.other_servers()
 
     def get(self, session_id: str) -> dict[str, Any] | None:
+        """The session's summary and its turn rows; None if it is not live."""
         self.flush()
-        with self.store.reading() as db:
-            row = db.execute(
-                f"SELECT {', '.join(SUMMARY_COLUMNS)} FROM sessions WHERE id = ?", (session_id,)
-            ).fetchone()
-            if row is None:
-                return None
-            turns = db.execute(
-                "SELECT row FROM turns WHERE session_id = ? ORDER BY seq", (session_id,)
-            ).fetchall()
-        return {**session_summary(row), "turn_rows": [json.loads(t[0]) for t in turns]}
+        return self.store.session(session_id)
 
     def top(
         self, limit: int = 50, offset: int = 0, key: str = "pte_served"
@@ -224,40 +212,28 @@ class SessionLedger:
         if key not in SUMMED:
             raise ValueError(f"cannot sort sessions by {key!r}")
         self.flush()
-        with self.store.reading() as db:
-            total = db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0]
-            rows = db.execute(
-                f"SELECT {', '.join(SUMMARY_COLUMNS)} FROM sessions ORDER BY {key} DESC, id LIMIT ? OFFSET ?",
-                (limit, offset),
-            ).fetchall()
-        return total, [session_summary(r) for r in rows]
+        return self.store.top(limit, offset, key)
 
     def model_totals(self) -> dict[str, dict[str, float]]:
         """Per-model sums over every request the host priced (``MODEL_TOTALS``)."""
         self.flush()
-        with self.store.reading() as db:
-            return totals.by_model(db)
+        return self.store.totals("model")
 
     def tenant_totals(self) -> dict[str, dict[str, float]]:
         """Per-tenant sums (``MODEL_TOTALS``) over every request the host priced with tenants on."""
         self.flush()
-        with self.store.reading() as db:
-            return totals.by_tenant(db)
+        return self.store.totals("tenant")
 
     def lora_totals(self) -> dict[str, dict[str, Any]]:
         """Per-adapter sums (``MODEL_TOTALS``, and the base ``model``) over every request the
         host priced for a LoRA adapter; they are part of their base model's totals too."""
         self.flush()
-        with self.store.reading() as db:
-            return totals.by_lora(db)
+        return self.store.totals("lora")
 
     def host_stats(self) -> dict[str, int]:
         """Counts over every process of the host since the store was created."""
         self.flush()
-        with self.store.reading() as db:
-            counts = dict(db.execute("SELECT name, value FROM counters").fetchall())
-            live = db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0]
-        return {"live": live, **{k: int(counts.get(k, 0)) for k in COUNTED}}
+        return self.store.host_stats()
 
     # --- the writer's transactions ---
 
@@ -268,12 +244,8 @@ class SessionLedger:
         return tail if tail is not None else self._stored_tail(session_id)
 
     def _stored_tail(self, session_id: str) -> Tail | None:
-        with self.store.reading() as db:
-            row = db.execute(
-                "SELECT n_turns, last_prompt, last_output, last_finished_at, last_replica FROM sessions WHERE id = ?",
-                (session_id,),
-            ).fetchone()
-        return None if row is None else Tail(*row)
+        found = self.store.tail(session_id)
+        return None if found is None else Tail(*found)
 
     def _queue_record(self, item: tuple[Any, ...]) -> bool:
         """Queue a record for the writer; a full queue loses it, counted."""

@@ -16,7 +16,7 @@ from pte_instrument.server.records import FinishedRequest, price_request
 from pte_instrument.server.redis_store import RedisSessionLedger, open_ledger, shown_url
 from pte_instrument.server.sessions import SessionLedger
 from pte_instrument.wire import RequestTotals
-from tests.server.test_sessions import COST, Clock
+from tests.server.test_sessions import COST, Clock, turn
 
 REDIS = shutil.which("redis-server")
 pytestmark = pytest.mark.skipif(REDIS is None, reason="redis-server is not installed (make test installs it)")
@@ -120,25 +120,7 @@ def fleet(redis_server):
 
 def serve(ledger: SessionLedger, replica: str, sid: str, prompt: int, output: int, cached: int, at: float):
     """One turn of ``sid`` served by ``replica``, priced as the pricer does, and filed."""
-    ctx = ledger.context_for(sid, at - 1.0, prompt)
-    req = FinishedRequest(
-        f"{sid}-{ctx.turn}",
-        "m",
-        prompt,
-        cached,
-        output,
-        "stop",
-        session_id=sid,
-        turn=ctx.turn,
-        reusable_tokens=ctx.reusable_tokens,
-        pause_s=ctx.pause_s,
-        e2e_s=1.0,
-        replica=replica,
-        previous_replica=ctx.previous_replica,
-    )
-    record = price_request(COST, req, at)
-    ledger.add(record)
-    return record
+    return turn(ledger, sid, prompt, output, cached, at, replica=replica)
 
 
 def test_a_turn_moved_to_another_replica_pays_routing_tax_not_eviction_tax():

@@ -41,7 +41,9 @@ def turn(
     e2e: float = 1.0,
     finish_reason: str = "stop",
     engine_totals: RequestTotals | None = None,
+    replica: str | None = None,
 ):
+    """One turn of ``sid``, priced as the pricer does (served by ``replica``), and filed."""
     ctx = ledger.context_for(sid, finished_at - e2e, prompt)
     req = FinishedRequest(
         f"{sid}-{ctx.turn}",
@@ -56,6 +58,8 @@ def turn(
         pause_s=ctx.pause_s,
         e2e_s=e2e,
         engine_totals=engine_totals,
+        replica=replica,
+        previous_replica=ctx.previous_replica,
     )
     record = price_request(COST, req, finished_at)
     ledger.add(record)
