@@ -5,6 +5,7 @@ server is shared by every test that does not need its own configuration."""
 from __future__ import annotations
 
 import http.server
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -18,6 +19,12 @@ from tests.helpers import jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL = ROOT / "models" / "tiny"
+
+# Every process the suite starts (vLLM servers above all) loads tests/vllm_site/sitecustomize.py:
+# vLLM's idle polling shortened, so that a server that just answered does not starve the others.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (str(ROOT / "tests" / "vllm_site"), os.environ.get("PYTHONPATH", "")) if p
+)
 
 
 # The test files that use the session's shared ``server``: under pytest-xdist they run in the
