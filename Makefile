@@ -38,7 +38,7 @@ PYTEST  := $(BIN)/python -m pytest -ra -n $(WORKERS) --dist loadfile
 # that start beside it on two cores — a neighbour's server start-up took minutes. Exit code
 # 5 (nothing selected, e.g. with PYTEST_ARGS naming other files) is not a failure.
 test: $(STAMP) models/tiny/config.json
-	bash scripts/install_test_deps.sh   # Debian's prometheus + promtool for the scrape test
+	bash scripts/install_test_deps.sh   # Debian's prometheus (the scrape test) and redis-server (the fleet tests)
 	$(PYTEST) -m "not alone" --durations=15 $(PYTEST_ARGS) || [ $$? -eq 5 ]
 	$(BIN)/python -m pytest -ra -m alone --durations=5 $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
