@@ -250,7 +250,6 @@ class RedisStore(BatchWriter):
         self._lock = threading.Lock()
         self._down_until = 0.0
         self._backoff = 0.0
-        self.outages = 0
 
     @property
     def available(self) -> bool:
@@ -278,8 +277,6 @@ class RedisStore(BatchWriter):
             first = self._backoff == 0.0
             self._backoff = FIRST_BACKOFF_S if first else min(2 * self._backoff, MAX_BACKOFF_S)
             self._down_until = time.monotonic() + self._backoff
-            if first:
-                self.outages += 1
         if first:
             log.error(
                 "pte-instrument: session store %s failed (%s: %s); serving goes on, the writes it misses "

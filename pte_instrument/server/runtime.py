@@ -26,7 +26,7 @@ from pte_instrument.server.exporters.request_log import RequestLogWriter
 from pte_instrument.server.live_efficiency import LiveEfficiency
 from pte_instrument.server.lora import LoraNames
 from pte_instrument.server.records import FinishedRequest
-from pte_instrument.server.redis_store import open_ledger
+from pte_instrument.server.redis_store import is_redis_url, open_ledger
 from pte_instrument.server.request_tags import PendingTags, RequestTag
 from pte_instrument.server.sessions import SessionLedger, StoreError
 from pte_instrument.server.tenants import TenantPolicy
@@ -179,8 +179,11 @@ class Runtime:
 
     @staticmethod
     def _say_if_shared(ledger: SessionLedger) -> None:
-        """One line when another server on the host writes to the same store: their sessions
-        and totals merge (what ``PTE_SESSION_STORE`` given to both asks for)."""
+        """One line when another server on the host writes to the same SQLite store: their
+        sessions and totals merge (what ``PTE_SESSION_STORE`` given to both asks for). A Redis
+        store is shared by a fleet's replicas by design: nothing to say."""
+        if is_redis_url(str(ledger.path)):
+            return
         try:
             others = ledger.other_servers()
         except Exception:  # the store's first write will say what is wrong with it

@@ -360,3 +360,17 @@ def test_a_turn_priced_before_the_previous_turns_write_landed_is_numbered_by_the
         if store == "sqlite":
             a.close()
             b.close()
+
+
+def test_replicas_sharing_the_store_on_purpose_are_not_warned_about(fleet, caplog):
+    """Two servers on one SQLite file are told so (a shared file is usually a mistake); a
+    fleet's replicas share their Redis store by design."""
+    from pte_instrument.server.runtime import Runtime
+
+    a, b = fleet("a"), fleet("b")
+    serve(a, "a", "s", 10, 2, 0, 1000.0)
+    assert a.flush()
+    assert b.other_servers() == ["a"]
+    with caplog.at_level("WARNING", logger="pte_instrument"):
+        Runtime._say_if_shared(b)
+    assert not [r for r in caplog.records if "is shared with" in r.getMessage()]
