@@ -2,8 +2,8 @@
 ``PTE_SESSION_STORE=redis://…`` or ``rediss://…``. The same ledger as the SQLite store
 (``sessions``): the same bounds, the same answers from every replica, writes off the request
 path, a batch at a time. Each write is one Lua script, so each is whole, and each request is
-applied once whichever replica or retry sends it (its id is remembered for ten minutes:
-at 1,000 requests a second, 600,000 keys of about 100 bytes).
+applied once whichever replica or retry sends it (its replica, id and finish time are
+remembered for ten minutes: at 1,000 requests a second, 600,000 keys of about 100 bytes).
 
 Redis unreachable or slow: nothing waits for it longer than ``TIMEOUT_S``. The first failure
 says it in one line and counts it; the store is then left alone for a back-off (1 s, doubling
@@ -429,7 +429,8 @@ def _exact(x: float | int) -> str:
 def _turn(record: RequestRecord, tail: Any) -> dict[str, Any]:
     """What the add script applies: the record's totals, and its turn if it has a session."""
     turn: dict[str, Any] = {
-        "request_id": record.engine_request_id or record.request_id,
+        # once per request, even where clients reuse their request ids (X-Request-Id)
+        "request_id": f"{record.replica}|{record.engine_request_id or record.request_id}|{record.finished_at!r}",
         "model": record.model,
         "totals": [
             v for k, x in zip(MODEL_TOTALS, model_totals_row(record), strict=True) for v in (k, _exact(x))

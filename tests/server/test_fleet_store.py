@@ -374,3 +374,20 @@ def test_replicas_sharing_the_store_on_purpose_are_not_warned_about(fleet, caplo
     with caplog.at_level("WARNING", logger="pte_instrument"):
         Runtime._say_if_shared(b)
     assert not [r for r in caplog.records if "is shared with" in r.getMessage()]
+
+
+def test_requests_that_reuse_a_client_request_id_are_each_applied(fleet):
+    """Without the step hook a record's id is the client's (X-Request-Id), which clients reuse:
+    two requests under one id are two turns; the same record sent again is one."""
+    a = fleet("a")
+    first = serve(a, "a", "s", 50, 5, 0, 1000.0)
+    again = price_request(
+        COST,
+        FinishedRequest(first.request_id, "m", 60, 0, 5, "stop", session_id="s", turn=2, replica="a"),
+        1010.0,
+    )
+    a.add(again)
+    a.add(again)
+    assert a.flush()
+    assert a.get("s")["turns"] == 2
+    assert a.model_totals()["m"]["requests"] == 2
