@@ -31,6 +31,18 @@ _BATCH = 1024  # items per transaction at most
 _EXPIRE_EVERY_S = 1.0  # a batch is due to close idle sessions at least this often, items or not
 SERVER_ALIVE_S = 60.0  # a server whose writer committed within this long is using the store
 
+# A turn's PTE, in its row and summed over its session.
+TURN_PTE = (
+    "pte_reference",
+    "pte_served",
+    "pte_ideal",
+    "pte_eviction_tax",
+    "pte_routing_tax",
+    "pte_recompute",
+)
+# Seconds and money of a turn, in its row and summed over its session.
+TURN_SECONDS = ("gpu_seconds", "latency_explained_s", "interference_s", "cost_usd")
+
 # Fields of a turn row shown by the HTTP routes and the demo.
 TURN_FIELDS = (
     "turn",
@@ -40,40 +52,17 @@ TURN_FIELDS = (
     "computed_prefill_tokens",
     "recomputed_tokens",
     "output_tokens",
-    "pte_reference",
-    "pte_served",
-    "pte_ideal",
-    "pte_eviction_tax",
-    "pte_routing_tax",
-    "pte_recompute",
+    *TURN_PTE,
     "pause_s",
     "inference_s",
     "finish_reason",
     "finished_at",
-    "gpu_seconds",
     "predicted_seconds",
-    "latency_explained_s",
-    "interference_s",
-    "cost_usd",
+    *TURN_SECONDS,
     "replica",
 )
 
-SUMMED = (
-    "prompt_tokens",
-    "cached_tokens",
-    "output_tokens",
-    "pte_reference",
-    "pte_served",
-    "pte_ideal",
-    "pte_eviction_tax",
-    "pte_routing_tax",
-    "pte_recompute",
-    "pause_s",
-    "gpu_seconds",
-    "latency_explained_s",
-    "interference_s",
-    "cost_usd",
-)
+SUMMED = ("prompt_tokens", "cached_tokens", "output_tokens", *TURN_PTE, "pause_s", *TURN_SECONDS)
 
 SCHEMA_VERSION = 1
 SCHEMA = f"""
