@@ -157,7 +157,9 @@ class ApiServer:
         with self._lock:
             priced = 0
             for pricing in list(self._models.values()):
-                for request in pricing.join.ready(now):
+                ready = pricing.join.ready(now)
+                self._prefetch_sessions(ready)
+                for request in ready:
                     self._price(pricing, request)
                     priced += 1
             expiring = now >= self._next_expiry
@@ -172,6 +174,16 @@ class ApiServer:
                     self.runtime.ledger_metrics.sync()
                 except Exception as e:
                     self.fault("sessions", e)
+
+    def _prefetch_sessions(self, ready: list[FinishedRequest]) -> None:
+        """The sessions of a pass's requests read from the store at once (one round trip to a
+        shared store, not one per request)."""
+        sessions = [r.session_id for r in ready if r.session_id is not None]
+        if sessions:
+            try:
+                self.runtime.sessions.prefetch(sessions)
+            except Exception as e:
+                self.fault("sessions", e)
 
     def _price(self, pricing: _Pricing, request: FinishedRequest) -> None:
         pricer = pricing.pricers.get(request.engine)

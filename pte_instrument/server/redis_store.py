@@ -18,7 +18,7 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -351,20 +351,17 @@ class RedisStore(BatchWriter):
     # --- reads ---
 
     def tail(self, session_id: str) -> tuple[Any, ...] | None:
+        return self.tails([session_id])[0]
+
+    def tails(self, session_ids: list[str]) -> list[tuple[Any, ...] | None]:
+        """Each session's (turns, last prompt, last output, last finished at, last replica), or
+        None where it is not live: one round trip."""
         with self.reading() as r:
-            n, prompt, output, finished, replica = r.hmget(
-                self.prefix + "s:" + session_id,
-                ["n_turns", "last_prompt", "last_output", "last_finished_at", "last_replica"],
-            )
-        if n is None:
-            return None
-        return (
-            int(n),
-            int(prompt or 0),
-            int(output or 0),
-            float(finished) if finished else None,
-            replica or None,
-        )
+            pipe = r.pipeline(transaction=False)
+            for sid in session_ids:
+                pipe.hmget(self.prefix + "s:" + sid, _TAIL)
+            rows = pipe.execute()
+        return [None if row[0] is None else _tail(*row) for row in rows]
 
     def session(self, session_id: str) -> dict[str, Any] | None:
         with self.reading() as r:
@@ -419,6 +416,13 @@ class RedisStore(BatchWriter):
     def live(self) -> int:
         with self.reading() as r:
             return int(r.zcard(self.prefix + "live"))
+
+
+_TAIL = ("n_turns", "last_prompt", "last_output", "last_finished_at", "last_replica")
+
+
+def _tail(n: str, prompt: str | None, output: str | None, finished: str | None, replica: str | None) -> tuple:
+    return int(n), int(prompt or 0), int(output or 0), float(finished) if finished else None, replica or None
 
 
 def _exact(x: float | int) -> str:
@@ -476,6 +480,9 @@ class RedisSessionLedger(SessionLedger):
     def _open(self, path: str | Path | None, max_queued: int) -> RedisStore:
         # The latest turn this process committed per session, for a context while the store is down.
         self._recent: OrderedDict[str, Tail] = OrderedDict()
+        # The store's latest turns of the sessions of the pass being priced, read in one round
+        # trip (``prefetch``); each is used once, by its session's next context read.
+        self._prefetched: dict[str, Tail | None] = {}
         return RedisStore(str(path), self._commit, self._error, self.server_id, max_queued)
 
     def _count_live(self) -> int:
@@ -485,7 +492,21 @@ class RedisSessionLedger(SessionLedger):
             self._error(e)
             return 0
 
+    def prefetch(self, session_ids: Iterable[str]) -> None:
+        ids = sorted(set(session_ids))
+        self._prefetched = {}
+        if not ids or not self.store.available:
+            return
+        try:
+            found = self.store.tails(ids)
+        except StoreError as e:
+            self._error(e)
+            return
+        self._prefetched = {sid: None if t is None else Tail(*t) for sid, t in zip(ids, found, strict=True)}
+
     def _stored_tail(self, session_id: str) -> Tail | None:
+        if session_id in self._prefetched:
+            return self._prefetched.pop(session_id)
         try:
             found = self.store.tail(session_id)
         except StoreError as e:

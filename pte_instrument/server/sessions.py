@@ -137,6 +137,10 @@ class SessionLedger:
         reusable = reusable_prefix(tail.last_prompt, tail.last_output, prompt_tokens, self.block_size)
         return TurnContext(tail.n_turns + 1, reusable, pause, tail.last_replica)
 
+    def prefetch(self, session_ids: Iterable[str]) -> None:
+        """Read these sessions' latest turns at once, for the context reads that follow (the
+        requests one pricing pass prices). Nothing to do where a read is local (SQLite)."""
+
     def add(self, record: RequestRecord) -> None:
         """Queue a priced request (its model's totals; a turn, if it has a session) for the
         writer; never blocks."""

@@ -82,6 +82,8 @@ class HoldingProxy:
                 with contextlib.suppress(OSError):
                     dst.shutdown(socket.SHUT_WR)
                 return
+            while self.holding.is_set() and not self._stop.is_set():  # read as the hold began
+                time.sleep(0.01)
             try:
                 dst.sendall(data)
             except OSError:
@@ -391,3 +393,24 @@ def test_requests_that_reuse_a_client_request_id_are_each_applied(fleet):
     assert a.flush()
     assert a.get("s")["turns"] == 2
     assert a.model_totals()["m"]["requests"] == 2
+
+
+def test_a_pricing_pass_reads_its_sessions_from_the_store_at_once(fleet, redis_server):
+    """The pass's sessions are read in one round trip before it prices them: after it, the
+    context reads need the store no more (here it stops answering in between)."""
+    proxy = HoldingProxy(redis_server.port)
+    try:
+        a, b = fleet("a"), fleet("b", url=proxy.url)
+        serve(a, "a", "s", 50, 5, 0, 1000.0)
+        serve(a, "a", "s", 80, 5, 0, 1010.0)
+        assert a.flush()
+        b.prefetch(["s", "new", "s"])
+        proxy.hold()
+        t0 = time.monotonic()
+        ctx = b.context_for("s", 1020.0, 120)
+        assert time.monotonic() - t0 < 0.1  # no round trip: a held store would take its 0.25 s
+        # turn 2 computed its 80 prompt tokens and 4 of its 5 outputs; it finished at 1010
+        assert (ctx.turn, ctx.previous_replica, ctx.reusable_tokens, ctx.pause_s) == (3, "a", 84, 10.0)
+        assert b.context_for("new", 1020.0, 10).turn == 1
+    finally:
+        proxy.close()
