@@ -16,8 +16,8 @@ import contextlib
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
-from typing import Protocol
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Protocol
 
 from pte_instrument.cost.model import CostModel
 from pte_instrument.faults import FaultTracker, log
@@ -82,18 +82,13 @@ class RequestPricer:
     def on_finished(self, request: FinishedRequest) -> RequestRecord | None:
         now = self.clock()
         try:
-            request = replace(request, replica=self.replica)
+            context: dict[str, Any] = {}
             if request.session_id is not None and self.sessions is not None:
                 ctx = self.sessions.context_for(
                     request.session_id, request.arrived_at or now - request.e2e_s, request.prompt_tokens
                 )
-                request = replace(
-                    request,
-                    turn=ctx.turn,
-                    reusable_tokens=ctx.reusable_tokens,
-                    pause_s=ctx.pause_s,
-                    previous_replica=ctx.previous_replica,
-                )
+                context = asdict(ctx)
+            request = replace(request, replica=self.replica, **context)
             if self.new_trace_id is not None:
                 request = replace(request, trace_id=trace_of(request.traceparent) or self.new_trace_id())
             record = price_request(

@@ -146,8 +146,9 @@ def price_request(
     tokens = charged_tokens(req)
     cost = price_turn(model, tokens)
     totals = req.engine_totals
-    moved = req.replica is not None and req.previous_replica not in (None, req.replica)
     missed = cost.eviction_tax  # reusable prefix prefilled again: routing's doing if the turn moved
+    moved = req.replica is not None and req.previous_replica not in (None, req.replica)
+    pte_routing_tax = missed if moved else 0.0
     wasted_aborted = 0.0
     if totals is not None and req.finish_reason == "abort":  # its last step's work was never returned
         wasted_aborted = max(0.0, totals.pte_served - totals.pte_rejected - cost.served)
@@ -173,13 +174,9 @@ def price_request(
         pte_prefill=cost.served_prefill,
         pte_decode=cost.served_decode,
         pte_recompute=cost.recompute,
-        pte_eviction_tax=0.0 if moved else missed,
-        pte_routing_tax=missed if moved else 0.0,
-        gpu_seconds_routing_tax=(
-            totals.gpu_prefill_s * missed / cost.served_prefill
-            if moved and totals is not None and cost.served_prefill > 0
-            else (0.0 if totals is not None else None)
-        ),
+        pte_eviction_tax=missed - pte_routing_tax,
+        pte_routing_tax=pte_routing_tax,
+        gpu_seconds_routing_tax=_share_of_prefill(totals, pte_routing_tax, cost.served_prefill),
         replica=req.replica,
         queued_s=req.queued_s,
         prefill_s=req.prefill_s,
@@ -223,6 +220,13 @@ def charged_tokens(req: FinishedRequest) -> TurnTokens:
         recomputed_tokens=req.recomputed_tokens,
         reusable_tokens=req.reusable_tokens,
     )
+
+
+def _share_of_prefill(totals: RequestTotals | None, pte: float, served_prefill: float) -> float | None:
+    """The prefill seconds of ``pte`` of the request's ``served_prefill`` (None without the hook)."""
+    if totals is None:
+        return None
+    return totals.gpu_prefill_s * pte / served_prefill if pte > 0 else 0.0
 
 
 def _seconds(

@@ -196,9 +196,8 @@ def shown_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
-def number(value: str | bytes) -> int | float:
+def number(text: str) -> int | float:
     """A number Redis stored: an int when it is whole, as the SQLite store answers."""
-    text = value.decode() if isinstance(value, bytes) else value
     try:
         return int(text)
     except ValueError:
@@ -552,7 +551,7 @@ class RedisSessionLedger(SessionLedger):
 
 
 def is_redis_url(store: str | None) -> bool:
-    return store is not None and store.startswith(("redis://", "rediss://", "unix://"))
+    return store is not None and store.startswith(("redis://", "rediss://"))
 
 
 def open_ledger(store: str | None, **kwargs: Any) -> SessionLedger:
