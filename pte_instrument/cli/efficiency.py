@@ -11,6 +11,7 @@ import argparse
 import math
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from pte_instrument.cli.errors import UsageError, print_json, report_error, report_warning, whole_number
@@ -78,14 +79,28 @@ def _output_options(
 def add_efficiency_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "efficiency",
-        help="evaluation records → reasoning-efficiency decomposition (docs/efficiency-model.md)",
+        help="evaluation records or harness outputs → reasoning-efficiency decomposition and cost per correct answer",
         description="Decompose token efficiency E0 against a reference model: outcome, "
         "workload and trace layers with bootstrap intervals, solver-derived workload audits "
-        "and a diagnostic signature per model. Records: JSONL, CSV or Parquet.",
+        "and a diagnostic signature per model. Records: JSONL, CSV or Parquet. Or the outputs "
+        "of the evaluation harnesses themselves — lm-eval's --output_path directory (run with "
+        "--log_samples) and Inspect AI's logs (.eval, .json) — with the plugin's request log "
+        "(--request-log): each sample joined to the requests that served it (by response id, "
+        "or by prompt digest), and what a correct answer cost in output tokens, PTE, GPU "
+        "seconds and money, per task and run; two runs side by side, with the terms "
+        "(verbosity, price per token, truncation, logic) that make the difference.",
     )
-    p.add_argument("records", nargs="+", help="evaluation record file(s): .jsonl, .csv or .parquet")
-    p.add_argument("--reference", required=True, help="the reference model for Δlog terms")
-    p.add_argument("--benchmark", help="analyse only this benchmark (default: every benchmark)")
+    p.add_argument(
+        "records",
+        nargs="+",
+        help="evaluation record file(s) (.jsonl, .csv, .parquet), or harness outputs: "
+        "lm-eval output directories or results_*.json files, Inspect AI logs or log directories",
+    )
+    p.add_argument(
+        "--reference",
+        help="the reference model (records) or run (harness outputs: default the first) for Δlog terms",
+    )
+    p.add_argument("--benchmark", help="analyse only this benchmark or task (default: every one)")
     p.add_argument(
         "--workload",
         choices=("native", "solver"),
@@ -109,10 +124,26 @@ def add_efficiency_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--request-log", help="join PTE from the plugin's request log (JSONL) by request_id or session_id"
+        "--request-log",
+        help="the plugin's request log (PTE_REQUEST_LOG): records take PTE from it by request_id or "
+        "session_id; harness samples are joined to their requests in it (required with harness outputs)",
     )
     p.add_argument(
         "--strict", action="store_true", help="fail on any bad record instead of dropping and listing it"
+    )
+    harness = p.add_argument_group("harness outputs")
+    harness.add_argument(
+        "--metric",
+        help="the metric (lm-eval) or scorer (Inspect AI) whose full score is a correct answer "
+        "(default: each task's first, its primary one)",
+    )
+    harness.add_argument(
+        "--filter", help="lm-eval: the filter whose scores count (default: the first in each samples file)"
+    )
+    harness.add_argument(
+        "--labels",
+        help="comma-separated names of the runs, in the order read (default: the model's name, "
+        "numbered where runs share one)",
     )
     return _output_options(p, "efficiency", _efficiency)
 
@@ -121,32 +152,53 @@ def _efficiency(args: argparse.Namespace) -> int:
     pool = [m.strip() for m in args.pool.split(",") if m.strip()] if args.pool else None
     if pool is not None and args.workload != "solver":
         raise UsageError("--pool applies only with --workload solver")
+    from pte_instrument.offline.harness_runs import is_harness_output
+
+    harness = [is_harness_output(p) for p in args.records]
+    if any(harness):
+        if not all(harness):
+            bad = next(p for p, h in zip(args.records, harness, strict=True) if not h)
+            raise UsageError(
+                f"{bad} is not a harness output: give evaluation records or harness outputs, not both"
+            )
+        return _harness_efficiency(args, pool)
+    for name, flag in (("metric", "--metric"), ("filter", "--filter"), ("labels", "--labels")):
+        if getattr(args, name) is not None:
+            raise UsageError(f"{flag} applies only to harness outputs")
+    if args.reference is None:
+        raise UsageError("--reference is required with evaluation records")
     loaded = load_records(args.records, strict=args.strict)
     if args.request_log:
         loaded.records, more = join_request_log(loaded.records, args.request_log)
         loaded.problems += more
-    tables = build_tables(loaded.records)
+    _warn_problems("efficiency", loaded.problems)
+    results = _decompose(args, build_tables(loaded.records), lambda _: args.reference, pool)
+    return _print_efficiency(args, results, loaded.summary(), args.reference, pool)
+
+
+def _decompose(
+    args: argparse.Namespace, tables: dict[str, Any], reference: Callable[[Any], str], pool: list[str] | None
+) -> list[Any]:
+    """Each benchmark's decomposition against its ``reference(table)``."""
     if args.benchmark is not None:
         if args.benchmark not in tables:
             raise UsageError(
                 f"benchmark {args.benchmark!r} not in the records (benchmarks: {', '.join(tables)})"
             )
         tables = {args.benchmark: tables[args.benchmark]}
-    missing = [b for b, t in tables.items() if args.reference not in t.models]
+    missing = [b for b, t in tables.items() if reference(t) not in t.models]
     if missing:
-        raise UsageError(
-            f"reference model {args.reference!r} has no records in benchmark(s) {', '.join(missing)}"
-        )
+        ref = reference(tables[missing[0]])
+        raise UsageError(f"reference model {ref!r} has no records in benchmark(s) {', '.join(missing)}")
     if pool is not None:
         for b, t in tables.items():
             unknown = [m for m in pool if m not in t.models]
             if unknown:
                 raise UsageError(f"pool model(s) {', '.join(unknown)} not in benchmark {b!r}")
-    _warn_problems("efficiency", loaded.problems)
-    results = [
+    return [
         analyze(
             t,
-            args.reference,
+            reference(t),
             workload=args.workload,
             pool=pool,
             n_boot=args.bootstrap,
@@ -155,16 +207,31 @@ def _efficiency(args: argparse.Namespace) -> int:
         )
         for t in tables.values()
     ]
+
+
+def _print_efficiency(
+    args: argparse.Namespace,
+    results: list[Any],
+    summary: dict[str, Any],
+    reference: str,
+    pool: list[str] | None,
+    cost: Any = None,
+) -> int:
+    """The decomposition (and, from harness outputs, the cost per correct answer) as JSON,
+    or as tables and markdown; the plots where asked."""
     from pte_instrument.offline.render import efficiency_json, efficiency_markdown
 
     if args.plots:
         from pte_instrument.offline.plots import efficiency_plots
 
         _write_plots("efficiency", efficiency_plots, results, args.plots)
-    summary = loaded.summary()
+        if cost is not None:
+            from pte_instrument.offline.cost_render import cost_plots
+
+            _write_plots("efficiency", cost_plots, cost, args.plots)
     if args.json:
         settings = {
-            "reference": args.reference,
+            "reference": reference,
             "workload": args.workload,
             "pool": pool,
             "bootstrap": args.bootstrap,
@@ -173,10 +240,96 @@ def _efficiency(args: argparse.Namespace) -> int:
             "benchmark": args.benchmark,
             "interval_percentiles": [2.5, 97.5],
         }
-        print_json(efficiency_json(results, summary, settings))
+        out = efficiency_json(results, summary, settings)
+        print_json(out if cost is None else {"cost_per_correct": cost.to_dict(), "decomposition": out})
     else:
+        if cost is not None:
+            from pte_instrument.offline.cost_render import print_cost_report
+
+            print_cost_report(cost)
+            sys.stdout.write("\n")
         sys.stdout.write(efficiency_markdown(results, summary))
     return 0
+
+
+def _harness_efficiency(args: argparse.Namespace, pool: list[str] | None) -> int:
+    from pte_instrument.offline.cost_per_correct import cost_report, eval_records, join_runs, read_request_log
+    from pte_instrument.offline.harness_runs import load_runs, task_reference
+    from pte_instrument.settings import read
+
+    if not args.request_log:
+        raise UsageError(
+            "harness outputs need --request-log: the plugin's request log of the server they ran against"
+        )
+    labels = [x.strip() for x in args.labels.split(",")] if args.labels else None
+    key, _ = read("PTE_PROMPT_DIGEST_KEY")
+    runs = load_runs(
+        args.records,
+        metric=args.metric,
+        lm_eval_filter=args.filter,
+        labels=labels,
+        key=key.encode("utf-8") if key else None,
+    )
+    names = [r.label for r in runs]
+    reference = args.reference or names[0]
+    if args.reference is not None and reference not in names:
+        raise UsageError(f"reference run {reference!r} not among the runs read ({', '.join(names)})")
+    requests, log_problems = read_request_log(args.request_log)
+    joins = join_runs(runs, requests)
+    if args.benchmark is not None:
+        tasks = {t for r in runs for t in r.metrics}
+        if args.benchmark not in tasks:
+            raise UsageError(f"task {args.benchmark!r} not in the runs (tasks: {', '.join(sorted(tasks))})")
+        joins = [
+            replace(j, joined=tuple(s for s in j.joined if s.sample.task == args.benchmark))
+            for j in joins
+            if args.benchmark in j.run.metrics
+        ]
+        joins = [
+            replace(j, run=replace(j.run, metrics={args.benchmark: j.run.metrics[args.benchmark]}))
+            for j in joins
+        ]
+    cost = cost_report(
+        joins,
+        reference,
+        str(args.request_log),
+        n_boot=args.bootstrap,
+        seed=args.seed,
+        log_problems=log_problems,
+    )
+    records, problems = eval_records(joins)
+    problems = (
+        [p for r in runs for p in r.problems]
+        + [p for j in joins for p in j.problems]
+        + problems
+        + log_problems
+    )
+    _warn_problems("efficiency", problems)
+    for j in joins:
+        s = j.summary()
+        if s["samples_unmatched"] or s["requests_unmatched"]:
+            report_warning(
+                "efficiency",
+                f"{s['label']}: {s['samples_unmatched']} of {s['samples']} samples not joined, "
+                f"{s['requests_unmatched']} of the {s['requests_in_window']} requests in its window joined to no sample",
+            )
+    if not records:
+        raise UsageError("no sample joined to the request log (see the lines above)")
+    order = {name: k for k, name in enumerate(names)}
+    results = _decompose(
+        args,
+        build_tables(records),
+        lambda t: task_reference(args.reference, sorted(t.models, key=order.__getitem__)),
+        pool,
+    )
+    summary = {
+        "sources": [str(p) for p in args.records],
+        "rows_read": sum(len(r.samples) for r in runs),
+        "rows_used": len(records),
+        "rows_dropped": sum(len(r.samples) for r in runs) - len(records),
+        "problems": [p.to_dict() for p in problems],
+    }
+    return _print_efficiency(args, results, summary, reference, pool, cost)
 
 
 # =========================================================================== report

@@ -18,7 +18,7 @@ class PlotError(RuntimeError):
     pass
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
     try:
         import matplotlib
     except ImportError:
@@ -43,7 +43,7 @@ def _save(fig: Any, path: Path) -> Path:
 def efficiency_plots(results: Sequence[BenchmarkResult], out_dir: str | Path) -> list[Path]:
     """Three PNGs per benchmark: accuracy vs E0 (marker area ∝ E[T]), stacked Δlog terms of
     the richest view per model (black tick: Δlog E0), and V̄O vs κ when W exists."""
-    plt = _pyplot()
+    plt = pyplot()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -114,7 +114,7 @@ def efficiency_plots(results: Sequence[BenchmarkResult], out_dir: str | Path) ->
 
 def trajectory_plots(groups: Sequence[GroupReport], out_dir: str | Path) -> list[Path]:
     """Per-step mean PTE (does cost escalate?) and average PTE per model × task."""
-    plt = _pyplot()
+    plt = pyplot()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(6.4, 4.8))

@@ -129,7 +129,7 @@ def totals(lines: Iterable[RequestLine]) -> Totals:
 # --------------------------------------------------------------------------- reading
 
 
-def _open(p: Path) -> Iterator[str]:
+def log_lines(p: Path) -> Iterator[str]:
     """The file's lines, gunzipped when it is gzip (by its first bytes, whatever its name);
     an unreadable, corrupt or non-UTF-8 file is a :class:`RecordError`."""
     lineno = 0
@@ -160,7 +160,7 @@ def detect_kind(path: str | Path) -> Kind:
     """``"requests"`` when the first JSON object of the file has ``request_id`` and
     ``pte_served`` (the request log's lines do), else ``"trajectories"``."""
     p = Path(path)
-    for seen, (_, row) in enumerate(json_lines(p, _open(p)), 1):
+    for seen, (_, row) in enumerate(json_lines(p, log_lines(p)), 1):
         if isinstance(row, dict):
             return "requests" if "request_id" in row and "pte_served" in row else "trajectories"
         if seen >= DETECT_LINES:
@@ -217,7 +217,7 @@ def load_request_log(path: str | Path, strict: bool = False) -> RequestLogLoad:
     """Read and validate a request log; bad lines are dropped and listed (``strict``: raise)."""
     p = Path(path)
     lines, problems, rows = parse_rows(
-        json_lines(p, _open(p)),
+        json_lines(p, log_lines(p)),
         parse_line,
         _LineError,
         lambda row: (_soft(row, "model"), None, _soft(row, "request_id")),

@@ -22,6 +22,7 @@ from opentelemetry.semconv._incubating.attributes.gen_ai_attributes import (
 )
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pte_instrument.prompt_digest import request_digests
 from pte_instrument.server.request_tags import UNTAGGED, RequestTag, parse_traceparent, validate_session_id
 from pte_instrument.server.routes import authorized
 from pte_instrument.server.runtime import Runtime
@@ -58,6 +59,10 @@ class TaggingMiddleware:
         self.header = self.runtime.settings.session_header.lower().encode("ascii")
         self.benchmark_header = BENCHMARK_HEADER.lower().encode("ascii")
         self._keys_read = False
+        settings = self.runtime.settings
+        # the digest joins an evaluation harness's samples to the request log: wanted only with one
+        self.digests = settings.prompt_digest and settings.request_log is not None
+        self.digest_key = (settings.prompt_digest_key or "").encode("utf-8") or None
 
     def _authorized(self, scope: Scope, headers: list[tuple[bytes, bytes]]) -> bool:
         """vLLM's API-key check, made here first: added by ``--middleware``, this runs before
@@ -96,8 +101,11 @@ class TaggingMiddleware:
         want_user = raw is None and self.runtime.settings.session_from_user
         lora = self.runtime.lora_names
         model = None
-        if want_user or lora.enabled:  # the body is read only when a field of it is wanted
+        digests: tuple[str, ...] = ()
+        if want_user or lora.enabled or self.digests:  # the body is read only when a field of it is wanted
             fields, receive = await _body_fields(receive)
+            if self.digests:
+                digests = request_digests(fields.messages, fields.prompt, self.digest_key)
             if want_user and fields.user is not None:
                 raw = str(fields.user).encode("utf-8", "replace")
             if lora.enabled and isinstance(fields.model, str) and len(fields.model) <= MAX_MODEL_NAME_LEN:
@@ -121,7 +129,7 @@ class TaggingMiddleware:
             path = scope["path"]
             operation = next((op for p, op in OPERATIONS.items() if path.endswith(p)), None)
             traceparent = parse_traceparent(raw_parent) if raw_parent is not None else None
-        tag = RequestTag(session_id, benchmark, tenant, model, operation, traceparent)
+        tag = RequestTag(session_id, benchmark, tenant, model, operation, traceparent, digests)
         if tag == UNTAGGED:  # nothing to remember
             return None, receive
         request_id = next((v.decode("latin-1") for k, v in headers if k == b"x-request-id"), None)
@@ -137,13 +145,15 @@ class _BodyFields(msgspec.Struct):
 
     model: Any = None
     user: Any = None
+    messages: Any = None  # chat: digested
+    prompt: Any = None  # completions: digested
 
 
 _BODY_FIELDS = msgspec.json.Decoder(_BodyFields)
 
 
 async def _body_fields(receive: Receive) -> tuple[_BodyFields, Receive]:
-    """Read the whole body for the OpenAI ``user`` and ``model`` fields, then replay it downstream."""
+    """Read the whole body for the OpenAI fields the tags need, then replay it downstream."""
     messages: list[Message] = []
     chunks: list[bytes] = []
     while True:

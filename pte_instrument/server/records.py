@@ -45,6 +45,10 @@ class FinishedRequest:
     operation: str | None = None  # GenAI operation of its route (chat, text_completion); None: unknown
     traceparent: str | None = None  # the caller's W3C trace context, if it sent one
     trace_id: str | None = None  # the trace its span belongs to (None: no tracing)
+    prompt_index: int | None = (
+        None  # which prompt of its HTTP request (a completion request may carry several)
+    )
+    prompt_digest: str | None = None  # of its prompt (``pte_instrument.prompt_digest``); None: not taken
 
     @property
     def ran(self) -> bool:
@@ -127,6 +131,9 @@ class RequestRecord:
     operation: str | None = None  # GenAI operation of the route (chat, text_completion); None: unknown
     traceparent: str | None = None  # the caller's W3C trace context: its span is this one's parent
     trace_id: str | None = None  # 32 hex digits: the trace of this request's span (None: tracing off)
+    prompt_digest: str | None = (
+        None  # SHA-256 (or keyed HMAC) of its prompt's roles and text; None: not taken
+    )
 
     @property
     def pte_reference_prefill(self) -> float:
@@ -195,6 +202,7 @@ def price_request(
         operation=req.operation,
         traceparent=req.traceparent,
         trace_id=req.trace_id,
+        prompt_digest=req.prompt_digest,
         pte_wasted_rejected_drafts=totals.pte_rejected if totals is not None else 0.0,
         pte_wasted_aborted=wasted_aborted,
         **_engine_fields(totals),

@@ -68,6 +68,7 @@ class RequestTag:
     model: str | None = None  # the OpenAI "model" field (read when the server serves LoRA adapters)
     operation: str | None = None  # the GenAI operation of the route it came by (chat, text_completion)
     traceparent: str | None = None  # the caller's trace context (``parse_traceparent``)
+    prompt_digests: tuple[str, ...] = ()  # one per prompt of the body (``prompt_digest``)
 
     @property
     def tracked(self) -> bool:

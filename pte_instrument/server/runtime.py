@@ -218,6 +218,7 @@ class Runtime:
             lora_name=self.lora_names.account(tag.model),
             operation=tag.operation,
             traceparent=tag.traceparent,
+            prompt_digest=_digest_of(tag.prompt_digests, request.prompt_index),
         )
 
     def exporters_for(self, model: str, engine: int, cost_model: CostModel) -> list[tuple[str, Any]]:
@@ -330,3 +331,10 @@ def get_runtime() -> Runtime:
             _runtime = Runtime(settings)
             atexit.register(_runtime.sessions.close)  # commit the queued turns at shutdown
         return _runtime
+
+
+def _digest_of(digests: tuple[str, ...], index: int | None) -> str | None:
+    """The digest of the prompt a request served, of those its HTTP request carried."""
+    if len(digests) == 1:
+        return digests[0]
+    return digests[index] if index is not None and 0 <= index < len(digests) else None

@@ -173,6 +173,14 @@ def request_keys(request_id: str) -> tuple[str, ...]:
     return (request_id, base, head) if dash and index.isdigit() else (request_id, base)
 
 
+def prompt_index(request_id: str) -> int | None:
+    """Which prompt of its completions request a request served (``cmpl-<id>-<index>``); None
+    for the other routes, whose requests carry one prompt."""
+    kind, _, rest = request_id.partition("-")
+    head, dash, index = rest.rpartition("-")
+    return int(index) if kind == "cmpl" and dash and head and index.isdigit() else None
+
+
 def cli_env_setup() -> None:
     """vLLM's CLI environment set-up: ``vllm.entrypoints.common.startup`` from 0.33,
     ``vllm.entrypoints.serve.utils.api_utils`` in 0.32."""

@@ -99,6 +99,7 @@ def finished_request(
         finished_at=iteration_timestamp,
         ttft_s=ttft,
         tpot_s=float(stats.mean_time_per_output_token) if tokens > 1 else None,
+        prompt_index=compat.prompt_index(str(stats.request_id)),
     )
 
 

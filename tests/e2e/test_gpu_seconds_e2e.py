@@ -12,30 +12,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.e2e.conftest import serving
+from tests.e2e.conftest import PRICE
 from tests.e2e.test_vllm_plugin import words
 from tests.exposition import metric_sum, samples
 from tests.helpers import jsonl, wait
 
-PRICE = 2.5  # USD per GPU-hour
 
-
-@pytest.fixture(scope="module")
-def timed(tiny_model, tmp_path_factory):
-    work = tmp_path_factory.mktemp("gpu-seconds")
-    env = {
-        "PTE_REQUEST_LOG": str(work / "requests.jsonl"),
-        "PTE_STEP_LOG": str(work / "steps.jsonl"),
-        "VLLM_PLUGINS": "pte",
-        "PTE_GPU_HOURLY_PRICE": str(PRICE),
-    }
-    args = ["--scheduler-cls", "pte_instrument.vllm_adapter.scheduler.PteScheduler", "--max-num-seqs", "8"]
-    with serving(tiny_model, work, env, args) as (vllm, client):
-        yield vllm, work, client
-
-
-def test_gpu_seconds_add_up_to_the_engines_busy_time(timed):
-    vllm, work, client = timed
+def test_gpu_seconds_add_up_to_the_engines_busy_time(timed_server):
+    vllm, work, client = timed_server
     rng = random.Random()
     sessions = [f"s{i}-{rng.randrange(10**6)}" for i in range(6)]
 
@@ -96,8 +80,8 @@ def test_gpu_seconds_add_up_to_the_engines_busy_time(timed):
     assert s["cost_usd"] == pytest.approx(s["gpu_seconds"] * PRICE / 3600, rel=1e-9)
 
 
-def test_the_step_time_model_is_fitted_online_and_exported(timed):
-    vllm, _, client = timed
+def test_the_step_time_model_is_fitted_online_and_exported(timed_server):
+    vllm, _, client = timed_server
     body = {"model": vllm.served_name, "prompt": "agent tool call", "max_tokens": 300, "ignore_eos": True}
     for _ in range(2):  # enough steps for a refit
         client.post("/v1/completions", json=body).raise_for_status()

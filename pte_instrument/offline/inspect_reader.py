@@ -1,0 +1,131 @@
+"""Inspect AI logs (``.eval`` archives and ``.json`` logs), read through Inspect's own log
+reader: the task, the model, each sample's id, epoch and score, and every model call it
+made (a solver may call the model several times; an agent, many).
+
+A call is named by the server's response id (``output.response_id``: vLLM's request id, the
+request log's ``request_id``) and by the digest of the messages it sent (``call.request``).
+A call answered from Inspect's own cache never reached the server and is not one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pte_instrument.offline.harness_runs import Call, HarnessError, Run, Sample, iso_time
+from pte_instrument.offline.records import Problem
+from pte_instrument.prompt_digest import chat_digest
+
+HARNESS = "inspect"
+SUFFIXES = (".eval", ".json")
+
+
+def _logs(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path] if path.suffix == ".eval" or (path.suffix == ".json" and _is_json_log(path)) else []
+    if path.is_dir():
+        return sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES and _logs(p))
+    return []
+
+
+def _is_json_log(path: Path) -> bool:
+    """An Inspect ``.json`` log begins with its ``version`` and ``status`` (lm-eval's results
+    files are ``.json`` too)."""
+    if path.name.startswith("results_"):
+        return False
+    try:
+        with path.open("rb") as f:
+            head = f.read(512)
+    except OSError:
+        return False
+    return b'"version"' in head and b'"status"' in head
+
+
+def is_output(path: str | Path) -> bool:
+    return bool(_logs(Path(path)))
+
+
+def _reader() -> Any:
+    try:
+        from inspect_ai.log import read_eval_log
+    except ImportError:
+        raise HarnessError(
+            "reading Inspect AI logs needs inspect-ai: pip install 'pte-instrument[harness]'"
+        ) from None
+    return read_eval_log
+
+
+def read(path: str | Path, *, metric: str | None = None, key: bytes | None = None) -> list[Run]:
+    """Every log at or under ``path``, one run each, in the order of their names; ``key``: the
+    server's ``PTE_PROMPT_DIGEST_KEY``."""
+    return [_read_log(p, metric, key) for p in _logs(Path(path))]
+
+
+def _score_value(value: Any) -> float:
+    from inspect_ai.scorer import value_to_float
+
+    if isinstance(value, dict | list):
+        raise ValueError(f"a score of several values ({value!r}): name one scorer with --metric")
+    return float(value_to_float()(value))
+
+
+def _calls(sample: Any, key: bytes | None) -> tuple[Call, ...]:
+    from inspect_ai.event import ModelEvent
+
+    calls = []
+    for event in sample.events or ():
+        if not isinstance(event, ModelEvent) or event.cache == "read":
+            continue
+        request = event.call.request if event.call is not None else {}
+        messages = request.get("messages") if isinstance(request, dict) else None
+        response_id = getattr(event.output, "response_id", None)
+        if response_id is None and event.call is not None and isinstance(event.call.response, dict):
+            response_id = event.call.response.get("id")
+        calls.append(Call(chat_digest(messages, key) if isinstance(messages, list) else None, response_id))
+    return tuple(calls)
+
+
+def _read_log(path: Path, metric: str | None, key: bytes | None) -> Run:
+    try:
+        log = _reader()(str(path), resolve_attachments=True)
+    except HarnessError:
+        raise
+    except Exception as e:  # Inspect's reader: a zip, JSON or schema error
+        raise HarnessError(f"cannot read Inspect log {path}: {e}") from None
+    task = str(log.eval.task)
+    model = str(log.eval.model).rpartition("/")[2]  # "openai-api/<provider>/<model>": the name sent
+    scorers = [s.name for s in (log.results.scores if log.results else [])]
+    chosen = metric or (scorers[0] if scorers else None)
+    if chosen is None:
+        raise HarnessError(f"{path}: the log has no scores (was the evaluation scored?)")
+    samples: list[Sample] = []
+    problems: list[Problem] = []
+    for k, s in enumerate(log.samples or ()):
+        where = f"{path}#sample {k + 1}"
+        sid = str(s.id)
+        score = (s.scores or {}).get(chosen)
+        if score is None:
+            problems.append(Problem(where, f"no score of {chosen!r}", model, task, sid))
+            continue
+        try:
+            value = _score_value(score.value)
+        except (ValueError, TypeError) as e:
+            problems.append(Problem(where, str(e), model, task, sid))
+            continue
+        answer = s.output.completion if s.output is not None else None
+        samples.append(Sample(task, sid, int(s.epoch), value, _calls(s, key), answer, where))
+    if not samples and not problems:
+        raise HarnessError(f"{path}: the log holds no samples (status {log.status})")
+    if samples == [] and all("no score of" in p.reason for p in problems):
+        raise HarnessError(f"{path}: no sample has a score of {chosen!r} (scorers: {', '.join(scorers)})")
+    return Run(
+        model,
+        HARNESS,
+        model,
+        str(path),
+        {task: chosen},
+        iso_time(log.stats.started_at),
+        iso_time(log.stats.completed_at),
+        tuple(samples),
+        tuple(problems),
+    )

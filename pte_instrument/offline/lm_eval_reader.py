@@ -1,0 +1,187 @@
+"""lm-evaluation-harness outputs, read as they are written by ``lm_eval --output_path DIR
+--log_samples``: ``results_<time>.json`` (the run: tasks, their metric lists, the model, its
+start time and duration) and beside it one ``samples_<task>_<time>.jsonl`` per task (per
+document and filter: ``doc_id``, ``arguments``, ``resps``, ``filtered_resps`` and each
+metric's value).
+
+A sample's requests are its ``arguments`` (one per request it needed), each sent as many
+times as it has responses (a task's ``repeats``); each is named by the digest of what was
+sent: the chat messages lm-eval logged as JSON (``local-chat-completions``,
+``openai-chat-completions``) or the prompt text (the completion models). lm-eval logs no
+response id, so the join is by digest alone.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from pte_instrument.offline.harness_runs import Call, HarnessError, Run, Sample
+from pte_instrument.offline.records import Problem
+from pte_instrument.prompt_digest import chat_digest, completion_digest
+
+HARNESS = "lm-eval"
+CHAT_MODELS = ("local-chat-completions", "openai-chat-completions")
+
+
+def _results_files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path] if path.name.startswith("results_") and path.suffix == ".json" else []
+    if path.is_dir():
+        return sorted(path.rglob("results_*.json"))
+    return []
+
+
+def is_output(path: str | Path) -> bool:
+    return bool(_results_files(Path(path)))
+
+
+def read(
+    path: str | Path, *, metric: str | None = None, filter_name: str | None = None, key: bytes | None = None
+) -> list[Run]:
+    """Every run whose results file is ``path`` or lies under it, in the order of their files;
+    ``key``: the server's ``PTE_PROMPT_DIGEST_KEY``."""
+    return [_read_run(f, metric, filter_name, key) for f in _results_files(Path(path))]
+
+
+def _load_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise HarnessError(f"cannot read {path}: {e}") from None
+
+
+def _digest(argument: Any, chat: bool, key: bytes | None) -> str | None:
+    """What one request sent, digested as the server did; None when it cannot be recomputed
+    (token ids lm-eval tokenized itself, or messages that are not JSON)."""
+    if isinstance(argument, list) and len(argument) == 1:  # a chat prompt is logged as [its JSON]
+        argument = argument[0]
+    if not isinstance(argument, str):
+        return None
+    if not chat:
+        return completion_digest(argument, key)
+    try:
+        messages = json.loads(argument)
+    except json.JSONDecodeError:
+        return None
+    return chat_digest(messages, key) if isinstance(messages, list) else None
+
+
+def _calls(row: Mapping[str, Any], chat: bool, key: bytes | None) -> tuple[Call, ...]:
+    args = row.get("arguments")
+    if isinstance(args, Mapping):  # {"gen_args_0": {"arg_0": context, "arg_1": gen_kwargs}, …}
+        firsts = [a.get("arg_0") if isinstance(a, Mapping) else None for a in args.values()]
+    elif isinstance(args, list):  # older releases: [[context, gen_kwargs], …]
+        firsts = [a[0] if isinstance(a, list) and a else None for a in args]
+    else:
+        raise ValueError("no 'arguments'")
+    resps = row.get("resps")
+    counts = [len(r) if isinstance(r, list) else 1 for r in resps] if isinstance(resps, list) else []
+    if len(counts) != len(firsts):
+        counts = [1] * len(firsts)
+    return tuple(Call(_digest(a, chat, key)) for a, n in zip(firsts, counts, strict=True) for _ in range(n))
+
+
+def _answer(row: Mapping[str, Any]) -> str | None:
+    filtered = row.get("filtered_resps")
+    while isinstance(filtered, list) and filtered:
+        filtered = filtered[0]
+    return filtered if isinstance(filtered, str) else None
+
+
+def _rows(path: Path) -> Iterator[tuple[int, Any]]:
+    try:
+        with path.open(encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        yield n, json.loads(line)
+                    except json.JSONDecodeError as e:
+                        yield n, e
+    except (OSError, UnicodeDecodeError) as e:
+        raise HarnessError(f"cannot read {path}: {e}") from None
+
+
+def _read_run(results_file: Path, metric: str | None, filter_name: str | None, key: bytes | None) -> Run:
+    results = _load_json(results_file)
+    if not isinstance(results, dict) or not isinstance(results.get("configs"), dict):
+        raise HarnessError(f"{results_file}: not an lm-eval results file (no 'configs')")
+    config = results.get("config") or {}
+    model_args = config.get("model_args") or {}
+    if isinstance(model_args, str):  # "model=…,base_url=…" as given on the command line
+        model_args = dict(kv.split("=", 1) for kv in model_args.split(",") if "=" in kv)
+    chat = config.get("model") in CHAT_MODELS
+    model = str(model_args.get("model") or results.get("model_name") or "unknown")
+    stamp = results_file.stem.removeprefix("results_")
+    samples: list[Sample] = []
+    problems: list[Problem] = []
+    metrics: dict[str, str] = {}
+    for task, task_config in results["configs"].items():
+        listed = [m.get("metric") for m in task_config.get("metric_list") or [] if isinstance(m, dict)]
+        chosen = metric or (listed[0] if listed else None)
+        files = sorted(results_file.parent.glob(f"samples_{task}_{stamp}.jsonl"))
+        if chosen is None or not files:
+            why = "no metric listed" if chosen is None else "no samples file (run lm_eval with --log_samples)"
+            problems.append(Problem(str(results_file), f"task {task!r} skipped: {why}", model, task))
+            continue
+        metrics[task] = chosen
+        got = _read_samples(files[0], task, chosen, filter_name, chat, model, key)
+        samples += got[0]
+        problems += got[1]
+    if not metrics:
+        raise HarnessError(f"{results_file}: no task with logged samples and a metric")
+    started = results.get("date")  # unix time the evaluation began
+    start = float(started) if isinstance(started, int | float) else None
+    # The results file is named by the local time it was written, once the last response came
+    # (its total_evaluation_time_seconds counts from before the model loaded: too late an end).
+    end = _local_time(stamp)
+    return Run(model, HARNESS, model, str(results_file), metrics, start, end, tuple(samples), tuple(problems))
+
+
+def _local_time(stamp: str) -> float | None:
+    """Unix seconds of lm-eval's file time stamp (``2026-12-05T03-14-20.691863``, local time)."""
+    day, _, clock = stamp.partition("T")
+    try:
+        return datetime.fromisoformat(f"{day}T{clock.replace('-', ':')}").timestamp()
+    except ValueError:
+        return None
+
+
+def _read_samples(
+    path: Path, task: str, metric: str, filter_name: str | None, chat: bool, model: str, key: bytes | None
+) -> tuple[list[Sample], list[Problem]]:
+    samples: list[Sample] = []
+    problems: list[Problem] = []
+    chosen_filter = filter_name
+    seen_metric = False
+    for n, row in _rows(path):
+        where = f"{path}:{n}"
+        if isinstance(row, Exception) or not isinstance(row, dict):
+            problems.append(Problem(where, f"not a JSON object: {row}", model, task))
+            continue
+        if chosen_filter is None:  # the first filter of the file: each filter repeats every document
+            chosen_filter = str(row.get("filter", "none"))
+        if str(row.get("filter", "none")) != chosen_filter:
+            continue
+        doc = str(row.get("doc_id", ""))
+        try:
+            value = row[metric]
+            seen_metric = True
+            if isinstance(value, bool):
+                value = float(value)
+            if not isinstance(value, int | float) or not 0 <= value <= 1:
+                raise ValueError(f"metric {metric!r} is {value!r}, not a score in [0, 1]")
+            calls = _calls(row, chat, key)
+        except KeyError:
+            problems.append(Problem(where, f"no value of metric {metric!r}", model, task, doc))
+            continue
+        except ValueError as e:
+            problems.append(Problem(where, str(e), model, task, doc))
+            continue
+        samples.append(Sample(task, doc, 1, float(value), calls, _answer(row), where))
+    if not seen_metric:
+        raise HarnessError(f"{path}: no sample with filter {chosen_filter!r} has metric {metric!r}")
+    return samples, problems

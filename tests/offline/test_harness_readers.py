@@ -1,0 +1,151 @@
+"""The harness readers on outputs written as the harnesses write them: lm-eval's results and
+samples files (made here), and an Inspect AI log made by Inspect itself with its offline
+mock model."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from pte_instrument.offline.harness_runs import HarnessError, is_harness_output, load_runs
+from pte_instrument.prompt_digest import chat_digest, completion_digest
+
+STAMP = "2026-12-05T03-14-20.691863"
+
+
+def lm_eval_output(
+    root: Path, rows: list[dict], model: str = "local-chat-completions", metric_list=("acc", "f1")
+) -> Path:
+    out = root / "tiny"
+    out.mkdir(parents=True)
+    results = {
+        "results": {"qa": {"acc,none": 0.5}},
+        "configs": {"qa": {"task": "qa", "metric_list": [{"metric": m} for m in metric_list]}},
+        "config": {"model": model, "model_args": "model=tiny,base_url=http://x/v1/chat/completions"},
+        "date": 1000.0,
+        "total_evaluation_time_seconds": "99.0",
+    }
+    (out / f"results_{STAMP}.json").write_text(json.dumps(results))
+    (out / f"samples_qa_{STAMP}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
+def chat_row(doc_id: int, text: str, acc, filter_name: str = "none", repeats: int = 1) -> dict:
+    messages = json.dumps([{"role": "user", "content": text}])
+    return {
+        "doc_id": doc_id,
+        "arguments": {"gen_args_0": {"arg_0": [messages], "arg_1": {"max_gen_toks": 8}}},
+        "resps": [[f"answer {k}" for k in range(repeats)]],
+        "filtered_resps": [f"answer {doc_id}"],
+        "filter": filter_name,
+        "acc": acc,
+        "f1": 0.25,
+    }
+
+
+def test_lm_eval_samples_the_primary_metric_the_first_filter_and_each_repeat(tmp_path):
+    rows = [
+        chat_row(0, "one", 1.0),
+        chat_row(0, "one", 0.0, filter_name="strict"),  # the same document under a second filter
+        chat_row(1, "two", 0.0, repeats=3),
+    ]
+    root = lm_eval_output(tmp_path, rows)
+    assert is_harness_output(root) and is_harness_output(root / "tiny" / f"results_{STAMP}.json")
+    [run] = load_runs([root])
+    assert (run.harness, run.model, run.label, run.metrics) == ("lm-eval", "tiny", "tiny", {"qa": "acc"})
+    assert run.started_at == 1000.0
+    assert (
+        run.ended_at == datetime.fromisoformat("2026-12-05T03:14:20.691863").timestamp()
+    )  # the file's local time
+    assert [(s.sample_id, s.score, s.correct, s.answer) for s in run.samples] == [
+        ("0", 1.0, True, "answer 0"),
+        ("1", 0.0, False, "answer 1"),
+    ]
+    one = chat_digest([{"role": "user", "content": "one"}])
+    two = chat_digest([{"role": "user", "content": "two"}])
+    assert [c.digest for c in run.samples[0].calls] == [one]
+    assert [c.digest for c in run.samples[1].calls] == [two] * 3  # a repeat is a request of its own
+    [strict] = load_runs([root], lm_eval_filter="strict")
+    assert [s.score for s in strict.samples] == [0.0]
+    [by_f1] = load_runs([root], metric="f1")
+    assert [s.correct for s in by_f1.samples] == [False, False]  # partial credit is not a correct answer
+
+
+def test_lm_eval_completion_prompts_and_bad_scores(tmp_path):
+    rows = [
+        {"doc_id": 0, "arguments": [["The sky is", {}]], "resps": [["blue"]], "filter": "none", "acc": True},
+        {"doc_id": 1, "arguments": [["Two", {}]], "resps": [["x"]], "filter": "none", "acc": 3},
+        {"doc_id": 2, "arguments": [["Three", {}]], "resps": [["x"]], "filter": "none"},
+    ]
+    [run] = load_runs([lm_eval_output(tmp_path, rows, model="local-completions")])
+    assert [(s.sample_id, s.correct, s.calls[0].digest) for s in run.samples] == [
+        ("0", True, completion_digest("The sky is"))
+    ]
+    assert ["not a score in [0, 1]" in p.reason for p in run.problems] == [True, False]
+    assert "no value of metric 'acc'" in run.problems[1].reason
+
+
+def test_lm_eval_errors_name_the_file(tmp_path):
+    root = lm_eval_output(tmp_path, [chat_row(0, "one", 1.0)])
+    with pytest.raises(HarnessError, match="no sample with filter 'none' has metric 'nope'"):
+        load_runs([root], metric="nope")
+    with pytest.raises(HarnessError, match="no sample with filter 'other'"):
+        load_runs([root], lm_eval_filter="other")
+    (root / "tiny" / f"samples_qa_{STAMP}.jsonl").unlink()
+    with pytest.raises(HarnessError, match="no task with logged samples"):
+        load_runs([root])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(HarnessError, match="neither an lm-eval output"):
+        load_runs([tmp_path / "empty"])
+    with pytest.raises(HarnessError, match="no such file"):
+        load_runs([tmp_path / "missing"])
+
+
+def test_two_runs_of_one_model_are_numbered_and_labels_must_fit(tmp_path):
+    a = lm_eval_output(tmp_path / "a", [chat_row(0, "one", 1.0)])
+    b = lm_eval_output(tmp_path / "b", [chat_row(0, "one", 0.0)])
+    assert [r.label for r in load_runs([a, b])] == ["tiny#1", "tiny#2"]
+    assert [r.label for r in load_runs([a, b], labels=["short", "long"])] == ["short", "long"]
+    with pytest.raises(HarnessError, match="1 label"):
+        load_runs([a, b], labels=["one"])
+
+
+def test_an_inspect_log_gives_samples_by_epoch_with_their_scores(tmp_path):
+    from inspect_ai import Task, eval
+    from inspect_ai.dataset import Sample as InspectSample
+    from inspect_ai.model import ModelOutput, ModelUsage, get_model
+    from inspect_ai.scorer import includes
+    from inspect_ai.solver import generate
+
+    # Inspect's offline mock model, its answers given with their usage (else it counts tokens
+    # with a tokenizer it downloads)
+    answers = [ModelOutput.from_content("mockllm/model", "Default output") for _ in range(4)]
+    for a in answers:
+        a.usage = ModelUsage(input_tokens=3, output_tokens=2, total_tokens=5)
+
+    task = Task(
+        name="echo",
+        dataset=[
+            InspectSample(input="hi", target="Default output", id="a"),
+            InspectSample(input="x", target="zzz", id="b"),
+        ],
+        solver=generate(),
+        scorer=includes(),
+        epochs=2,
+    )
+    model = get_model("mockllm/model", custom_outputs=answers)
+    [log] = eval(task, model=model, log_dir=str(tmp_path), display="none")
+    assert log.status == "success"
+    [path] = tmp_path.glob("*.eval")
+    assert is_harness_output(path) and is_harness_output(tmp_path)
+    [run] = load_runs([path])
+    assert (run.harness, run.model, run.metrics) == ("inspect", "model", {"echo": "includes"})
+    got = sorted((s.key, s.correct, len(s.calls)) for s in run.samples)
+    # the mock model answers "Default output": sample a's target is in it, b's is not
+    assert got == [("a", True, 1), ("a#2", True, 1), ("b", False, 1), ("b#2", False, 1)]
+    assert run.started_at is not None and run.ended_at >= run.started_at
+    with pytest.raises(HarnessError, match="no sample has a score of 'nope'"):
+        load_runs([path], metric="nope")
