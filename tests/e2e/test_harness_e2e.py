@@ -9,18 +9,16 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from pte_instrument.devtools.harnesses import BIN, offline_env, run_inspect, run_lm_eval
 from tests.helpers import jsonl, wait
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "harness"
-BIN = Path(sys.executable).parent
 LIMITS = (4, 16)  # max_tokens of the two runs of each harness: the short one truncates more
 UNITS = {
     "output_tokens": "output_tokens",
@@ -30,70 +28,17 @@ UNITS = {
 }
 
 
-def run(cmd: list[str], cwd: Path, env: dict[str, str]) -> None:
-    done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, (
-        f"{cmd[0]} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    )
-
-
 @pytest.fixture(scope="module")
 def evaluated(timed_server, tmp_path_factory):
     """Both harnesses at both limits, one after the other; the time span they ran in."""
     vllm, work, _ = timed_server
     out = tmp_path_factory.mktemp("harness")
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "HF_HOME": str(out / "hf"),  # lm-eval's dataset cache: this test's own
-        "TINY_API_KEY": "unused",  # Inspect's openai-api provider "tiny" wants a key
-        "PYTHONDONTWRITEBYTECODE": "1",  # the task files are imported from the source tree
-    }
+    env = offline_env(out)
     started = time.time()
     for n in LIMITS:
-        run(
-            [
-                str(BIN / "lm_eval"),
-                "--model",
-                "local-chat-completions",
-                "--model_args",
-                f"model={vllm.served_name},base_url={vllm.url}/v1/chat/completions,tokenizer_backend=none",
-                "--tasks",
-                "letters",
-                "--include_path",
-                str(FIXTURES),
-                "--apply_chat_template",
-                "--log_samples",
-                "--output_path",
-                str(out / f"lm-{n}"),
-                "--gen_kwargs",
-                f"max_gen_toks={n}",
-            ],
-            FIXTURES,  # the task's data file is named relative to it
-            env,
-        )
-        run(
-            [
-                str(BIN / "inspect"),
-                "eval",
-                "letters_inspect.py",  # Inspect takes a task file by a relative name
-                "--model",
-                f"openai-api/tiny/{vllm.served_name}",
-                "--model-base-url",
-                f"{vllm.url}/v1",
-                "--max-tokens",
-                str(n),
-                "--stop-seqs",
-                "e",
-                "--display",
-                "none",
-                "--log-dir",
-                str(out / f"inspect-{n}"),
-            ],
-            FIXTURES,
-            env,
+        run_lm_eval(vllm.url, vllm.served_name, FIXTURES, "letters", out / f"lm-{n}", n, env)
+        run_inspect(
+            vllm.url, vllm.served_name, FIXTURES, "letters_inspect.py", out / f"inspect-{n}", n, env, stop="e"
         )
     ended = time.time()
     log = work / "requests.jsonl"
