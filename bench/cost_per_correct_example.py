@@ -14,6 +14,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from bench.provenance import provenance, results_path
@@ -38,10 +39,16 @@ def main() -> int:
         shutil.rmtree(out)
     out.mkdir(parents=True)
     log = out / "requests.jsonl"
-    env = {"PTE_REQUEST_LOG": str(log), "VLLM_PLUGINS": "pte", "PTE_GPU_HOURLY_PRICE": str(args.price)}
+    store = tempfile.mkdtemp()  # the server's session store: not part of the example
+    env = {
+        "PTE_REQUEST_LOG": str(log),
+        "VLLM_PLUGINS": "pte",
+        "PTE_GPU_HOURLY_PRICE": str(args.price),
+        "PTE_SESSION_STORE": str(Path(store) / "sessions.sqlite3"),
+    }
     hook = ["--scheduler-cls", "pte_instrument.vllm_adapter.scheduler.PteScheduler", "--enforce-eager"]
     runs, labels = [], []
-    with VllmServer(args.model_dir, env=env, extra_args=hook, log_path=out / "vllm.log").start() as server:
+    with VllmServer(args.model_dir, env=env, extra_args=hook, log_path=out / "vllm.log") as server:
         harness_env = offline_env(out)
         for n in limits:
             runs.append(
@@ -65,8 +72,7 @@ def main() -> int:
             )
             labels.append(f"inspect-max{n}")
     shutil.rmtree(out / "hf", ignore_errors=True)  # lm-eval's dataset cache
-    for store in out.glob("vllm.sessions.sqlite3*"):  # the server's session store
-        store.unlink()
+    shutil.rmtree(store, ignore_errors=True)
     command = [
         str(BIN / "pte"),
         "efficiency",

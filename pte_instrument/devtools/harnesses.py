@@ -94,6 +94,8 @@ def run_inspect(
             f"{url}/v1",
             "--max-tokens",
             str(max_tokens),
+            "--temperature",  # greedy, as lm-eval asks: the same answers every run
+            "0",
             *(["--stop-seqs", stop] if stop else []),
             "--display",
             "none",

@@ -16,7 +16,7 @@ TERM_LABELS = {
     "truncation": "truncation",
     "logic": "logic",
 }
-PLAIN_WIDTH = 160  # columns when the output is not a terminal (a file, a pipe)
+PLAIN_WIDTH = 220  # columns when the output is not a terminal (a file, a pipe)
 
 
 def _est(e: Estimate | None, digits: int = 3) -> str:
@@ -154,15 +154,15 @@ def cost_plots(report: CostReport, out_dir: str | Path) -> list[Path]:
     rows = [(c, unit, u) for c in report.comparisons for unit, u in c.units.items()]
     if rows:
         fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.4))
-        left = [0.0] * len(rows)
+        up = [0.0] * len(rows)  # where each row's positive and negative stacks have reached
+        down = [0.0] * len(rows)
         colors = ("#4c72b0", "#dd8452", "#55a868", "#c44e52")
         for term, color in zip(TERMS, colors, strict=True):
             widths = [u.terms[term].value for _, _, u in rows]
-            starts = [lft if w >= 0 else lft + w for lft, w in zip(left, widths, strict=True)]
-            ax.barh(
-                range(len(rows)), [abs(w) for w in widths], left=starts, color=color, label=TERM_LABELS[term]
-            )
-            left = [lft + w if w >= 0 else lft for lft, w in zip(left, widths, strict=True)]
+            starts = [u0 if w >= 0 else d0 + w for u0, d0, w in zip(up, down, widths, strict=True)]
+            ax.barh(range(len(rows)), [abs(w) for w in widths], left=starts, color=color, label=TERM_LABELS[term])
+            up = [u0 + max(w, 0.0) for u0, w in zip(up, widths, strict=True)]
+            down = [d0 + min(w, 0.0) for d0, w in zip(down, widths, strict=True)]
         ax.scatter(
             [math.log(u.ratio.value) for _, _, u in rows],
             range(len(rows)),
