@@ -152,7 +152,7 @@ def _efficiency(args: argparse.Namespace) -> int:
     pool = [m.strip() for m in args.pool.split(",") if m.strip()] if args.pool else None
     if pool is not None and args.workload != "solver":
         raise UsageError("--pool applies only with --workload solver")
-    from pte_instrument.offline.harness_runs import is_harness_output
+    from pte_instrument.offline.harness_outputs import is_harness_output
 
     harness = [is_harness_output(p) for p in args.records]
     if any(harness):
@@ -254,7 +254,8 @@ def _print_efficiency(
 
 def _harness_efficiency(args: argparse.Namespace, pool: list[str] | None) -> int:
     from pte_instrument.offline.cost_per_correct import cost_report, eval_records, join_runs, read_request_log
-    from pte_instrument.offline.harness_runs import load_runs, task_reference
+    from pte_instrument.offline.harness_outputs import load_runs
+    from pte_instrument.offline.harness_runs import task_reference
     from pte_instrument.settings import read
 
     if not args.request_log:

@@ -160,7 +160,9 @@ def cost_plots(report: CostReport, out_dir: str | Path) -> list[Path]:
         for term, color in zip(TERMS, colors, strict=True):
             widths = [u.terms[term].value for _, _, u in rows]
             starts = [u0 if w >= 0 else d0 + w for u0, d0, w in zip(up, down, widths, strict=True)]
-            ax.barh(range(len(rows)), [abs(w) for w in widths], left=starts, color=color, label=TERM_LABELS[term])
+            ax.barh(
+                range(len(rows)), [abs(w) for w in widths], left=starts, color=color, label=TERM_LABELS[term]
+            )
             up = [u0 + max(w, 0.0) for u0, w in zip(up, widths, strict=True)]
             down = [d0 + min(w, 0.0) for d0, w in zip(down, widths, strict=True)]
         ax.scatter(

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pte_instrument.offline.harness_runs import HarnessError, is_harness_output, load_runs
+from pte_instrument.offline.harness_outputs import is_harness_output, load_runs
+from pte_instrument.offline.harness_runs import HarnessError
 from pte_instrument.prompt_digest import chat_digest, completion_digest
 
 STAMP = "2026-12-05T03-14-20.691863"
@@ -147,5 +148,13 @@ def test_an_inspect_log_gives_samples_by_epoch_with_their_scores(tmp_path):
     # the mock model answers "Default output": sample a's target is in it, b's is not
     assert got == [("a", True, 1), ("a#2", True, 1), ("b", False, 1), ("b#2", False, 1)]
     assert run.started_at is not None and run.ended_at >= run.started_at
+    # the same log in Inspect's JSON format reads the same
+    from inspect_ai.log import write_eval_log
+
+    as_json = tmp_path / "json" / "log.json"
+    as_json.parent.mkdir()
+    write_eval_log(log, str(as_json), format="json")
+    [again] = load_runs([as_json.parent])
+    assert sorted((s.key, s.correct) for s in again.samples) == [(k, c) for k, c, _ in got]
     with pytest.raises(HarnessError, match="no sample has a score of 'nope'"):
         load_runs([path], metric="nope")
