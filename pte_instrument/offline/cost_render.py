@@ -34,18 +34,27 @@ def print_cost_report(report: CostReport, file: IO[str] | None = None) -> None:
     out = file or sys.stdout
     console = Console(file=out, width=None if out.isatty() else PLAIN_WIDTH, soft_wrap=False)
 
-    joins = Table(title="Samples joined to the request log", title_justify="left")
-    for col in (
-        "run",
-        "harness",
-        "model",
-        "samples",
-        "joined",
-        "unmatched",
-        "requests joined",
-        "requests in window, unmatched",
-    ):
-        joins.add_column(col, justify="left" if col in ("run", "harness", "model") else "right")
+    def table(title: str, names: tuple[str, ...], columns: tuple[str, ...]) -> Table:
+        """A table whose first ``names`` columns are text (left) and the rest figures (right)."""
+        t = Table(title=title, title_justify="left")
+        for col in columns:
+            t.add_column(col, justify="left" if col in names else "right")
+        return t
+
+    joins = table(
+        "Samples joined to the request log",
+        ("run", "harness", "model"),
+        (
+            "run",
+            "harness",
+            "model",
+            "samples",
+            "joined",
+            "unmatched",
+            "requests joined",
+            "requests in window, unmatched",
+        ),
+    )
     for j in report.joins:
         s = j.summary()
         why = ", ".join(f"{n} {reason}" for reason, n in s["samples_unmatched_by_reason"].items())
@@ -61,19 +70,21 @@ def print_cost_report(report: CostReport, file: IO[str] | None = None) -> None:
         )
     console.print(joins)
 
-    costs = Table(title="Cost per correct answer (95% bootstrap interval)", title_justify="left")
-    for col in (
-        "task",
-        "run",
-        "metric",
-        "n",
-        "accuracy",
-        "completion",
-        "cond. correct",
-        "E0",
-        *(UNIT_LABELS[u] for u in UNITS),
-    ):
-        costs.add_column(col, justify="left" if col in ("task", "run", "metric") else "right")
+    costs = table(
+        "Cost per correct answer (95% bootstrap interval)",
+        ("task", "run", "metric"),
+        (
+            "task",
+            "run",
+            "metric",
+            "n",
+            "accuracy",
+            "completion",
+            "cond. correct",
+            "E0",
+            *(UNIT_LABELS[u] for u in UNITS),
+        ),
+    )
     for t in report.tasks:
         costs.add_row(
             t.task,
@@ -89,22 +100,12 @@ def print_cost_report(report: CostReport, file: IO[str] | None = None) -> None:
     console.print(costs)
 
     if report.comparisons:
-        cmp = Table(
-            title="Each run against its task's reference: the ratio of their costs per correct answer, "
+        cmp = table(
+            "Each run against its task's reference: the ratio of their costs per correct answer, "
             "and the Δlog terms that sum to its log",
-            title_justify="left",
+            ("task", "run", "reference", "unit", "explained by"),
+            ("task", "run", "reference", "unit", "ratio", *(TERM_LABELS[t] for t in TERMS), "explained by"),
         )
-        left = ("task", "run", "reference", "unit", "explained by")
-        for col in (
-            "task",
-            "run",
-            "reference",
-            "unit",
-            "ratio",
-            *(TERM_LABELS[t] for t in TERMS),
-            "explained by",
-        ):
-            cmp.add_column(col, justify="left" if col in left else "right")
         for c in report.comparisons:
             for unit, u in c.units.items():
                 cmp.add_row(
