@@ -192,6 +192,20 @@ def test_both_harnesses_outputs_are_joined_and_priced_as_computed_by_hand(evalua
     # the decomposition ran on the same samples, and the plots were written
     decomposition = report["decomposition"]
     assert set(decomposition["benchmarks"]) == {"lm-eval:letters", "inspect:letters"}
+    for h in ("lm", "inspect"):
+        outcome = decomposition["benchmarks"][f"{'lm-eval' if h == 'lm' else 'inspect'}:letters"]["views"][
+            "outcome"
+        ]
+        for n in LIMITS:
+            q = outcome["models"][f"{h}-{n}"]["quantities"]
+            f = by_hand[f"{h}-{n}"]
+            assert q["e0"]["value"] == pytest.approx(f["e0"], rel=1e-9)
+            assert q["accuracy"]["value"] == pytest.approx(f["accuracy"], rel=1e-9)
+        # the decomposition's Δlog E0 is the token comparison's, with its sign turned
+        d = outcome["models"][f"{h}-16"]["decomposition"]["dlog_e0"]["value"]
+        assert d == pytest.approx(
+            -math.log(comparisons[f"{h}-16"]["units"]["output_tokens"]["ratio"]["value"]), rel=1e-9
+        )
     assert (plots / "cost_per_correct.png").stat().st_size > 0 and (
         plots / "cost_terms.png"
     ).stat().st_size > 0
