@@ -5,10 +5,10 @@ steps and hands them over.
 At each pricing pass the hook gives ``PricingProcess`` its completed steps (``RawStep``:
 references to the scheduler outputs' lists) and the finished requests no running step still
 has; it encodes them as one message (msgspec, in C) into a ring in shared memory
-(``engine.ring``) and returns, with no system call. The pricing process polls the ring every
-few milliseconds, prices the steps, writes the step log, fits the step-time model and sends
-each finished request's totals to its API server, as the hook would: the same code, off the
-engine thread and its GIL.
+(``engine.ring``), wakes the pricing process with one byte on its stdin and returns. The
+pricing process sleeps until woken (an idle engine costs it no CPU), prices the steps, writes
+the step log, fits the step-time model and sends each finished request's totals to its API
+server, as the hook would: the same code, off the engine thread and its GIL.
 
 Messages are read in the order they were written, so a request's steps are priced before
 its totals are read. A message the ring has no room for (the pricing process is gone or far
@@ -30,7 +30,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -48,7 +47,9 @@ from pte_instrument.transport import Sender
 START_TIMEOUT_S = 60.0  # its imports take ~0.3 s; a loaded machine may take far longer
 STOP_TIMEOUT_S = 10.0  # to price what is left and send it, at shutdown
 RING_BYTES = 4 << 20  # pricing passes waiting to be read (a pass of 8,192 rows: ~0.5 MB)
-POLL_S = 0.005  # how often the pricing process looks at the ring
+# How long the pricing process sleeps between looks at the ring when nothing wakes it (a wake-up
+# lost to a full pipe is made up for by the next one, or by this).
+IDLE_LOOK_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,8 @@ class PricingProcess:
         try:
             assert proc.stdin is not None
             proc.stdin.write(pickle.dumps(config))
-            proc.stdin.flush()  # stays open: its end tells the process the engine is gone
+            proc.stdin.flush()  # stays open: each byte wakes the process, its end says the engine is gone
+            os.set_blocking(proc.stdin.fileno(), False)  # a full pipe never holds the engine
             _wait_ready(proc, timeout_s)
         except BaseException:
             proc.kill()
@@ -149,7 +151,12 @@ class PricingProcess:
             self._ship(PricingBatch(steps, prompts, done, self.hook_s))
 
     def _ship(self, batch: PricingBatch) -> None:
-        if not self._ring.put(self._encoder.encode(batch)):
+        if self._ring.put(self._encoder.encode(batch)):
+            # A full pipe holds unread wake-ups already; a closed one, a process that is gone
+            # (its next pass finds the ring full and says so).
+            with contextlib.suppress(BlockingIOError, BrokenPipeError):
+                os.write(self._proc.stdin.fileno(), b"\0")  # type: ignore[union-attr]
+        else:
             code = self._proc.poll()
             raise PricingDropped(
                 f"a pricing pass of {len(batch.steps)} steps and {len(batch.finished)} finished "
@@ -193,8 +200,8 @@ def _wait_ready(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
 # --- the pricing process ------------------------------------------------------------------
 
 
-def serve(config: PricingConfig, ready: Callable[[], None]) -> None:
-    """Price what the hook ships until its last pass."""
+def serve(config: PricingConfig, ready: Callable[[], None], woken: threading.Event) -> None:
+    """Price what the hook ships until its last pass; between passes, sleep until ``woken``."""
     faults = FaultTracker()
     sender = EngineSender(Sender(config.transport), config.engine, faults)
     acc = EngineAccounting(
@@ -218,7 +225,8 @@ def serve(config: PricingConfig, ready: Callable[[], None]) -> None:
         while True:
             messages = ring.take()
             if not messages:
-                time.sleep(POLL_S)
+                woken.wait(IDLE_LOOK_S)
+                woken.clear()
             for data in messages:
                 try:
                     batch = decoder.decode(data)
@@ -248,11 +256,12 @@ def step_log_off(faults: FaultTracker, path: str | None, error: OSError) -> None
     faults.record("engine_step_log", error, logged=True)
 
 
-def _exit_when_the_engine_is_gone() -> None:
-    """The engine holds our stdin open; its end (a crash included) ends this process."""
+def _read_wake_ups(woken: threading.Event) -> None:
+    """Each byte the engine writes to our stdin wakes the pricing loop; the pipe's end (the
+    engine gone, a crash included) ends this process."""
     with contextlib.suppress(OSError):  # the raw descriptor: no buffer lock held at exit
         while os.read(sys.stdin.fileno(), 1 << 16):
-            pass
+            woken.set()
     os._exit(0)
 
 
@@ -263,14 +272,15 @@ def main() -> None:
         signal.signal(number, signal.SIG_IGN)
     install_log_handler()
     config = pickle.load(sys.stdin.buffer)
+    woken = threading.Event()
 
     def ready() -> None:
-        threading.Thread(target=_exit_when_the_engine_is_gone, daemon=True).start()
+        threading.Thread(target=_read_wake_ups, args=(woken,), daemon=True).start()
         sys.stdout.write("ready\n")
         sys.stdout.flush()
         os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # nobody reads the pipe any more
 
-    serve(config, ready)
+    serve(config, ready, woken)
 
 
 if __name__ == "__main__":

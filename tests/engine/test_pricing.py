@@ -9,6 +9,7 @@ import queue
 import signal
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -173,3 +174,31 @@ def test_a_pricing_process_that_fails_at_start_is_an_error_and_leaves_no_ring(
     pricing = start(api_server[0])  # a good one: its ring's name is gone once it is mapped
     assert not list(tmp_path.glob("pte-pricing-*")) and pricing._ring.path.startswith(str(tmp_path))
     pricing.close()
+
+
+def test_an_idle_pricing_process_sleeps_until_a_pass_is_shipped(api_server):
+    """Woken by the pass, not by a clock: nothing to price costs it no CPU, and a pass shipped
+    after a long idle is priced at once."""
+    base, inbox = api_server
+    pricing = start(base)
+    try:
+        time.sleep(0.5)  # its start-up done
+        before = cpu_s(pricing.pid)
+        time.sleep(2.0)
+        idle = cpu_s(pricing.pid) - before
+        pricing.price_raw([step(new=[("a", 10, 10)])])
+        pricing.on_finished("a", "stop", COUNTS)
+        shipped = time.monotonic()
+        pricing.flush()
+        messages(inbox, lambda m: any(isinstance(x, RequestTotals) for x in m))
+        took = time.monotonic() - shipped
+    finally:
+        pricing.close()
+    assert idle < 0.015, f"{idle * 1e3:.0f} ms of CPU in 2 s of idle"  # the clock's ticks are 10 ms
+    assert took < 1.0
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
