@@ -109,8 +109,8 @@ def _read_log(path: Path, metric: str | None, key: bytes | None) -> Run:
             continue
         try:
             value = _score_value(score.value)
-        except (ValueError, TypeError) as e:
-            problems.append(Problem(where, str(e), model, task, sid))
+        except Exception as e:  # Inspect's own conversion of a value it does not know
+            problems.append(Problem(where, f"score {score.value!r}: {e}", model, task, sid))
             continue
         answer = s.output.completion if s.output is not None else None
         samples.append(Sample(task, sid, int(s.epoch), value, _calls(s, key), answer, where))
