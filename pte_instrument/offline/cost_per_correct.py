@@ -33,7 +33,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
@@ -58,13 +58,13 @@ class LoggedRequest(msgspec.Struct):
     request_id: str
     model: str
     finish_reason: str
-    output_tokens: int
-    pte_served: float
+    output_tokens: Annotated[int, msgspec.Meta(ge=0)]
+    pte_served: Annotated[float, msgspec.Meta(ge=0)]
     finished_at: float
     arrived_at: float | None = None
     prompt_digest: str | None = None
-    gpu_seconds: float | None = None
-    cost_usd: float | None = None
+    gpu_seconds: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    cost_usd: Annotated[float, msgspec.Meta(ge=0)] | None = None
 
     @property
     def at(self) -> float:

@@ -121,8 +121,8 @@ def _read_run(results_file: Path, metric: str | None, filter_name: str | None, k
     metrics: dict[str, str] = {}
     for task, task_config in results["configs"].items():
         listed = [m.get("metric") for m in task_config.get("metric_list") or [] if isinstance(m, dict)]
-        chosen = metric or (listed[0] if listed else None)
         files = sorted(results_file.parent.glob(f"samples_{task}_{stamp}.jsonl"))
+        chosen = metric or (listed[0] if listed else _first_logged_metric(files))
         if chosen is None or not files:
             why = "no metric listed" if chosen is None else "no samples file (run lm_eval with --log_samples)"
             problems.append(Problem(str(results_file), f"task {task!r} skipped: {why}", model, task))
@@ -139,6 +139,14 @@ def _read_run(results_file: Path, metric: str | None, filter_name: str | None, k
     # (its total_evaluation_time_seconds counts from before the model loaded: too late an end).
     end = _local_time(stamp)
     return Run(model, HARNESS, model, str(results_file), metrics, start, end, tuple(samples), tuple(problems))
+
+
+def _first_logged_metric(files: list[Path]) -> str | None:
+    """A task whose config lists no metric: the first its samples name (their ``metrics``)."""
+    for _, row in _rows(files[0]) if files else ():
+        if isinstance(row, dict) and isinstance(row.get("metrics"), list) and row["metrics"]:
+            return str(row["metrics"][0])
+    return None
 
 
 def _local_time(stamp: str) -> float | None:

@@ -194,7 +194,11 @@ def test_the_request_log_reader_lists_bad_lines_and_keeps_the_rest(tmp_path):
         "finished_at": 2.0,
         "extra": [1],
     }
-    log.write_text(json.dumps(good) + "\n" + '{"request_id": 5}\n' + "not json\n\n")
+    negative = {**good, "output_tokens": -3}
+    log.write_text(
+        json.dumps(good) + "\n" + '{"request_id": 5}\n' + "not json\n\n" + json.dumps(negative) + "\n"
+    )
     requests, problems = read_request_log(log)
     assert [r.request_id for r in requests] == ["r"] and requests[0].at == 2.0  # no arrival: its finish
-    assert [p.where for p in problems] == [f"{log}:2", f"{log}:3"]
+    assert [p.where for p in problems] == [f"{log}:2", f"{log}:3", f"{log}:5"]
+    assert "output_tokens" in problems[2].reason

@@ -42,6 +42,7 @@ def chat_row(doc_id: int, text: str, acc, filter_name: str = "none", repeats: in
         "resps": [[f"answer {k}" for k in range(repeats)]],
         "filtered_resps": [f"answer {doc_id}"],
         "filter": filter_name,
+        "metrics": ["f1", "acc"],
         "acc": acc,
         "f1": 0.25,
     }
@@ -73,6 +74,8 @@ def test_lm_eval_samples_the_primary_metric_the_first_filter_and_each_repeat(tmp
     assert [s.score for s in strict.samples] == [0.0]
     [by_f1] = load_runs([root], metric="f1")
     assert [s.correct for s in by_f1.samples] == [False, False]  # partial credit is not a correct answer
+    [unlisted] = load_runs([lm_eval_output(tmp_path / "unlisted", rows, metric_list=())])
+    assert unlisted.metrics == {"qa": "f1"}  # no metric_list: the first the samples name
 
 
 def test_lm_eval_completion_prompts_and_bad_scores(tmp_path):
