@@ -281,14 +281,15 @@ def _harness_efficiency(args: argparse.Namespace, pool: list[str] | None) -> int
         tasks = {t for r in runs for t in r.metrics}
         if args.benchmark not in tasks:
             raise UsageError(f"task {args.benchmark!r} not in the runs (tasks: {', '.join(sorted(tasks))})")
+        task = args.benchmark
         joins = [
-            replace(j, joined=tuple(s for s in j.joined if s.sample.task == args.benchmark))
+            replace(
+                j,
+                run=replace(j.run, metrics={task: j.run.metrics[task]}),
+                joined=tuple(s for s in j.joined if s.sample.task == task),
+            )
             for j in joins
-            if args.benchmark in j.run.metrics
-        ]
-        joins = [
-            replace(j, run=replace(j.run, metrics={args.benchmark: j.run.metrics[args.benchmark]}))
-            for j in joins
+            if task in j.run.metrics
         ]
     cost = cost_report(
         joins,

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 BIN = Path(sys.executable).parent
-PROVIDER = "pte"  # Inspect's name for the server: its key is read from PTE_API_KEY
+PROVIDER = "local"  # Inspect's name for the server: its key is read from LOCAL_API_KEY
 
 
 def offline_env(home: Path, api_key: str = "unused") -> dict[str, str]:

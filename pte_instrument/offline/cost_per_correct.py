@@ -32,6 +32,7 @@ import math
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -46,7 +47,14 @@ from pte_instrument.offline.statistics import count_chunks
 
 SCHEMA = "pte-cost-per-correct/1"
 SLACK_S = 2.0  # a run's window is widened by this on each side (harness clocks log whole seconds)
-UNITS = ("output_tokens", "pte", "gpu_seconds", "cost_usd")
+# The units a correct answer is priced in, and the request-log field each one sums.
+UNIT_FIELDS = {
+    "output_tokens": "output_tokens",
+    "pte": "pte_served",
+    "gpu_seconds": "gpu_seconds",
+    "cost_usd": "cost_usd",
+}
+UNITS = tuple(UNIT_FIELDS)
 UNIT_LABELS = {"output_tokens": "output tokens", "pte": "PTE", "gpu_seconds": "GPU s", "cost_usd": "USD"}
 TERMS = ("verbosity", "price_per_token", "truncation", "logic")
 MAX_BOOT_ELEMS = 4_000_000  # entries of one resample count matrix: memory stays bounded
@@ -104,14 +112,18 @@ class JoinedSample:
     def cut(self) -> bool:
         return self.requests[-1].finish_reason == "length" and not self.sample.correct
 
+    @cached_property
+    def costs(self) -> dict[str, float | None]:
+        """Its cost in each unit, summed over its requests; None where a request has no such
+        figure (no step hook, no price)."""
+        out: dict[str, float | None] = {}
+        for unit, name in UNIT_FIELDS.items():
+            values = [getattr(r, name) for r in self.requests]
+            out[unit] = None if any(v is None for v in values) else float(sum(values))
+        return out
+
     def unit(self, name: str) -> float | None:
-        """Its cost in one unit; None when a request of it has no such figure."""
-        if name == "output_tokens":
-            return float(sum(r.output_tokens for r in self.requests))
-        if name == "pte":
-            return sum(r.pte_served for r in self.requests)
-        values = [getattr(r, name) for r in self.requests]
-        return None if any(v is None for v in values) else float(sum(values))
+        return self.costs[name]
 
 
 @dataclass(frozen=True)
@@ -176,20 +188,14 @@ def join_runs(
     by_id = {r.request_id: k for k, r in enumerate(requests)}
     models = {r.model for r in requests}
     claimed: set[int] = set()
-    per_model: dict[str, _ByDigest] = {}
-    index_all = None
+    indexes: dict[str | None, _ByDigest] = {}  # by model; None: every model's requests
     order = sorted(range(len(runs)), key=lambda i: (runs[i].started_at is None, runs[i].started_at or 0.0, i))
     out: dict[int, tuple[list[JoinedSample], Counter[str], list[Problem]]] = {}
     for i in order:
         run = runs[i]
         problems: list[Problem] = []
-        if run.model in models:
-            index = per_model.get(run.model)
-            if index is None:
-                index = per_model[run.model] = _ByDigest(
-                    (k, r) for k, r in enumerate(requests) if r.model == run.model
-                )
-        else:
+        model = run.model if run.model in models else None
+        if model is None:
             problems.append(
                 Problem(
                     run.source,
@@ -197,35 +203,17 @@ def join_runs(
                     action="kept",
                 )
             )
-            index = index_all = index_all or _ByDigest(enumerate(requests))
+        if model not in indexes:
+            indexes[model] = _ByDigest((k, r) for k, r in enumerate(requests) if model in (None, r.model))
         start, end = _window(run, slack_s)
         joined: list[JoinedSample] = []
         unmatched: Counter[str] = Counter()
         for sample in run.samples:
-            taken: list[int] = []
-            reason = None
-            for call in sample.calls:
-                k = by_id.get(call.response_id) if call.response_id else None
-                if k is not None and k in claimed:
-                    k = None
-                if k is None and call.digest:
-                    k = index.earliest(call.digest, start, end, claimed)
-                if k is None:
-                    reason = (
-                        "no digest to match"
-                        if not call.digest and not call.response_id
-                        else "not in the request log"
-                    )
-                    break
-                claimed.add(k)
-                taken.append(k)
-            if not sample.calls:
-                reason = "no model call logged"
-            if reason is not None:
-                claimed.difference_update(taken)  # a sample joined in part costs nothing known
-                unmatched[reason] += 1
-                continue
-            joined.append(JoinedSample(sample, tuple(requests[k] for k in taken)))
+            taken = _claim(sample, by_id, indexes[model], start, end, claimed)
+            if isinstance(taken, str):
+                unmatched[taken] += 1
+            else:
+                joined.append(JoinedSample(sample, tuple(requests[k] for k in taken)))
         out[i] = (joined, unmatched, problems)
     at = np.fromiter((r.at for r in requests), np.float64, len(requests))
     model_of = np.array([r.model for r in requests], dtype=object)
@@ -244,6 +232,26 @@ def join_runs(
             )
         )
     return results
+
+
+def _claim(
+    sample: Sample, by_id: dict[str, int], index: _ByDigest, start: float, end: float, claimed: set[int]
+) -> list[int] | str:
+    """The requests (log positions) that served ``sample``'s calls, now claimed; or why it
+    cannot be joined, and then nothing is claimed (a sample joined in part costs nothing known)."""
+    if not sample.calls:
+        return "no model call logged"
+    taken: list[int] = []
+    for call in sample.calls:
+        k = by_id.get(call.response_id) if call.response_id else None
+        if k is None or k in claimed:
+            k = index.earliest(call.digest, start, end, claimed) if call.digest else None
+        if k is None:
+            claimed.difference_update(taken)
+            return "not in the request log" if call.digest or call.response_id else "no digest to match"
+        claimed.add(k)
+        taken.append(k)
+    return taken
 
 
 def _window(run: Run, slack_s: float) -> tuple[float, float]:
@@ -465,12 +473,13 @@ def task_cost(
     )
 
 
-def _terms(sa: np.ndarray, sb: np.ndarray, n: int, unit_col: int) -> np.ndarray:
-    """(..., 5): Δlog cost per correct (b over a) and its four terms, from (..., columns) sums."""
+def _terms(sa: np.ndarray, sb: np.ndarray, n: int) -> np.ndarray:
+    """(..., 5): Δlog cost per correct (b over a) and its four terms, from (..., 4) sums of
+    (correct, cut, tokens, unit)."""
 
     def logs(s: np.ndarray) -> np.ndarray:
         with np.errstate(divide="ignore", invalid="ignore"):
-            S, C, T, U = s[..., 0], s[..., 1], s[..., 2], s[..., unit_col]
+            S, C, T, U = s[..., 0], s[..., 1], s[..., 2], s[..., 3]
             return np.stack(
                 [np.log(U / S), np.log(T / n), np.log(U / T), np.log(1 - C / n), np.log(S / (n - C))], -1
             )
@@ -507,11 +516,11 @@ def compare(
         boot = _resampled_sums(both, n_boot, rng)
     out: dict[str, UnitComparison] = {}
     width = xa.shape[1]
+    sa, sb = xa.sum(axis=0), xb.sum(axis=0)
     for unit in units:
         ca = 2 if unit == "output_tokens" else 3 + ua.index(unit)
         cb = 2 if unit == "output_tokens" else 3 + ub.index(unit)
-        sa, sb = xa.sum(axis=0), xb.sum(axis=0)
-        point = _terms(_pick(sa, ca), _pick(sb, cb), n, 3)
+        point = _terms(_pick(sa, ca), _pick(sb, cb), n)
         if not np.isfinite(point).all():
             notes.append(
                 f"{UNIT_LABELS[unit]}: a run has no correct answer (or no completed one) on the shared samples"
@@ -519,7 +528,7 @@ def compare(
             continue
         bt = None
         if boot is not None:
-            bt = _terms(_pick(boot[:, :width], ca), _pick(boot[:, width:], cb), n, 3)
+            bt = _terms(_pick(boot[:, :width], ca), _pick(boot[:, width:], cb), n)
         est = _estimates(point, bt)
         ratio = Estimate(*(math.exp(v) for v in (est[0].value, est[0].low, est[0].high)))
         terms = dict(zip(TERMS, est[1:], strict=True))

@@ -129,7 +129,7 @@ def print_cost_report(report: CostReport, file: IO[str] | None = None) -> None:
 def cost_plots(report: CostReport, out_dir: str | Path) -> list[Path]:
     """``cost_per_correct.png`` (each unit, per task and run, with intervals) and, with a
     comparison, ``cost_terms.png`` (the Δlog terms of each run against the reference)."""
-    from pte_instrument.offline.plots import pyplot
+    from pte_instrument.offline.plots import pyplot, save_figure
 
     plt = pyplot()
     out = Path(out_dir)
@@ -148,10 +148,7 @@ def cost_plots(report: CostReport, out_dir: str | Path) -> list[Path]:
         ax.bar(range(len(values)), values, yerr=err, capsize=3, color="#4c72b0")
         ax.set_xticks(range(len(values)), labels, fontsize=7)
         ax.set_title(f"{UNIT_LABELS[unit]} per correct answer", fontsize=9)
-    fig.tight_layout()
-    paths.append(out / "cost_per_correct.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(save_figure(fig, out / "cost_per_correct.png"))
     rows = [(c, unit, u) for c in report.comparisons for unit, u in c.units.items()]
     if rows:
         fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.4))
@@ -179,8 +176,5 @@ def cost_plots(report: CostReport, out_dir: str | Path) -> list[Path]:
         )
         ax.set_xlabel("Δlog cost per correct answer against the task's reference")
         ax.legend(fontsize=7, loc="best")
-        fig.tight_layout()
-        paths.append(out / "cost_terms.png")
-        fig.savefig(paths[-1], dpi=120)
-        plt.close(fig)
+        paths.append(save_figure(fig, out / "cost_terms.png"))
     return paths

@@ -120,7 +120,11 @@ def _read_run(results_file: Path, metric: str | None, filter_name: str | None, k
     problems: list[Problem] = []
     metrics: dict[str, str] = {}
     for task, task_config in results["configs"].items():
-        listed = [m.get("metric") for m in task_config.get("metric_list") or [] if isinstance(m, dict)]
+        listed = [
+            m.get("metric")
+            for m in (task_config.get("metric_list") if isinstance(task_config, dict) else None) or []
+            if isinstance(m, dict)
+        ]
         files = sorted(results_file.parent.glob(f"samples_{task}_{stamp}.jsonl"))
         chosen = metric or (listed[0] if listed else _first_logged_metric(files))
         if chosen is None or not files:
@@ -128,9 +132,9 @@ def _read_run(results_file: Path, metric: str | None, filter_name: str | None, k
             problems.append(Problem(str(results_file), f"task {task!r} skipped: {why}", model, task))
             continue
         metrics[task] = chosen
-        got = _read_samples(files[0], task, chosen, filter_name, chat, model, key)
-        samples += got[0]
-        problems += got[1]
+        read, bad = _read_samples(files[0], task, chosen, filter_name, chat, model, key)
+        samples += read
+        problems += bad
     if not metrics:
         raise HarnessError(f"{results_file}: no task with logged samples and a metric")
     started = results.get("date")  # unix time the evaluation began

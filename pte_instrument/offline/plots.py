@@ -33,7 +33,7 @@ def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "benchmark"
 
 
-def _save(fig: Any, path: Path) -> Path:
+def save_figure(fig: Any, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     fig.clf()
@@ -65,7 +65,7 @@ def efficiency_plots(results: Sequence[BenchmarkResult], out_dir: str | Path) ->
         ax.set_xlabel("E0 (correct answers per 1k output tokens)")
         ax.set_ylabel("accuracy")
         ax.set_title(f"{r.benchmark}: accuracy vs E0 (marker size: E[T])")
-        paths.append(_save(fig, out / f"{slug}-accuracy-e0.png"))
+        paths.append(save_figure(fig, out / f"{slug}-accuracy-e0.png"))
         plt.close(fig)
 
         view = r.views.get("trace") or r.views.get("workload") or r.views["outcome"]
@@ -94,7 +94,7 @@ def efficiency_plots(results: Sequence[BenchmarkResult], out_dir: str | Path) ->
         ax.set_ylabel(f"Δlog vs {r.reference}")
         ax.set_title(f"{r.benchmark}: Δlog E0 decomposition ({view.name} view)")
         ax.legend(fontsize=7)
-        paths.append(_save(fig, out / f"{slug}-dlog.png"))
+        paths.append(save_figure(fig, out / f"{slug}-dlog.png"))
         plt.close(fig)
 
         if "workload" in r.views:
@@ -107,7 +107,7 @@ def efficiency_plots(results: Sequence[BenchmarkResult], out_dir: str | Path) ->
             ax.set_xlabel("V̄O (mean tokens per unit workload)")
             ax.set_ylabel("κ (coupling)")
             ax.set_title(f"{r.benchmark}: overhead vs coupling ({r.workload_source} workload)")
-            paths.append(_save(fig, out / f"{slug}-vo-kappa.png"))
+            paths.append(save_figure(fig, out / f"{slug}-vo-kappa.png"))
             plt.close(fig)
     return paths
 
@@ -129,7 +129,7 @@ def trajectory_plots(groups: Sequence[GroupReport], out_dir: str | Path) -> list
     ax.set_ylabel("mean PTE of the turn")
     ax.set_title("PTE per step")
     ax.legend(fontsize=7)
-    paths = [_save(fig, out / "pte-per-step.png")]
+    paths = [save_figure(fig, out / "pte-per-step.png")]
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(max(6.4, 0.6 * len(groups) + 2), 4.8))
@@ -143,6 +143,6 @@ def trajectory_plots(groups: Sequence[GroupReport], out_dir: str | Path) -> list
     ax.set_ylabel("mean PTE per trajectory")
     ax.set_title("PTE of correct vs incorrect trajectories")
     ax.legend(fontsize=7)
-    paths.append(_save(fig, out / "pte-correct-incorrect.png"))
+    paths.append(save_figure(fig, out / "pte-correct-incorrect.png"))
     plt.close(fig)
     return paths

@@ -45,9 +45,8 @@ class FinishedRequest:
     operation: str | None = None  # GenAI operation of its route (chat, text_completion); None: unknown
     traceparent: str | None = None  # the caller's W3C trace context, if it sent one
     trace_id: str | None = None  # the trace its span belongs to (None: no tracing)
-    prompt_index: int | None = (
-        None  # which prompt of its HTTP request (a completion request may carry several)
-    )
+    # which prompt of its HTTP request (a completion request may carry several)
+    prompt_index: int | None = None
     prompt_digest: str | None = None  # of its prompt (``pte_instrument.prompt_digest``); None: not taken
 
     @property
@@ -131,9 +130,8 @@ class RequestRecord:
     operation: str | None = None  # GenAI operation of the route (chat, text_completion); None: unknown
     traceparent: str | None = None  # the caller's W3C trace context: its span is this one's parent
     trace_id: str | None = None  # 32 hex digits: the trace of this request's span (None: tracing off)
-    prompt_digest: str | None = (
-        None  # SHA-256 (or keyed HMAC) of its prompt's roles and text; None: not taken
-    )
+    # SHA-256 (or keyed HMAC) of its prompt's roles and text; None: not taken
+    prompt_digest: str | None = None
 
     @property
     def pte_reference_prefill(self) -> float:
