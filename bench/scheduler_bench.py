@@ -115,7 +115,7 @@ def paired_run(
         return arrivals[k]
 
     admitted = [0, 0]
-    hook = drivers[1].s._pte
+    hook = getattr(drivers[1].s, "_pte", None)
     pid = getattr(hook, "pid", None)  # the pricing process
     hook_start = finished_start = 0.0
     cpu_start: float | None = None

@@ -5,8 +5,8 @@
 scheduling on (the GPU builds' default), it is vLLM's ``AsyncScheduler`` with the hook, and
 otherwise vLLM's ``Scheduler`` with the hook. It never changes ``async_scheduling``.
 
-Per step the hook keeps a reference to the scheduler output and two clock readings; once
-the step's outputs are back, references to the output's lists. The completed steps are
+Per step the hook keeps references to the scheduler output's lists and two clock readings,
+and reads nothing per request (but the drafts of speculative decoding). The completed steps are
 priced together every ``PRICE_EVERY_STEPS`` steps or ``PRICE_EVERY_ROWS`` rows, or
 ``PRICE_DELAY_S`` after a request finished, or at once when the engine runs out of requests:
 by default handed to the hook's pricing process (``engine.pricing``), which prices them
@@ -47,9 +47,12 @@ PRICE_EVERY_ROWS = 8192
 PRICE_DELAY_S = 0.04
 SCHEDULER_FLAG = "--scheduler-cls pte_instrument.vllm_adapter.scheduler.PteScheduler"
 
-# One step in flight or completed: [scheduler output, scheduled at, outputs back at, hook s,
-# draft tokens per request, rejected drafts per request, positions to take back per request]
-_OUT, _SCHEDULED, _DONE, _HOOK, _DRAFTS, _REJECTED, _BACK = range(7)
+# One step in flight or completed, a ``RawStep`` from the moment it is scheduled (a list: its
+# fields still change): [new requests (id, computed tokens, prompt length), the other
+# requests' ids, their computed tokens, tokens scheduled per request (the scheduler output's
+# own dict, which also tells its outputs apart), scheduled at, outputs back at, hook s, draft
+# tokens per request, rejected drafts per request, positions to take back per request]
+_NEW, _RIDS, _C, _COUNTS, _SCHEDULED, _DONE, _HOOK, _DRAFTS, _REJECTED, _BACK = range(10)
 
 
 class _PteHook:
@@ -195,12 +198,23 @@ class _PteHook:
         if pte is not None:
             clock = self._pte_clock
             t = clock()
-            try:
-                failpoint("engine_step")
-                self._pte_inflight.append([out, t, 0.0, 0.0, None, None, None])
-            except Exception as e:  # this step is lost to the accounting
-                self._pte_lost(out)
-                self._pte_fault("step", e)
+            new, cached = out.scheduled_new_reqs, out.scheduled_cached_reqs
+            self._pte_inflight.append(
+                [
+                    [(d.req_id, d.num_computed_tokens, compat.prompt_length(d)) for d in new]
+                    if new
+                    else None,
+                    cached.req_ids,
+                    cached.num_computed_tokens,
+                    out.num_scheduled_tokens,
+                    t,
+                    0.0,
+                    0.0,
+                    None,
+                    None,
+                    None,
+                ]
+            )
             pte.hook_s += clock() - t
         return out
 
@@ -212,7 +226,8 @@ class _PteHook:
         t0 = clock()
         step, drafts = None, None
         try:
-            step = self._pte_completed(scheduler_output)
+            failpoint("engine_step")
+            step = self._pte_completed(scheduler_output.num_scheduled_tokens)
             spec = scheduler_output.scheduled_spec_decode_tokens
             if spec and step is not None:  # what vLLM rolls back is what it rejected
                 step[_DRAFTS] = {rid: len(tokens) for rid, tokens in spec.items()}
@@ -221,20 +236,23 @@ class _PteHook:
                     (rid, r, r.num_computed_tokens) for rid in spec if (r := requests.get(rid)) is not None
                 ]
         except Exception as e:
+            if step is not None:  # this step is lost to the accounting
+                self._pte_lost(step)
+                step = None
             self._pte_fault("step", e)
         t1 = clock()
         outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
         t2 = clock()
-        raw = None
         try:
             if step is not None:
                 if drafts is not None:
                     self._pte_rejected(step, drafts)
-                if rows := len(scheduler_output.num_scheduled_tokens):
+                if rows := len(step[_COUNTS]):
                     step[_DONE] = t0
-                    raw = _raw_step(step)
-                    self._pte_done.append(raw)
+                    self._pte_done.append(step)
                     self._pte_rows += rows
+                else:
+                    step = None
             finished_at = self._pte_finished_at
             if (
                 len(self._pte_done) >= PRICE_EVERY_STEPS
@@ -249,8 +267,8 @@ class _PteHook:
             self._pte_fault("finish", e)
         spent = (t1 - t0) + (clock() - t2)
         pte.hook_s += spent
-        if raw is not None:  # for its line in the step log, unless priced already
-            raw[_RAW_HOOK] += spent
+        if step is not None:  # for its line in the step log, unless priced already
+            step[_HOOK] += spent
         return outputs
 
     def finish_requests(self, *args: Any, **kwargs: Any) -> Any:
@@ -283,7 +301,7 @@ class _PteHook:
     def shutdown(self) -> None:
         if self._pte is not None:
             try:
-                self._pte_done += map(_raw_step, self._pte_inflight)  # never to complete: as they are
+                self._pte_done += self._pte_inflight  # never to complete: as they are
                 self._pte_inflight.clear()
                 self._pte_price()
             except Exception as e:
@@ -296,24 +314,25 @@ class _PteHook:
 
     # --- the hook's own work ------------------------------------------------------------
 
-    def _pte_completed(self, scheduler_output: Any) -> list[Any] | None:
-        """The in-flight step whose outputs these are: the oldest, as vLLM's engine completes
-        steps in order; steps scheduled before it and never completed are dropped."""
+    def _pte_completed(self, counts: dict[str, int]) -> list[Any] | None:
+        """The in-flight step whose outputs these are (``counts``: its scheduler output's
+        tokens per request): the oldest, as vLLM's engine completes steps in order; steps
+        scheduled before it and never completed are dropped."""
         inflight = self._pte_inflight
-        if inflight and inflight[0][_OUT] is scheduler_output:
+        if inflight and inflight[0][_COUNTS] is counts:
             return inflight.popleft()
         for k, step in enumerate(inflight):
-            if step[_OUT] is scheduler_output:
+            if step[_COUNTS] is counts:
                 for _ in range(k):
-                    self._pte_lost(inflight.popleft()[_OUT])
+                    self._pte_lost(inflight.popleft())
                 return inflight.popleft()
         return None  # a step the hook lost (a fault): the ones in flight stay
 
-    def _pte_lost(self, out: Any) -> None:
+    def _pte_lost(self, step: list[Any]) -> None:
         """A step the accounting will not see: the prompt lengths of the requests it started,
         which later steps do not carry (the pricing process cannot ask the scheduler)."""
-        for d in out.scheduled_new_reqs:
-            self._pte_prompts[d.req_id] = compat.prompt_length(d)
+        for rid, _, prompt in step[_NEW] or ():
+            self._pte_prompts[rid] = prompt
 
     def _pte_rejected(self, step: list[Any], drafts: list[tuple[str, Any, int]]) -> None:
         """A step's drafts of requests still live: vLLM rolled each one's computed tokens back
@@ -326,7 +345,7 @@ class _PteHook:
             if k > 0:
                 rejected[rid] = k
                 for later in self._pte_inflight:
-                    if rid in later[_OUT].num_scheduled_tokens:
+                    if rid in later[_COUNTS]:
                         back = later[_BACK] = later[_BACK] or {}
                         back[rid] = back.get(rid, 0) + k
 
@@ -340,33 +359,9 @@ class _PteHook:
             pte.price_raw(done, self._pte_prompts)
             self._pte_prompts = {}
         inflight = self._pte_inflight
-        pte.flush(
-            (lambda rid: any(rid in s[_OUT].num_scheduled_tokens for s in inflight)) if inflight else None
-        )
+        pte.flush((lambda rid: any(rid in s[_COUNTS] for s in inflight)) if inflight else None)
         if not pte.finished:
             self._pte_finished_at = None
-
-
-_RAW_HOOK = 6  # RawStep's field: the hook's time for the step
-
-
-def _raw_step(step: list[Any]) -> list[Any]:
-    """A step whose outputs are back as a ``RawStep`` (a list: its hook time still grows):
-    references to the scheduler output's lists, not the output itself, and no per-row work."""
-    out, scheduled_at, done_at, hook_s, drafts, rejected, back = step
-    new, cached = out.scheduled_new_reqs, out.scheduled_cached_reqs
-    return [
-        [(d.req_id, d.num_computed_tokens, compat.prompt_length(d)) for d in new] if new else None,
-        cached.req_ids,
-        cached.num_computed_tokens,
-        out.num_scheduled_tokens,
-        scheduled_at,
-        done_at,
-        hook_s,
-        drafts,
-        rejected,
-        back,
-    ]
 
 
 class PteScheduler(_PteHook, Scheduler):
