@@ -6,9 +6,10 @@ At each pricing pass the hook gives ``PricingProcess`` its completed steps (``Ra
 references to the scheduler outputs' lists) and the finished requests no running step still
 has; it encodes them as one message (msgspec, in C) into a ring in shared memory
 (``engine.ring``), wakes the pricing process with one byte on its stdin and returns. The
-pricing process sleeps until woken (an idle engine costs it no CPU), prices the steps, writes
-the step log, fits the step-time model and sends each finished request's totals to its API
-server, as the hook would: the same code, off the engine thread and its GIL.
+pricing process sleeps until woken (an idle engine costs it no CPU; woken, it never preempts
+the engine thread: SCHED_BATCH), prices the steps, writes the step log, fits the step-time
+model and sends each finished request's totals to its API server, as the hook would: the
+same code, off the engine thread and its GIL.
 
 Messages are read in the order they were written, so a request's steps are priced before
 its totals are read. A message the ring has no room for (the pricing process is gone or far
@@ -270,6 +271,12 @@ def main() -> None:
     # ships its last pass, which this process prices before it ends (or its stdin closes).
     for number in (signal.SIGINT, signal.SIGTERM):
         signal.signal(number, signal.SIG_IGN)
+    # Woken after each pass, it would otherwise preempt the engine thread on a busy host (the
+    # engine's time then includes the pricing); SCHED_BATCH keeps its share of the CPU but
+    # never preempts on wake-up.
+    if hasattr(os, "SCHED_BATCH"):
+        with contextlib.suppress(OSError):
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
     install_log_handler()
     config = pickle.load(sys.stdin.buffer)
     woken = threading.Event()

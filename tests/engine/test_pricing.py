@@ -202,3 +202,16 @@ def cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process (Linux)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling classes")
+def test_the_pricing_process_never_preempts_the_engine_when_woken(api_server):
+    """It runs under SCHED_BATCH: a pass shipped wakes it without taking the engine's core
+    from the engine thread (on a busy host a wake-up preempted the engine thread for about
+    as long as the pass took to price)."""
+    pricing = start(api_server[0])
+    try:
+        assert os.sched_getscheduler(pricing.pid) == os.SCHED_BATCH
+        assert os.sched_getparam(pricing.pid).sched_priority == 0
+    finally:
+        pricing.close()
