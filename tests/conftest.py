@@ -8,14 +8,21 @@ import http.server
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
 
 from tests.exposition import samples
 from tests.helpers import jsonl
+
+if TYPE_CHECKING:
+    from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+    from opentelemetry.proto.logs.v1.logs_pb2 import LogRecord
+    from opentelemetry.proto.metrics.v1.metrics_pb2 import Metric
+    from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL = ROOT / "models" / "tiny"
@@ -106,68 +113,20 @@ class OtlpReceiver:
         spans, logs, points = self.spans, self.logs, self.points = [], [], []
 
         def take_spans(body: bytes) -> None:
-            for rs in ExportTraceServiceRequest.FromString(body).resource_spans:
-                for ss in rs.scope_spans:
-                    for sp in ss.spans:
-                        attrs = {a.key: _any_value(a.value) for a in sp.attributes}
-                        spans.append(
-                            {
-                                "name": sp.name,
-                                "start": sp.start_time_unix_nano,
-                                "end": sp.end_time_unix_nano,
-                                "attributes": attrs,
-                                "trace_id": sp.trace_id.hex(),
-                                "span_id": sp.span_id.hex(),
-                                "parent_span_id": sp.parent_span_id.hex(),
-                                "kind": sp.kind,
-                                "status": sp.status.code,
-                                "status_message": sp.status.message,
-                            }
-                        )
+            request = ExportTraceServiceRequest.FromString(body)
+            spans.extend(_span(sp) for _, sp in _items(request.resource_spans, "scope_spans", "spans"))
 
         def take_logs(body: bytes) -> None:
-            for rl in ExportLogsServiceRequest.FromString(body).resource_logs:
-                resource = {a.key: _any_value(a.value) for a in rl.resource.attributes}
-                for sl in rl.scope_logs:
-                    for lr in sl.log_records:
-                        attrs = {a.key: _any_value(a.value) for a in lr.attributes}
-                        logs.append(
-                            {
-                                "event_name": lr.event_name,
-                                "time": lr.time_unix_nano,
-                                "severity": lr.severity_text,
-                                "body": _any_value(lr.body),
-                                "attributes": attrs,
-                                "resource": resource,
-                            }
-                        )
+            request = ExportLogsServiceRequest.FromString(body)
+            logs.extend(
+                _log_record(lr, resource)
+                for resource, lr in _items(request.resource_logs, "scope_logs", "log_records")
+            )
 
         def take_metrics(body: bytes) -> None:
-            """One entry per data point: histograms with count, sum and buckets, sums with value."""
-            for rm in ExportMetricsServiceRequest.FromString(body).resource_metrics:
-                resource = {a.key: _any_value(a.value) for a in rm.resource.attributes}
-                for sm in rm.scope_metrics:
-                    for m in sm.metrics:
-                        kind = m.WhichOneof("data")
-                        for dp in getattr(m, kind).data_points:
-                            point = {
-                                "name": m.name,
-                                "unit": m.unit,
-                                "kind": kind,
-                                "time": dp.time_unix_nano,
-                                "attributes": {a.key: _any_value(a.value) for a in dp.attributes},
-                                "resource": resource,
-                            }
-                            if kind == "histogram":
-                                point.update(
-                                    count=dp.count,
-                                    sum=dp.sum,
-                                    bounds=list(dp.explicit_bounds),
-                                    bucket_counts=list(dp.bucket_counts),
-                                )
-                            else:
-                                point["value"] = getattr(dp, dp.WhichOneof("value"))
-                            points.append(point)
+            request = ExportMetricsServiceRequest.FromString(body)
+            for resource, m in _items(request.resource_metrics, "scope_metrics", "metrics"):
+                points.extend(_metric_points(m, resource))
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self) -> None:
@@ -220,11 +179,82 @@ class OtlpReceiver:
         return None
 
 
-def _any_value(v):
+def _any_value(v: AnyValue) -> Any:
     kind = v.WhichOneof("value")
     if kind == "array_value":
         return [_any_value(x) for x in v.array_value.values]
     return getattr(v, kind)
+
+
+def _attributes(key_values: Iterable[KeyValue]) -> dict[str, Any]:
+    return {a.key: _any_value(a.value) for a in key_values}
+
+
+def _items(resources: Iterable[Any], scopes: str, items: str) -> Iterator[tuple[dict[str, Any], Any]]:
+    """(its resource's attributes, item) for each item of an OTLP export request: every signal
+    nests its spans, log records or metrics by resource, then by instrumentation scope."""
+    for r in resources:
+        resource = _attributes(r.resource.attributes)
+        for scope in getattr(r, scopes):
+            for item in getattr(scope, items):
+                yield resource, item
+
+
+def _span(sp: Span) -> dict[str, Any]:
+    """A received span as the tests read it: times in ns since the epoch, ids in hex."""
+    return dict(
+        name=sp.name,
+        start=sp.start_time_unix_nano,
+        end=sp.end_time_unix_nano,
+        attributes=_attributes(sp.attributes),
+        trace_id=sp.trace_id.hex(),
+        span_id=sp.span_id.hex(),
+        parent_span_id=sp.parent_span_id.hex(),
+        kind=sp.kind,
+        status=sp.status.code,
+        status_message=sp.status.message,
+    )
+
+
+def _log_record(lr: LogRecord, resource: dict[str, Any]) -> dict[str, Any]:
+    """A received log record, with the attributes of the resource that sent it."""
+    return dict(
+        event_name=lr.event_name,
+        time=lr.time_unix_nano,
+        severity=lr.severity_text,
+        body=_any_value(lr.body),
+        attributes=_attributes(lr.attributes),
+        resource=resource,
+    )
+
+
+def _metric_points(m: Metric, resource: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """One entry per data point: histograms with count, sum and buckets, sums with value."""
+    kind = m.WhichOneof("data")
+    for dp in getattr(m, kind).data_points:
+        point = {
+            "name": m.name,
+            "unit": m.unit,
+            "kind": kind,
+            "time": dp.time_unix_nano,
+            "attributes": _attributes(dp.attributes),
+            "resource": resource,
+        }
+        if kind == "histogram":
+            point.update(
+                count=dp.count,
+                sum=dp.sum,
+                bounds=list(dp.explicit_bounds),
+                bucket_counts=list(dp.bucket_counts),
+            )
+        else:
+            point["value"] = getattr(dp, dp.WhichOneof("value"))
+        yield point
+
+
+def generation(model: str, max_tokens: int, **fields: Any) -> dict[str, Any]:
+    """A request body for exactly ``max_tokens`` tokens, greedy: the same answer each time."""
+    return {"model": model, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0, **fields}
 
 
 class Server:
@@ -238,16 +268,17 @@ class Server:
             base_url=self.url, timeout=120, headers={"Authorization": f"Bearer {API_KEY}"}
         )
 
-    def chat(self, content: str, max_tokens: int = 8, **extra) -> dict:
-        body = {
-            "model": self.model,
-            "messages": [{"role": "user", "content": content}],
-            "max_tokens": max_tokens,
-            "ignore_eos": True,
-            "temperature": 0.0,
-            **extra,
-        }
-        r = self.client.post("/v1/chat/completions", json=body)
+    def chat(self, content: str, max_tokens: int = 8, headers: dict[str, str] | None = None, **extra) -> dict:
+        messages = [{"role": "user", "content": content}]
+        return self.generate("/v1/chat/completions", max_tokens, headers, messages=messages, **extra)
+
+    def completion(
+        self, prompt: str, max_tokens: int = 8, headers: dict[str, str] | None = None, **extra
+    ) -> dict:
+        return self.generate("/v1/completions", max_tokens, headers, prompt=prompt, **extra)
+
+    def generate(self, route: str, max_tokens: int, headers: dict[str, str] | None, **fields) -> dict:
+        r = self.client.post(route, json=generation(self.model, max_tokens, **fields), headers=headers or {})
         r.raise_for_status()
         return r.json()
 

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import importlib.util
 import json
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 
 
 def wait(predicate: Callable[[], bool], timeout_s: float = 20.0, interval_s: float = 0.2) -> bool:
@@ -28,6 +31,17 @@ def jsonl(path: Path) -> list[dict]:
         return []
     text = path.read_text()
     return [json.loads(x) for x in text[: text.rfind("\n") + 1].splitlines()]
+
+
+def load_script(path: Path) -> ModuleType:
+    """A script outside any package (scripts/*.py) loaded as the module ``path.stem``, and
+    registered in sys.modules as an import would (dataclasses look their module up there)."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def fill(directory: Path) -> Path:

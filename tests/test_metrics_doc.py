@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
+from types import ModuleType
 
 from pte_instrument.server.exporters.catalog import families
 from tests.conftest import ROOT
+from tests.helpers import load_script
 
 
-def load_generator():
-    spec = importlib.util.spec_from_file_location("gen_metrics_doc", ROOT / "scripts" / "gen_metrics_doc.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def load_generator() -> ModuleType:
+    return load_script(ROOT / "scripts" / "gen_metrics_doc.py")
 
 
 def test_committed_metrics_doc_matches_the_code():

@@ -5,25 +5,22 @@ bounds, and no module but the settings reads the plugin's variables from the env
 from __future__ import annotations
 
 import ast
-import importlib.util
+from types import ModuleType
 
 import pytest
 
 from pte_instrument import settings
 from tests.conftest import ROOT
+from tests.helpers import load_script
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("settings_tables", ROOT / "scripts" / "settings_tables.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def settings_tables() -> ModuleType:
+    return load_script(ROOT / "scripts" / "settings_tables.py")
 
 
 @pytest.mark.parametrize("doc", ["README.md", "docs/configuration.md"])
 def test_the_committed_table_is_the_generated_one(doc):
-    script = load_script()
+    script = settings_tables()
     path = ROOT / doc
     text = path.read_text(encoding="utf-8")
     table = settings.markdown_table(readme=script.TABLES[path])
@@ -33,7 +30,7 @@ def test_the_committed_table_is_the_generated_one(doc):
 
 
 def test_the_check_names_a_stale_file(tmp_path, monkeypatch, capsys):
-    script = load_script()
+    script = settings_tables()
     stale = tmp_path / "README.md"
     stale.write_text(f"# x\n{script.BEGIN}\n| old |\n{script.END}\nafter\n", encoding="utf-8")
     monkeypatch.setattr(script, "ROOT", tmp_path)

@@ -15,7 +15,7 @@ import json
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from itertools import chain
 from pathlib import Path
 from typing import Any, TypeVar
@@ -91,14 +91,7 @@ class Problem:
         return f"{self.where}{f' ({who})' if who else ''}: {self.reason}{tail}"
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "where": self.where,
-            "reason": self.reason,
-            "model": self.model,
-            "benchmark": self.benchmark,
-            "instance_id": self.instance_id,
-            "action": self.action,
-        }
+        return asdict(self)
 
 
 @dataclass

@@ -29,7 +29,7 @@ from pte_instrument.server.middleware import TaggingMiddleware
 from pte_instrument.server.pricer import RequestPricer
 from pte_instrument.server.records import FinishedRequest
 from pte_instrument.server.routes import build_router
-from pte_instrument.server.runtime import Runtime, get_runtime
+from pte_instrument.server.runtime import Runtime, get_runtime, once
 from pte_instrument.settings import Settings
 
 EXPIRY_EVERY_S = 1.0  # idle sessions are closed this often, whether or not a turn arrives
@@ -255,15 +255,9 @@ class ApiServer:
         return TaggingMiddleware(app, self.runtime, keys_of, adapters_of)
 
 
-_server: ApiServer | None = None
-_lock = threading.Lock()
-
-
+@once
 def api_server() -> ApiServer:
     """This process's plugin (vLLM loads the stat logger and the routes separately)."""
-    global _server
-    with _lock:
-        if _server is None:
-            _server = ApiServer(get_runtime())
-            atexit.register(_server.tick)  # price what is ready before the session store closes
-        return _server
+    server = ApiServer(get_runtime())
+    atexit.register(server.tick)  # price what is ready before the session store closes
+    return server

@@ -12,8 +12,8 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
-from functools import partial
-from typing import Any
+from functools import partial, wraps
+from typing import Any, TypeVar
 
 from prometheus_client import REGISTRY, CollectorRegistry
 
@@ -317,20 +317,33 @@ class Runtime:
             return unknown
 
 
-_runtime: Runtime | None = None
-_lock = threading.Lock()
+T = TypeVar("T")
 
 
+def once(build: Callable[[], T]) -> Callable[[], T]:
+    """A process-wide object: ``build`` runs at the first call only, under a lock (the stat
+    logger and the routes may ask from different threads); every call returns its result."""
+    built: list[T] = []
+    lock = threading.Lock()
+
+    @wraps(build)
+    def get() -> T:
+        with lock:
+            if not built:
+                built.append(build())
+            return built[0]
+
+    return get
+
+
+@once
 def get_runtime() -> Runtime:
-    global _runtime
-    with _lock:
-        if _runtime is None:
-            install_log_handler()
-            settings = Settings.from_env()
-            say_configuration(settings.errors)
-            _runtime = Runtime(settings)
-            atexit.register(_runtime.sessions.close)  # commit the queued turns at shutdown
-        return _runtime
+    install_log_handler()
+    settings = Settings.from_env()
+    say_configuration(settings.errors)
+    runtime = Runtime(settings)
+    atexit.register(runtime.sessions.close)  # commit the queued turns at shutdown
+    return runtime
 
 
 def _digest_of(digests: tuple[str, ...], index: int | None) -> str | None:

@@ -384,7 +384,10 @@ class RequestTable:
         return key in self.cols and bool(np.isfinite(self.cols[key]).any())
 
     def select(self, mask: np.ndarray) -> RequestTable:
-        idx = np.flatnonzero(mask)
+        return self.take(np.flatnonzero(mask))
+
+    def take(self, idx: np.ndarray) -> RequestTable:
+        """The rows at ``idx``, in that order."""
         return RequestTable(
             [self.request_id[i] for i in idx],
             [self.session_id[i] for i in idx],

@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -412,7 +413,7 @@ def _matched(p: Phase, load: A.RequestTable, alone: A.RequestTable, n_boot: int,
     il, ia = S.match_requests(load, alone)
     if il.size < 3:
         return {"matched": {"n": int(il.size)}}
-    lt, y = _take(load, il), alone["inference_s"][ia]
+    lt, y = load.take(il), alone["inference_s"][ia]
     metrics = [
         A.Metric(
             MATCHED_PRIMARY,
@@ -443,18 +444,6 @@ def _matched(p: Phase, load: A.RequestTable, alone: A.RequestTable, n_boot: int,
         "matched": {**S.matched_columns(load, alone, il, ia), **S.same_work(load, alone, il, ia)},
         "matched_level": level,
     }
-
-
-def _take(t: A.RequestTable, idx: np.ndarray) -> A.RequestTable:
-    """Rows of ``t`` in the order of ``idx``."""
-    return A.RequestTable(
-        [t.request_id[i] for i in idx],
-        [t.session_id[i] for i in idx],
-        t.turn[idx],
-        [t.device[i] for i in idx],
-        [t.finish_reason[i] for i in idx],
-        {k: v[idx] for k, v in t.cols.items()},
-    )
 
 
 def _step_metrics(s: A.StepTable, fit: Calibration | None, fit_dec: Calibration | None) -> list[A.Metric]:
@@ -561,6 +550,19 @@ def _ci(c: tuple[float, float] | None) -> str:
 
 def _met(value: float, ok: bool) -> bool | None:
     return bool(ok) if math.isfinite(value) else None
+
+
+def _at_least(
+    name: str,
+    bound: float,
+    value: float,
+    detail: str,
+    diagnose: Callable[[], str],
+    ci: tuple[float, float] | None,
+) -> Target:
+    """A target met when ``value`` ≥ ``bound``; ``diagnose`` runs only on a miss (or NaN)."""
+    met = _met(value, value >= bound)
+    return Target(name, f"≥ {bound}", value, met, detail, "" if met else diagnose(), ci)
 
 
 def _alone(a: LatencyAnalysis) -> Phase | None:
@@ -733,20 +735,17 @@ def seconds_targets(a: LatencyAnalysis) -> list[Target]:
         )
         return out
     pm = lv.get(A.PREDICTED)
-    r = pm.corr.pearson
-    met = _met(r, r >= TARGET_R_PREDICTED)
     gm = lv.get(A.GPU_SECONDS)
     detail = f"{_ci(pm.corr.pearson_ci)}; Spearman ρ {_corr_cell(pm.corr, 'spearman')}"
     if gm is not None:
         detail += f"; GPU seconds: r {_corr_cell(gm.corr)}, ρ {_corr_cell(gm.corr, 'spearman')}"
     out.append(
-        Target(
+        _at_least(
             "c=1 r(predicted_seconds, inference_s)",
-            f"≥ {TARGET_R_PREDICTED}",
-            r,
-            met,
+            TARGET_R_PREDICTED,
+            pm.corr.pearson,
             detail,
-            "" if met else diagnose_predicted(a, lv, t),
+            partial(diagnose_predicted, a, lv, t),
             pm.corr.pearson_ci,
         )
     )
@@ -775,16 +774,14 @@ def seconds_targets(a: LatencyAnalysis) -> list[Target]:
         )
     att = a.seconds.get(alone.name, {}).get("attribution")
     if att is not None:
-        met = _met(att.median, att.median >= TARGET_ATTRIBUTION)
         out.append(
-            Target(
+            _at_least(
                 "c=1 gpu_seconds / inference_s (median)",
-                f"≥ {TARGET_ATTRIBUTION}",
+                TARGET_ATTRIBUTION,
                 att.median,
-                met,
                 f"{_ci(att.median_ci)}; share of requests ≥ {TARGET_ATTRIBUTION}: {att.share_at_least:.1%} "
                 f"({_ci(att.share_ci)}); p10 {att.quantiles['p10']:.3f}, p90 {att.quantiles['p90']:.3f}",
-                "" if met else diagnose_attribution(a, alone.name, t),
+                partial(diagnose_attribution, a, alone.name, t),
                 att.median_ci,
             )
         )
@@ -794,33 +791,28 @@ def seconds_targets(a: LatencyAnalysis) -> list[Target]:
         d = a.seconds.get(p.name, {})
         cov = d.get("coverage")
         if cov is not None:
-            met = _met(cov.median, cov.median >= TARGET_COVERAGE)
             out.append(
-                Target(
+                _at_least(
                     f"c={p.concurrency} latency explained / (inference_s + queued_s) (median)",
-                    f"≥ {TARGET_COVERAGE}",
+                    TARGET_COVERAGE,
                     cov.median,
-                    met,
                     f"{_ci(cov.median_ci)}; p05 {cov.quantiles['p05']:.3f}, p95 {cov.quantiles['p95']:.3f}; "
                     f"share ≥ {TARGET_COVERAGE}: {cov.share_at_least:.1%}",
-                    "" if met else diagnose_coverage(a, p.name),
+                    partial(diagnose_coverage, a, p.name),
                     cov.median_ci,
                 )
             )
         mlv = a.level("matched", p.name)
         mm = mlv.get(MATCHED_PRIMARY) if mlv is not None else None
         if mm is not None:
-            rho = mm.corr.spearman
-            met = _met(rho, rho >= TARGET_MATCHED_RHO)
             out.append(
-                Target(
+                _at_least(
                     f"c={p.concurrency} Spearman(predicted_seconds under load, inference_s alone)",
-                    f"≥ {TARGET_MATCHED_RHO}",
-                    rho,
-                    met,
+                    TARGET_MATCHED_RHO,
+                    mm.corr.spearman,
                     f"{_ci(mm.corr.spearman_ci)}; {mm.corr.n} requests matched by session and turn; "
                     f"Pearson {_corr_cell(mm.corr)}",
-                    "" if met else diagnose_matched(a, p.name, mlv),
+                    partial(diagnose_matched, a, p.name, mlv),
                     mm.corr.spearman_ci,
                 )
             )
@@ -865,17 +857,14 @@ def step_model_targets(a: LatencyAnalysis) -> list[Target]:
         )
     sd = sm.get(name, "decode-only")
     if sd is not None:
-        r = sd.corr.pearson
-        met = _met(r, r >= TARGET_STEP_R_DECODE)
         out.append(
-            Target(
+            _at_least(
                 f"step r, {label}, decode-only steps",
-                f"≥ {TARGET_STEP_R_DECODE}",
-                r,
-                met,
+                TARGET_STEP_R_DECODE,
+                sd.corr.pearson,
                 f"{_ci(sd.corr.pearson_ci)}; MAPE {sd.mape:.1%}, n {sd.n}"
                 + beside("decode-only", lambda o: f"r {_fmt(o.corr.pearson)}"),
-                "" if met else SM.explain_step_miss(sm, "decode-only", "r"),
+                partial(SM.explain_step_miss, sm, "decode-only", "r"),
                 sd.corr.pearson_ci,
             )
         )
@@ -892,15 +881,13 @@ def evaluate_targets(a: LatencyAnalysis) -> list[Target]:
         prim = lv.get(A.PRIMARY)
         r = prim.corr.pearson if prim else math.nan
         label = "alone (concurrency 1)" if p.concurrency == 1 else f"under load (concurrency {p.concurrency})"
-        met = bool(r >= TARGET_R) if math.isfinite(r) else None
         out.append(
-            Target(
+            _at_least(
                 f"request r(PTE served, inference_s), {label}",
-                f"≥ {TARGET_R}",
+                TARGET_R,
                 r,
-                met,
                 f"95% CI {_fmt(prim.corr.pearson_ci[0])}–{_fmt(prim.corr.pearson_ci[1])}" if prim else "",
-                "" if met else diagnose_request(a, lv),
+                partial(diagnose_request, a, lv),
                 prim.corr.pearson_ci if prim else None,
             )
         )
@@ -926,30 +913,25 @@ def evaluate_targets(a: LatencyAnalysis) -> list[Target]:
     lv = a.level("step", "all")
     if lv is not None:
         m = lv.get(A.STEP_MODEL)
-        r = m.corr.pearson if m else math.nan
-        met = bool(r >= TARGET_R) if math.isfinite(r) else None
         out.append(
-            Target(
+            _at_least(
                 "step r(calibrated model, dt_s), all phases",
-                f"≥ {TARGET_R}",
-                r,
-                met,
+                TARGET_R,
+                m.corr.pearson if m else math.nan,
                 f"{a.step_fit.formula()} (R² {a.step_fit.r2:.3f})" if a.step_fit else "",
-                "" if met else diagnose_step(a),
+                partial(diagnose_step, a),
                 m.corr.pearson_ci if m else None,
             )
         )
         pm = lv.get(A.STEP_PTE)
         if pm is not None:
-            r2 = pm.corr.pearson
             out.append(
-                Target(
+                _at_least(
                     "step r(PTE at logged γ, dt_s), all phases",
-                    f"≥ {TARGET_R}",
-                    r2,
-                    bool(r2 >= TARGET_R) if math.isfinite(r2) else None,
+                    TARGET_R,
+                    pm.corr.pearson,
                     "the γ the plugin priced with, no fitting",
-                    "" if r2 >= TARGET_R else diagnose_step(a),
+                    partial(diagnose_step, a),
                     pm.corr.pearson_ci,
                 )
             )

@@ -8,6 +8,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from pte_instrument.validation import analysis as A
 from pte_instrument.validation.calibrate import calibrate_requests, calibrate_steps, fit_linear, gamma_at_hoi
 from pte_instrument.validation.phases import Phase
 from pte_instrument.validation.report import analyse_logs, write_report
+from tests.bench.logs import request_line, step_lines
 
 # ----------------------------------------------------------------------------- statistics
 
@@ -114,34 +116,11 @@ def test_turn_level_means_over_sessions() -> None:
 # ----------------------------------------------------------------------------- baselines
 
 
-def _request(**kw: float) -> dict:
-    base = {
-        "request_id": "cmpl-x-0",
-        "session_id": "c1-s000",
-        "turn": 1,
-        "finish_reason": "length",
-        "prompt_tokens": 100,
-        "cached_tokens": 40,
-        "computed_prefill_tokens": 60,
-        "recomputed_tokens": 0,
-        "output_tokens": 10,
-        "gamma": 0.01,
-        "hoi": 295.0,
-        "device": "h100-sxm",
-        "pte_reference": 110.0,
-        "pte_served": 70.5,
-        "pte_ideal": 70.5,
-        "pte_prefill": 60.0,
-        "pte_decode": 10.5,
-        "queued_s": 0.0,
-        "prefill_s": 0.1,
-        "decode_s": 0.2,
-        "inference_s": 0.3,
-        "e2e_s": 0.31,
-        "finished_at": 1.0,
-    }
-    base.update(kw)
-    return base
+def _request(**kw: Any) -> dict[str, Any]:
+    """40 of the 100 prompt tokens from the prefix cache (60 prefilled, 70.5 PTE served), on an
+    H100 (HOI 295), in 0.3 s of inference."""
+    line = request_line(cached=40, decode_pte=10.5, request_id="cmpl-x-0", hoi=295.0, device="h100-sxm")
+    return {**line, "decode_s": 0.2, "inference_s": 0.3, "e2e_s": 0.31, **kw}
 
 
 def test_baselines_on_a_hand_example() -> None:
@@ -185,26 +164,8 @@ def _synthetic_steps(
     ctx = decode * rng.integers(100, 8000, n)
     t = a * prefill + b * ctx + c
     t = t * (1 + noise * rng.normal(size=n))
-    recs: list[dict] = [{"header": True, "gammas": [gamma_header], "windows": [None], "weights_pte": 300.0}]
-    for i in range(n):
-        recs.append(
-            {
-                "engine": 0,
-                "step": i,
-                "t": 1000.0 + i,
-                "dt_s": float(t[i]),
-                "n_reqs": int(decode[i]) + 1,
-                "tokens": int(prefill[i] + decode[i]),
-                "prefill": int(prefill[i]),
-                "recompute": 0,
-                "decode_tokens": int(decode[i]),
-                "ctx": [float(ctx[i])],
-                "pte": float(prefill[i] + gamma_header * ctx[i]),
-                "roofline_pte": float(max(prefill[i] + decode[i], 300 + gamma_header * ctx[i])),
-                "weights_pte": 300.0,
-            }
-        )
-    return recs
+    header = {"header": True, "gammas": [gamma_header], "windows": [None], "weights_pte": 300.0}
+    return [header, *step_lines(prefill, decode, ctx, t, decode + 1, 300.0, gamma_header)]
 
 
 def test_calibration_recovers_gamma_within_2_percent() -> None:

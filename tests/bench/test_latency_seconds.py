@@ -22,6 +22,7 @@ from pte_instrument.validation import seconds as S
 from pte_instrument.validation import step_model as SM
 from pte_instrument.validation.phases import Phase
 from pte_instrument.validation.report import MATCHED_PRIMARY, analyse_logs, write_report
+from tests.bench.logs import request_line, step_lines
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -50,30 +51,8 @@ def test_ratio_summary_empty_and_unbootstrapped() -> None:
 
 
 def _req(**kw: Any) -> dict[str, Any]:
-    base = {
-        "request_id": "r",
-        "session_id": "c1-s000",
-        "turn": 1,
-        "finish_reason": "length",
-        "prompt_tokens": 100,
-        "cached_tokens": 0,
-        "computed_prefill_tokens": 100,
-        "recomputed_tokens": 0,
-        "output_tokens": 10,
-        "gamma": 0.01,
-        "hoi": 3.0,
-        "device": "h100-sxm@hoi=3",
-        "pte_reference": 110.0,
-        "pte_served": 110.0,
-        "pte_ideal": 110.0,
-        "pte_prefill": 100.0,
-        "pte_decode": 10.0,
-        "queued_s": 0.0,
-        "prefill_s": 0.1,
-        "decode_s": 0.9,
-        "inference_s": 1.0,
-        "e2e_s": 1.0,
-        "finished_at": 1.0,
+    """A request line with the step hook's seconds: 0.98 of its 1 s of inference on the GPU."""
+    seconds = {
         "gpu_seconds": 0.98,
         "gpu_seconds_prefill": 0.2,
         "gpu_seconds_kv_read": 0.08,
@@ -83,8 +62,7 @@ def _req(**kw: Any) -> dict[str, Any]:
         "latency_explained_s": 0.98,
         "interference_s": 0.0,
     }
-    base.update(kw)
-    return base
+    return {**request_line(), **seconds, **kw}
 
 
 def test_attribution_and_coverage_on_requests() -> None:
@@ -238,29 +216,7 @@ def _steps(
     dt = dt * (1 + noise * rng.normal(size=n))
     if drift:
         dt = dt * (1 + 0.3 * np.sin(np.arange(n) / 50))
-    recs: list[dict[str, Any]] = [dict(HEADER)]
-    for i in range(n):
-        roof = max(float(tokens[i]), HEADER["weights_pte"] + float(kv_pte[i]))
-        recs.append(
-            {
-                "engine": 0,
-                "step": i,
-                "t": 1000.0 + i,
-                "n_reqs": int(n_reqs[i]),
-                "tokens": int(tokens[i]),
-                "prefill": int(prefill[i]),
-                "recompute": 0,
-                "decode_tokens": int(decode[i]),
-                "spec_tokens": 0,
-                "ctx": [float(ctx[i])],
-                "pte": float(prefill[i] + kv_pte[i]),
-                "roofline_pte": roof,
-                "weights_pte": HEADER["weights_pte"],
-                "hook_s": 1e-6,
-                "dt_s": float(dt[i]),
-            }
-        )
-    return recs
+    return [dict(HEADER), *step_lines(prefill, decode, ctx, dt, n_reqs, HEADER["weights_pte"], 0.01)]
 
 
 def test_step_columns_classify_memory_bound_as_the_engine() -> None:
@@ -373,6 +329,19 @@ def _write_seconds_run(tmp: Path, with_steps: bool = False) -> list[Phase]:
     plan = {
         (s, t): (int(rng.integers(20, 800)), int(rng.integers(8, 90))) for s in range(16) for t in range(1, 6)
     }
+
+    def turn(phase: str, s: int, t: int, **kw: Any) -> dict[str, Any]:
+        """Session ``s``'s turn ``t`` in ``phase``: the plan's prompt, all of it prefilled."""
+        pre, out = plan[(s, t)]
+        return _req(
+            session_id=f"{phase}-s{s:03d}",
+            turn=t,
+            prompt_tokens=pre,
+            pte_prefill=float(pre),
+            output_tokens=out,
+            **kw,
+        )
+
     recs = []
     alone = {}
     for (s, t), (pre, out) in plan.items():
@@ -381,13 +350,11 @@ def _write_seconds_run(tmp: Path, with_steps: bool = False) -> list[Phase]:
         if s < 8:
             gpu = 0.98 * inf
             recs.append(
-                _req(
-                    session_id=f"c1-s{s:03d}",
-                    turn=t,
-                    pte_prefill=float(pre),
-                    output_tokens=out,
+                turn(
+                    "c1",
+                    s,
+                    t,
                     pte_served=pre + 0.01 * pre * out,
-                    prompt_tokens=pre,
                     inference_s=inf,
                     gpu_seconds=gpu,
                     latency_explained_s=gpu,
@@ -395,15 +362,13 @@ def _write_seconds_run(tmp: Path, with_steps: bool = False) -> list[Phase]:
                     finished_at=100.0 + s * 10 + t,
                 )
             )
-    for (s, t), (pre, out) in plan.items():
+    for s, t in plan:
         inf, queued = 3.0 * alone[(s, t)], 0.05
         recs.append(
-            _req(
-                session_id=f"c16-s{s:03d}",
-                turn=t,
-                pte_prefill=float(pre),
-                output_tokens=out,
-                prompt_tokens=pre,
+            turn(
+                "c16",
+                s,
+                t,
                 inference_s=inf,
                 queued_s=queued,
                 gpu_seconds=0.4 * alone[(s, t)] + 1e-9 * s,

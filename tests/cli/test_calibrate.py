@@ -47,54 +47,36 @@ def fixture_text() -> str:
         device="h100-sxm",
         weights_pte=WEIGHTS_PTE,
     )
-    lines = [encode_step_log(header)]
-    for i, (prefill, decode, ctx) in enumerate(STEPS):
+
+    def step(i: int, prefill: int, decode: int, ctx: float, dt_s: float | None) -> str:
         tokens = prefill + decode
         kv = GAMMA * ctx
-        roofline = max(tokens, WEIGHTS_PTE + kv)
-        mb = 1.0 if tokens < WEIGHTS_PTE + kv else 0.0
-        lines.append(
-            encode_step_log(
-                StepLogLine(
-                    engine=0,
-                    step=i,
-                    t=1.8e9 + i,
-                    n_reqs=max(decode, 1),
-                    tokens=tokens,
-                    prefill=prefill,
-                    recompute=0,
-                    decode_tokens=decode,
-                    spec_tokens=0,
-                    ctx=[float(ctx)],
-                    pte=prefill + kv,
-                    roofline_pte=roofline,
-                    weights_pte=WEIGHTS_PTE,
-                    hook_s=1e-6,
-                    dt_s=round(step_seconds(prefill, ctx, mb), 12),
-                )
-            )
-        )
-    # the latest step, still running when the log was read: no dt_s, not fitted
-    lines.append(
-        encode_step_log(
+        return encode_step_log(
             StepLogLine(
                 engine=0,
-                step=len(STEPS),
-                t=1.8e9 + len(STEPS),
-                n_reqs=1,
-                tokens=1,
-                prefill=0,
+                step=i,
+                t=1.8e9 + i,
+                n_reqs=max(decode, 1),
+                tokens=tokens,
+                prefill=prefill,
                 recompute=0,
-                decode_tokens=1,
+                decode_tokens=decode,
                 spec_tokens=0,
-                ctx=[10.0],
-                pte=GAMMA * 10,
-                roofline_pte=WEIGHTS_PTE + GAMMA * 10,
+                ctx=[float(ctx)],
+                pte=prefill + kv,
+                roofline_pte=max(tokens, WEIGHTS_PTE + kv),
                 weights_pte=WEIGHTS_PTE,
                 hook_s=1e-6,
+                dt_s=dt_s,
             )
         )
-    )
+
+    lines = [encode_step_log(header)]
+    for i, (prefill, decode, ctx) in enumerate(STEPS):
+        mb = 1.0 if prefill + decode < WEIGHTS_PTE + GAMMA * ctx else 0.0
+        lines.append(step(i, prefill, decode, ctx, round(step_seconds(prefill, ctx, mb), 12)))
+    # the latest step, still running when the log was read: no dt_s, not fitted
+    lines.append(step(len(STEPS), 0, 1, 10.0, None))
     return "".join(lines)
 
 

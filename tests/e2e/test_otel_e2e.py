@@ -12,6 +12,8 @@ import time
 
 import pytest
 
+from tests.conftest import generation
+
 # The conventions' explicit bucket advice (semantic-conventions-genai, gen-ai-metrics.md),
 # written out here rather than imported, so a typo in the package shows.
 DURATION_BOUNDS = [0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92]
@@ -25,32 +27,6 @@ def words(n: int) -> str:
     return " ".join(rng.choice(["agent", "tool", "cache", "token", "span", "trace", "row"]) for _ in range(n))
 
 
-def completion(server, prompt: str, max_tokens: int = 6, headers: dict | None = None) -> dict:
-    body = {
-        "model": server.model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
-        "temperature": 0.0,
-    }
-    r = server.client.post("/v1/completions", json=body, headers=headers or {})
-    r.raise_for_status()
-    return r.json()
-
-
-def chat(server, content: str, max_tokens: int = 4, headers: dict | None = None) -> dict:
-    body = {
-        "model": server.model,
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
-        "temperature": 0.0,
-    }
-    r = server.client.post("/v1/chat/completions", json=body, headers=headers or {})
-    r.raise_for_status()
-    return r.json()
-
-
 def record_and_span(server, response_id: str) -> tuple[dict, dict]:
     rec = server.log_records({response_id})[response_id][0]
     span = server.otlp.span_for(rec["request_id"])
@@ -60,8 +36,8 @@ def record_and_span(server, response_id: str) -> tuple[dict, dict]:
 
 def test_span_operation_and_name_follow_the_route(server):
     for response, operation in (
-        (chat(server, "which operation is this"), "chat"),
-        (completion(server, "which operation is that"), "text_completion"),
+        (server.chat("which operation is this", max_tokens=4), "chat"),
+        (server.completion("which operation is that", max_tokens=6), "text_completion"),
     ):
         rec, span = record_and_span(server, response["id"])
         a = span["attributes"]
@@ -73,12 +49,14 @@ def test_span_operation_and_name_follow_the_route(server):
 
 def test_span_is_a_child_of_the_callers_traceparent(server):
     trace_id, parent = f"{random.getrandbits(128) | 1:032x}", f"{random.getrandbits(64) | 1:016x}"
-    joined = chat(server, "part of a caller's trace", headers={"traceparent": f"00-{trace_id}-{parent}-01"})
+    joined = server.chat(
+        "part of a caller's trace", max_tokens=4, headers={"traceparent": f"00-{trace_id}-{parent}-01"}
+    )
     rec, span = record_and_span(server, joined["id"])
     assert (span["trace_id"], span["parent_span_id"]) == (trace_id, parent)
     assert rec["trace_id"] == trace_id and rec["traceparent"] == f"00-{trace_id}-{parent}-01"
     # without one, the span starts a trace of its own: the one its record names
-    alone = chat(server, "no caller's trace")
+    alone = server.chat("no caller's trace", max_tokens=4)
     rec, span = record_and_span(server, alone["id"])
     assert span["parent_span_id"] == "" and rec["traceparent"] is None
     assert span["trace_id"] == rec["trace_id"] != trace_id and re.fullmatch("[0-9a-f]{32}", rec["trace_id"])
@@ -86,7 +64,9 @@ def test_span_is_a_child_of_the_callers_traceparent(server):
 
 def test_span_carries_the_session_as_session_id(server):
     sid = f"otel-session-{random.getrandbits(32):x}"
-    _, span = record_and_span(server, chat(server, "a turn", headers={"X-Session-Id": sid})["id"])
+    _, span = record_and_span(
+        server, server.chat("a turn", max_tokens=4, headers={"X-Session-Id": sid})["id"]
+    )
     assert span["attributes"]["session.id"] == sid == span["attributes"]["gen_ai.conversation.id"]
 
 
@@ -97,7 +77,7 @@ def test_span_ends_when_the_client_got_its_answer(server):
     after the answer) would fail; the bounds leave the client room to be scheduled late on a
     busy host."""
     t0 = time.time()
-    response = chat(server, words(300), max_tokens=96)
+    response = server.chat(words(300), max_tokens=96)
     t1 = time.time()
     rec, span = record_and_span(server, response["id"])
     assert rec["decode_s"] > 0.5 * (t1 - t0), "the decode should be most of the request"
@@ -112,14 +92,7 @@ def test_ttft_and_tpot_are_what_a_streaming_client_sees(server):
     either holds whatever that delay (vLLM's first token before the client's; the engine's
     queue, prefill and decode inside the client's wait) or needs the last chunk delayed by a
     decode's length more than the first to fail."""
-    body = {
-        "model": server.model,
-        "prompt": words(1500),
-        "max_tokens": 256,
-        "ignore_eos": True,
-        "temperature": 0.0,
-        "stream": True,
-    }
+    body = generation(server.model, 256, prompt=words(1500), stream=True)
     # A starved API server can hold the chunks back and deliver them in one burst (on two
     # cores, beside another server's busy engine, for seconds), and then the client cannot tell
     # its first token from its last: measured again, up to five times, then said and skipped
@@ -179,7 +152,7 @@ def test_genai_server_metrics_and_pte_metrics_over_otlp(server):
         "gen_ai.server.time_to_first_token",
         "gen_ai.server.time_per_output_token",
     )
-    chat(server, "so that a point exists")  # a chat point: every metric has been exported once
+    server.chat("so that a point exists", max_tokens=4)  # a chat point: every metric has been exported once
     before = {n: _settled(otlp, n, op) for n in names}
     served_before = {
         ph: _settled(otlp, "pte.served", {**model, "pte.phase": ph}) for ph in ("prefill", "decode")
@@ -187,7 +160,7 @@ def test_genai_server_metrics_and_pte_metrics_over_otlp(server):
     reference_before = {
         ph: _settled(otlp, "pte.reference", {**model, "pte.phase": ph}) for ph in ("prefill", "decode")
     }
-    ids = [completion(server, words(40 * (i + 1)), max_tokens=3 + 4 * i)["id"] for i in range(3)]
+    ids = [server.completion(words(40 * (i + 1)), max_tokens=3 + 4 * i)["id"] for i in range(3)]
     recs = [v[0] for v in server.log_records(set(ids)).values()]
     assert len(recs) == 3
 
@@ -239,7 +212,7 @@ def exemplars(text: str, family: str) -> list[tuple[str, str, float]]:
 
 
 def test_prometheus_exemplar_names_the_requests_trace(server):
-    rec, span = record_and_span(server, chat(server, "an exemplar, please", max_tokens=5)["id"])
+    rec, span = record_and_span(server, server.chat("an exemplar, please", max_tokens=5)["id"])
     # vLLM's /metrics answers the Prometheus text format whatever is asked: no exemplars there
     plain = server.client.get("/metrics", headers=OPENMETRICS)
     assert plain.headers["content-type"].startswith("text/plain") and "# {trace_id=" not in plain.text

@@ -15,6 +15,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -77,23 +78,22 @@ def faults(client: httpx.Client) -> dict[str, float]:
     return client.get("/pte/summary").json()["faults"]
 
 
-def test_parallel_sampling_prices_each_child_once(served):
-    vllm, log, client = served
-    before = faults(client).get("engine_join", 0)
-    session = f"n2-{uuid.uuid4().hex[:8]}"
+def completion(served, session: str, **body: Any) -> str:
+    """Post a completion in ``session``; its response's id."""
+    vllm, _, client = served
     r = client.post(
-        "/v1/completions",
-        headers={"X-Session-Id": session},
-        json={
-            "model": vllm.served_name,
-            "prompt": "agent tool call result",
-            "n": 2,
-            "max_tokens": 6,
-            "temperature": 1.0,
-        },
+        "/v1/completions", headers={"X-Session-Id": session}, json={"model": vllm.served_name, **body}
     )
     r.raise_for_status()
-    rid = r.json()["id"]  # cmpl-<id>; the prompt's request is cmpl-<id>-0
+    return r.json()["id"]
+
+
+def test_parallel_sampling_prices_each_child_once(served):
+    _, log, client = served
+    before = faults(client).get("engine_join", 0)
+    session = f"n2-{uuid.uuid4().hex[:8]}"
+    # cmpl-<id>; the prompt's request is cmpl-<id>-0
+    rid = completion(served, session, prompt="agent tool call result", n=2, max_tokens=6, temperature=1.0)
     entries = wait_for(log, lambda e: rid in e["request_id"], 2)
     assert sorted(e["request_id"] for e in entries) == [f"0_{rid}-0", f"1_{rid}-0"]
     assert sorted(e["child_index"] for e in entries) == [0, 1]
@@ -104,19 +104,9 @@ def test_parallel_sampling_prices_each_child_once(served):
 
 
 def test_a_list_of_prompts_is_tagged_with_its_session(served):
-    vllm, log, client = served
+    _, log, _ = served
     session = f"list-{uuid.uuid4().hex[:8]}"
-    r = client.post(
-        "/v1/completions",
-        headers={"X-Session-Id": session},
-        json={
-            "model": vllm.served_name,
-            "prompt": ["agent tool", "call result", "search python"],
-            "max_tokens": 3,
-        },
-    )
-    r.raise_for_status()
-    rid = r.json()["id"]
+    rid = completion(served, session, prompt=["agent tool", "call result", "search python"], max_tokens=3)
     entries = wait_for(log, lambda e: e["request_id"].startswith(rid), 3)
     assert sorted(e["request_id"] for e in entries) == [f"{rid}-{i}" for i in range(3)]
     assert [e["session_id"] for e in entries] == [session] * 3

@@ -18,19 +18,26 @@ from pte_instrument.engine.timing import (
 MODEL = StepTimeModel(a=1e-3, b=1e-4, w=5e-3, o=2e-3)
 
 
-def test_a_step_is_split_by_the_model_and_sums_to_its_measured_time():
-    t = TimeAttribution(MODEL, None, capacity=4)
-    # one memory-bound step: slot 0 prefills 10 tokens, slot 1 decodes reading 100 context
+def prefill_beside_decode(
+    t: TimeAttribution, prefill: float, ctx: float, memory_bound: bool, measured_s: float
+) -> None:
+    """One step of two rows: slot 0 prefills ``prefill`` tokens, slot 1 decodes reading ``ctx``
+    context (alone, only the decode would be memory-bound)."""
     t.steps(
         np.array([0, 1]),
         [2],
         None,
-        np.array([10.0, 0.0]),
-        np.array([0.0, 100.0]),
+        np.array([prefill, 0.0]),
+        np.array([0.0, ctx]),
         np.array([False, True]),
-        np.array([True]),
-        [0.040],
+        np.array([memory_bound]),
+        [measured_s],
     )
+
+
+def test_a_step_is_split_by_the_model_and_sums_to_its_measured_time():
+    t = TimeAttribution(MODEL, None, capacity=4)
+    prefill_beside_decode(t, prefill=10.0, ctx=100.0, memory_bound=True, measured_s=0.040)
     # modelled: 10 ms + 10 ms + 5 ms weights + 2 ms overhead = 27 ms; measured 40 ms: × 40/27
     scale = 0.040 / 0.027
     a, b = t.read(0), t.read(1)
@@ -69,16 +76,7 @@ def test_several_steps_at_once_conserve_busy_time():
 
 def test_a_model_that_predicts_nothing_splits_evenly():
     t = TimeAttribution(StepTimeModel(0.0, 0.0, 0.0, 0.0), None, capacity=2)
-    t.steps(
-        np.array([0, 1]),
-        [2],
-        None,
-        np.array([5.0, 0.0]),
-        np.array([0.0, 9.0]),
-        np.array([False, True]),
-        np.array([False]),
-        [0.008],
-    )
+    prefill_beside_decode(t, prefill=5.0, ctx=9.0, memory_bound=False, measured_s=0.008)
     assert t.read(0)[OVERHEAD_S] == pytest.approx(0.004) and t.read(1)[OVERHEAD_S] == pytest.approx(0.004)
 
 

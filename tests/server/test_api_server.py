@@ -21,6 +21,7 @@ from pte_instrument.vllm_adapter.compat import request_keys
 from pte_instrument.wire import EngineHello, RequestTotals
 from tests.cost.test_architecture import FIX
 from tests.helpers import wait
+from tests.server.builders import finished_request
 
 
 class Probe:
@@ -58,19 +59,8 @@ def served(architecture: dict | None = None, engines: tuple[int, ...] = (0,)) ->
 
 
 def finished(rid: str, output: int = 3, engine: int = 0) -> FinishedRequest:
-    now = time.time()
-    return FinishedRequest(
-        rid,
-        "m",
-        prompt_tokens=10,
-        cached_tokens=0,
-        output_tokens=output,
-        finish_reason="stop",
-        arrived_at=now - 1,
-        finished_at=now,
-        e2e_s=1.0,
-        engine=engine,
-    )
+    """Finished just now, by the wall clock the runtime reads."""
+    return finished_request(rid, output, arrived=time.time() - 1, engine=engine)
 
 
 @pytest.fixture

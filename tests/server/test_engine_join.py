@@ -22,6 +22,7 @@ from pte_instrument.server.records import FinishedRequest, price_request
 from pte_instrument.server.sessions import SessionLedger
 from pte_instrument.vllm_adapter.compat import request_keys
 from pte_instrument.wire import EngineHello, RequestTotals
+from tests.server.builders import finished_request
 
 SHAPE = ModelShape("unit", 1, 8, 1, 1, 8, "mha", 2, (KVGroup(1, 2.0, None),), 100.0, 100.0)
 COST = CostModel(SHAPE, DeviceProfile("unit", 1.0, 1.0, "test"))  # γ = 0.01
@@ -35,20 +36,6 @@ def make_join(hook: bool = True) -> tuple[EngineInbox, RequestJoin, list[Finishe
     priced: list[FinishedRequest] = []
     join = RequestJoin(inbox, "m", request_keys, lambda r: r, faults)
     return inbox, join, priced, faults
-
-
-def stats(rid: str, output: int, reason: str = "stop", arrived: float = 100.0) -> FinishedRequest:
-    return FinishedRequest(
-        rid,
-        "m",
-        prompt_tokens=10,
-        cached_tokens=0,
-        output_tokens=output,
-        finish_reason=reason,
-        arrived_at=arrived,
-        finished_at=arrived + 1,
-        e2e_s=1.0,
-    )
 
 
 def totals(external: str, output: int, child: int | None = None, reason: str = "stop", **kw) -> RequestTotals:
@@ -70,8 +57,8 @@ def test_parallel_sampling_children_are_priced_once_each_under_unique_ids():
     inbox, join, priced, faults = make_join()
     inbox.on_messages([totals("cmpl-x-0", 3, child=0), totals("cmpl-x-0", 5, child=1)])
     now = time.monotonic()
-    join.finished(stats("cmpl-x-0", 5), now)  # vLLM reports both under the parent's id
-    join.finished(stats("cmpl-x-0", 3), now)
+    join.finished(finished_request("cmpl-x-0", 5), now)  # vLLM reports both under the parent's id
+    join.finished(finished_request("cmpl-x-0", 3), now)
     priced.extend(join.ready(now))
     assert sorted((r.request_id, r.child_index, r.output_tokens) for r in priced) == [
         ("0_cmpl-x-0", 0, 3),
@@ -86,8 +73,8 @@ def test_a_reused_request_id_joins_both_requests():
     inbox, join, priced, faults = make_join()
     inbox.on_messages([totals("chatcmpl-same", 4), totals("chatcmpl-same", 4)])
     now = time.monotonic()
-    join.finished(stats("chatcmpl-same", 4), now)
-    join.finished(stats("chatcmpl-same", 4), now)
+    join.finished(finished_request("chatcmpl-same", 4), now)
+    join.finished(finished_request("chatcmpl-same", 4), now)
     priced.extend(join.ready(now))
     assert len(priced) == 2 and all(r.engine_totals is not None for r in priced)
     assert len({r.engine_totals.request_id for r in priced}) == 1  # same engine id here: built alike
@@ -104,7 +91,7 @@ def test_an_abort_is_priced_from_its_totals_at_once_and_never_twice():
     [r] = priced
     assert (r.request_id, r.finish_reason, r.arrived_at, r.finished_at) == ("chatcmpl-a", "abort", 50.0, 50.7)
     assert r.e2e_s == pytest.approx(0.7)
-    join.finished(stats("chatcmpl-a", 2, reason="abort"), now + 1)  # vLLM reports it after all
+    join.finished(finished_request("chatcmpl-a", 2, reason="abort"), now + 1)  # vLLM reports it after all
     priced.extend(join.ready(now + 1))
     assert len(priced) == 1
 
@@ -138,7 +125,7 @@ def test_requests_ready_together_are_priced_in_arrival_order():
     _, join, priced, _ = make_join(hook=False)
     now = time.monotonic()
     for rid, arrived in (("c", 3.0), ("a", 1.0), ("b", 2.0)):
-        join.finished(stats(rid, 1, arrived=arrived), now)
+        join.finished(finished_request(rid, 1, arrived=arrived), now)
     priced.extend(join.ready(now))
     assert [r.request_id for r in priced] == ["a", "b", "c"]
 
@@ -147,12 +134,12 @@ def test_an_engine_whose_hook_never_reached_this_api_server_is_a_fault_priced_at
     """Engine 0's hook said hello, engine 1's never did (a node whose transport cannot reach
     this process): engine 1's requests are priced at once, without totals, each counted."""
     _, join, priced, faults = make_join(hook=True)
-    request = replace(stats("cmpl-far-0", output=3), engine=1)
+    request = finished_request("cmpl-far-0", output=3, engine=1)
     join.finished(request, now=0.0)
     priced.extend(join.ready(now=0.0))  # no waiting for totals that cannot come
     assert [r.request_id for r in priced] == ["cmpl-far-0"] and priced[0].engine_totals is None
     assert faults.counts["engine_join"] == 1
-    join.finished(replace(stats("cmpl-near-0", output=3), engine=0), now=0.0)
+    join.finished(finished_request("cmpl-near-0", output=3, engine=0), now=0.0)
     priced.extend(join.ready(now=0.0))  # engine 0's hook is there: its request waits for its totals
     assert len(priced) == 1 and faults.counts["engine_join"] == 1
 

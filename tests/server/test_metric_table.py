@@ -5,7 +5,6 @@ exporter binds its label children once and still exposes a series only once it h
 
 from __future__ import annotations
 
-import dataclasses
 import typing
 
 import pytest
@@ -13,8 +12,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from pte_instrument.server.exporters.families import FAMILIES, FamilySpec
 from pte_instrument.server.exporters.prometheus import PrometheusExporter, PteMetrics
-from pte_instrument.server.records import RequestRecord
 from tests import exposition
+from tests.server.builders import gpu_split, request_record
 
 M, E = ("model_name", "engine"), ("model_name", "benchmark")
 A = (*M, "tenant", "lora_name")  # who used what: a tenant, a LoRA adapter
@@ -146,28 +145,6 @@ def test_a_bad_row_is_refused(row):
         FamilySpec(**{"attr": "x", "help": "Something.", **row})
 
 
-def record(**kw) -> RequestRecord:
-    base = {f.name: 1.0 for f in dataclasses.fields(RequestRecord) if f.default is dataclasses.MISSING}
-    base.update(
-        request_id="r",
-        session_id=None,
-        turn=None,
-        model="m",
-        engine=0,
-        finish_reason="stop",
-        device="h200",
-        pause_s=None,
-        prompt_tokens=100,
-        cached_tokens=10,
-        output_tokens=7,
-        pte_prefill=90.0,
-        pte_decode=3.0,
-        pte_reference=120.0,
-        pte_served=93.0,
-    )
-    return RequestRecord(**{**base, **kw})
-
-
 def test_the_exporter_binds_once_and_exposes_series_only_with_data():
     registry = CollectorRegistry()
     exporter = PrometheusExporter("m", 0, PteMetrics(registry))
@@ -179,9 +156,9 @@ def test_the_exporter_binds_once_and_exposes_series_only_with_data():
         return registry.get_sample_value(name, {**lab, **by, **labels})
 
     assert value("pte_served_pte_total", phase="prefill") is None  # nothing before the first request
-    exporter.export(record())
-    exporter.export(record(finish_reason="length"))
-    exporter.export(record())
+    exporter.export(request_record())
+    exporter.export(request_record(finish_reason="length"))
+    exporter.export(request_record())
     assert value("pte_requests_total", finish_reason="stop") == 2
     assert value("pte_requests_total", finish_reason="length") == 1
     assert value("pte_served_pte_total", phase="prefill") == 270
@@ -193,7 +170,7 @@ def test_the_exporter_binds_once_and_exposes_series_only_with_data():
     assert registry.get_sample_value("pte_tool_pause_seconds_count", {"model_name": "m"}) is None
 
     exporter.export(
-        record(
+        request_record(
             pause_s=2.0,
             engine_pte_served=95.0,
             engine_pte_roofline=80.0,
@@ -236,18 +213,10 @@ def test_closed_sessions_feed_the_seconds_and_money_histograms_only_when_they_ha
 def test_usage_is_attributed_to_tenant_and_adapter_and_the_cache_stays_bounded():
     registry = CollectorRegistry()
     exporter = PrometheusExporter("m", 0, PteMetrics(registry))
-    timed = dict(
-        gpu_seconds=2.0,
-        gpu_seconds_prefill=0.5,
-        gpu_seconds_kv_read=0.5,
-        gpu_seconds_weights=0.5,
-        gpu_seconds_overhead=0.5,
-        interference_s=0.0,
-        cost_usd=0.25,
-    )
-    exporter.export(record(tenant="team-a", lora_name="ad", **timed))
-    exporter.export(record(tenant="team-a", **timed))
-    exporter.export(record(tenant="other", lora_name="ad"))
+    timed = dict(**gpu_split(0.5, 0.5, 0.5, 0.5), interference_s=0.0, cost_usd=0.25)
+    exporter.export(request_record(tenant="team-a", lora_name="ad", **timed))
+    exporter.export(request_record(tenant="team-a", **timed))
+    exporter.export(request_record(tenant="other", lora_name="ad"))
 
     def value(name: str, tenant: str, lora: str, **labels: str) -> float | None:
         return registry.get_sample_value(
@@ -266,7 +235,7 @@ def test_usage_is_attributed_to_tenant_and_adapter_and_the_cache_stays_bounded()
     bound = exporter._usage
     bound.capacity = 2
     for i in range(10):  # past its capacity the cache starts over; the series are the same
-        exporter.export(record(tenant=f"t{i % 3}"))
+        exporter.export(request_record(tenant=f"t{i % 3}"))
         assert len(bound) <= 2
     assert value("pte_served_pte_total", "t0", "", phase="prefill") == 4 * 90
 
@@ -276,19 +245,12 @@ def test_cost_appears_only_once_a_request_is_priced():
     then shows "no data" rather than a free GPU."""
     registry = CollectorRegistry()
     exporter = PrometheusExporter("m", 0, PteMetrics(registry))
-    seconds = dict(
-        gpu_seconds=0.5,
-        gpu_seconds_prefill=0.2,
-        gpu_seconds_kv_read=0.1,
-        gpu_seconds_weights=0.1,
-        gpu_seconds_overhead=0.1,
-        interference_s=0.0,
-    )
-    exporter.export(record(**seconds, cost_usd=None))
+    seconds = dict(**gpu_split(0.2, 0.1, 0.1, 0.1), interference_s=0.0)
+    exporter.export(request_record(**seconds, cost_usd=None))
     text = generate_latest(registry).decode()
     assert "pte_gpu_seconds_total{" in text
     assert not [line for line in text.splitlines() if line.startswith("pte_cost_usd_total")]
-    exporter.export(record(**seconds, cost_usd=0.002))
+    exporter.export(request_record(**seconds, cost_usd=0.002))
     priced = [
         line
         for line in generate_latest(registry).decode().splitlines()

@@ -20,36 +20,19 @@ from pte_instrument.server.exporters.otel import OtelExporter, OtelMetricsExport
 from pte_instrument.server.exporters.prometheus import PrometheusExporter, PteMetrics
 from pte_instrument.server.pricer import RequestPricer
 from pte_instrument.server.records import FinishedRequest, RequestRecord
+from tests.server.builders import gpu_split, request_record
 from tests.server.test_pricer import make
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT = "00f067aa0ba902b7"
 
 
-def record(**kw) -> RequestRecord:
-    base = {f.name: 1.0 for f in dataclasses.fields(RequestRecord) if f.default is dataclasses.MISSING}
-    base.update(
-        request_id="cmpl-r-0",
-        session_id=None,
-        turn=None,
-        model="tiny",
-        engine=0,
-        finish_reason="length",
-        device="h200",
-        pause_s=None,
-        prompt_tokens=100,
-        cached_tokens=10,
-        output_tokens=7,
-        e2e_s=0.5,
-        finished_at=1_700_000_000.25,
-        pte_prefill=90.0,
-        pte_decode=3.0,
-        pte_reference=120.0,
-        pte_served=93.0,
-        ttft_s=0.125,
-        tpot_s=0.0625,
+def record(**kw: object) -> RequestRecord:
+    """A chat request of model "tiny" that ran out of tokens, timed as vLLM times it."""
+    timed = dict(e2e_s=0.5, finished_at=1_700_000_000.25, ttft_s=0.125, tpot_s=0.0625)
+    return request_record(
+        **{"request_id": "cmpl-r-0", "model": "tiny", "finish_reason": "length", **timed, **kw}
     )
-    return RequestRecord(**{**base, **kw})
 
 
 @pytest.fixture
@@ -211,11 +194,7 @@ def test_pte_counters_by_phase_seconds_by_term_and_money():
             pte_decode=2.5,
             pte_reference=40.0,
             prompt_tokens=30,
-            gpu_seconds=1.0,
-            gpu_seconds_prefill=0.5,
-            gpu_seconds_kv_read=0.25,
-            gpu_seconds_weights=0.125,
-            gpu_seconds_overhead=0.125,
+            **gpu_split(0.5, 0.25, 0.125, 0.125),
             cost_usd=0.002,
         ),
     )
@@ -248,17 +227,7 @@ def exemplars(text: str, family: str) -> list[tuple[float, str, float]]:
 def test_the_per_request_histograms_carry_the_trace_as_an_exemplar():
     registry = CollectorRegistry()
     exporter = PrometheusExporter("tiny", 0, PteMetrics(registry))
-    exporter.export(
-        record(
-            trace_id=TRACE,
-            pte_served=93.0,
-            gpu_seconds=0.02,
-            gpu_seconds_prefill=0.02,
-            gpu_seconds_kv_read=0.0,
-            gpu_seconds_weights=0.0,
-            gpu_seconds_overhead=0.0,
-        )
-    )
+    exporter.export(record(trace_id=TRACE, pte_served=93.0, **gpu_split(0.02, 0.0, 0.0, 0.0)))
     exporter.export(record(trace_id=None, pte_served=5000.0))  # untraced: no exemplar
     body, content_type = exposition("application/openmetrics-text; version=1.0.0", registry)
     assert content_type.startswith("application/openmetrics-text")

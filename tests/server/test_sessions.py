@@ -4,7 +4,7 @@ import gc
 import threading
 import tracemalloc
 import weakref
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -53,13 +53,10 @@ def turn(
         output,
         finish_reason,
         session_id=sid,
-        turn=ctx.turn,
-        reusable_tokens=ctx.reusable_tokens,
-        pause_s=ctx.pause_s,
         e2e_s=e2e,
         engine_totals=engine_totals,
         replica=replica,
-        previous_replica=ctx.previous_replica,
+        **asdict(ctx),  # turn, reusable prefix, pause, previous replica: as the pricer tags it
     )
     record = price_request(COST, req, finished_at)
     ledger.add(record)

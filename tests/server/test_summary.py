@@ -4,13 +4,13 @@ beside how many did."""
 
 from __future__ import annotations
 
-import dataclasses
 import sqlite3
 
 import pytest
 
 from pte_instrument.server.records import MODEL_TOTALS, RequestRecord
 from pte_instrument.server.sessions import SessionLedger
+from tests.server.builders import gpu_split, request_record
 
 
 @pytest.fixture
@@ -21,35 +21,17 @@ def totals():
 
 
 def record(model: str = "m", **kw: object) -> RequestRecord:
-    base = {f.name: 0.0 for f in dataclasses.fields(RequestRecord) if f.default is dataclasses.MISSING}
-    base.update(
-        request_id="r",
-        session_id=None,
-        turn=None,
-        model=model,
-        engine=0,
-        finish_reason="stop",
-        device="h200",
-        pause_s=None,
-        prompt_tokens=100,
-        cached_tokens=20,
-        output_tokens=10,
-        pte_served=90.0,
-    )
-    return RequestRecord(**{**base, **kw})
+    """No seconds, no money: what a request priced without the step hook carries."""
+    return request_record(0.0, model=model, **kw)
 
 
 def timed(
     gpu: tuple[float, float, float, float], explained: float, cost: float | None, **kw: object
 ) -> RequestRecord:
-    prefill, kv, weights, overhead = gpu
-    total = prefill + kv + weights + overhead
+    seconds = gpu_split(*gpu)
+    total = seconds["gpu_seconds"]
     return record(
-        gpu_seconds=total,
-        gpu_seconds_prefill=prefill,
-        gpu_seconds_kv_read=kv,
-        gpu_seconds_weights=weights,
-        gpu_seconds_overhead=overhead,
+        **seconds,
         predicted_seconds=0.9 * total,
         latency_explained_s=explained,
         interference_s=explained - total,
@@ -67,7 +49,7 @@ def test_seconds_and_money_are_summed_over_the_requests_that_had_them(totals):
     assert set(snap) == {"m", "other"}
     m = snap["m"]
     assert set(m) == set(MODEL_TOTALS)
-    assert m["requests"] == 3 and m["pte_served"] == 270.0 and m["prompt_tokens"] == 300
+    assert m["requests"] == 3 and m["pte_served"] == 3 * 93.0 and m["prompt_tokens"] == 300
     assert m["requests_timed"] == 2 and m["requests_priced"] == 1
     assert m["gpu_seconds"] == pytest.approx(2.0)
     assert m["gpu_seconds_prefill"] == pytest.approx(0.75)

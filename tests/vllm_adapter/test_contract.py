@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import importlib.util
-import sys
 import zipfile
 from pathlib import Path
 from types import ModuleType
@@ -15,6 +13,7 @@ from types import ModuleType
 import pytest
 
 from tests.conftest import ROOT
+from tests.helpers import load_script
 
 ADAPTER = ROOT / "pte_instrument" / "vllm_adapter"
 SCHED = "vllm/v1/core/sched"
@@ -22,12 +21,7 @@ SCHED = "vllm/v1/core/sched"
 
 @pytest.fixture(scope="module")
 def contract() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("vllm_contract", ROOT / "scripts" / "vllm_contract.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "scripts" / "vllm_contract.py")
 
 
 def item(contract: ModuleType, where: str):

@@ -17,6 +17,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
+from operator import attrgetter
 from typing import Any, Generic, TypeVar
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
@@ -186,104 +187,91 @@ def metrics_for(registry: CollectorRegistry = REGISTRY) -> PteMetrics:
 
 
 Labels = tuple[str, ...]
+Read = Callable[[RequestRecord], float]
 
 
 @dataclass(frozen=True)
-class _RequestSeries:
-    """The children every finished request of one (model, engine) feeds."""
+class _Feed:
+    """One label child a finished request feeds: its family (a ``PteMetrics`` attribute),
+    what the record adds to it (a field's name, or a function of the record), and its label
+    value after those of its group's key, where the family has one more."""
 
-    ideal: Counter
-    recompute: Counter
-    eviction: Counter
-    routing: Counter
-    request_pte: Histogram
+    family: str
+    value: str | Read
+    label: str | None = None
 
-    @classmethod
-    def bind(cls, m: PteMetrics, lab: Labels) -> _RequestSeries:
-        return cls(
-            m.ideal.labels(*lab),
-            m.recompute.labels(*lab),
-            m.eviction.labels(*lab),
-            m.routing.labels(*lab),
-            m.request_pte.labels(*lab),
-        )
+    @property
+    def read(self) -> Read:
+        return attrgetter(self.value) if isinstance(self.value, str) else self.value
+
+    @property
+    def labels(self) -> Labels:
+        return () if self.label is None else (self.label,)
 
 
-@dataclass(frozen=True)
-class _UsageSeries:
-    """The children of one (model, engine, tenant, lora_name): who used what."""
+# What each finished request adds, by group: a group's children are bound together, on the
+# group's first use, so that a series appears only once it has data.
+# Per (model, engine, tenant, lora_name): who used what.
+_USAGE = (
+    _Feed("served", "pte_prefill", "prefill"),
+    _Feed("served", "pte_decode", "decode"),
+    _Feed("reference", "pte_reference_prefill", "prefill"),
+    _Feed("reference", lambda r: r.pte_reference - r.pte_reference_prefill, "decode"),
+    _Feed("prompt_tokens", "prompt_tokens"),
+    _Feed("cached_tokens", "cached_tokens"),
+    _Feed("output_tokens", "output_tokens"),
+)
+# Per (model, engine).
+_REQUEST = (
+    _Feed("ideal", "pte_ideal"),
+    _Feed("recompute", "pte_recompute"),
+    _Feed("eviction", "pte_eviction_tax"),
+    _Feed("routing", "pte_routing_tax"),
+    _Feed("request_pte", "pte_served"),
+)
+# Per (model, engine): the scheduler hook's exact accounting, and its seconds.
+_ENGINE = (
+    _Feed("engine_served", "engine_pte_served"),
+    _Feed("engine_recompute", "engine_recompute_tokens"),
+    _Feed("engine_roofline", "engine_pte_roofline"),
+    _Feed("spec_drafts", "engine_spec_tokens"),
+    _Feed("spec_rejected", "engine_rejected_tokens"),
+    _Feed("wasted", "pte_wasted_rejected_drafts", "rejected_drafts"),
+    _Feed("wasted", "pte_wasted_aborted", "aborted"),
+    _Feed("engine_gap", lambda r: r.engine_pte_served - r.pte_served),
+)
+_ENGINE_SECONDS = (
+    _Feed("request_gpu_seconds", "gpu_seconds"),
+    _Feed("interference", lambda r: max(0.0, r.interference_s or 0.0)),
+    _Feed("routing_seconds", lambda r: r.gpu_seconds_routing_tax or 0.0),
+)
+# Per (model, engine, tenant, lora_name), with the scheduler hook: GPU seconds by term.
+_SECONDS = (
+    _Feed("gpu_seconds", "gpu_seconds_prefill", "prefill"),
+    _Feed("gpu_seconds", "gpu_seconds_kv_read", "kv_read"),
+    _Feed("gpu_seconds", "gpu_seconds_weights", "weights"),
+    _Feed("gpu_seconds", "gpu_seconds_overhead", "overhead"),
+)
 
-    served_prefill: Counter
-    served_decode: Counter
-    reference_prefill: Counter
-    reference_decode: Counter
-    prompt_tokens: Counter
-    cached_tokens: Counter
-    output_tokens: Counter
-
-    @classmethod
-    def bind(cls, m: PteMetrics, lab: Labels) -> _UsageSeries:
-        return cls(
-            m.served.labels(*lab, "prefill"),
-            m.served.labels(*lab, "decode"),
-            m.reference.labels(*lab, "prefill"),
-            m.reference.labels(*lab, "decode"),
-            m.prompt_tokens.labels(*lab),
-            m.cached_tokens.labels(*lab),
-            m.output_tokens.labels(*lab),
-        )
-
-
-@dataclass(frozen=True)
-class _EngineSeries:
-    """The children fed by the scheduler hook's exact accounting."""
-
-    served: Counter
-    recompute: Counter
-    roofline: Counter
-    spec_drafts: Counter
-    spec_rejected: Counter
-    wasted_drafts: Counter
-    wasted_aborted: Counter
-    gap: Gauge
-    request_gpu_seconds: Histogram
-    interference: Counter
-    routing_seconds: Counter
-
-    @classmethod
-    def bind(cls, m: PteMetrics, lab: Labels) -> _EngineSeries:
-        return cls(
-            m.engine_served.labels(*lab),
-            m.engine_recompute.labels(*lab),
-            m.engine_roofline.labels(*lab),
-            m.spec_drafts.labels(*lab),
-            m.spec_rejected.labels(*lab),
-            m.wasted.labels(*lab, "rejected_drafts"),
-            m.wasted.labels(*lab, "aborted"),
-            m.engine_gap.labels(*lab),
-            m.request_gpu_seconds.labels(*lab),
-            m.interference.labels(*lab),
-            m.routing_seconds.labels(*lab),
-        )
+_HISTOGRAMS = frozenset(spec.attr for spec in FAMILIES if spec.kind == "histogram")
 
 
-@dataclass(frozen=True)
-class _SecondsSeries:
-    """GPU seconds of one (model, engine, tenant, lora_name), with the scheduler hook."""
+class _Series:
+    """One group's children for one key, looked up once: a request then costs one call per
+    child. A histogram observes with the request's trace as exemplar; the others add."""
 
-    gpu_prefill: Counter
-    gpu_kv_read: Counter
-    gpu_weights: Counter
-    gpu_overhead: Counter
+    __slots__ = ("_adds", "_observes")
 
-    @classmethod
-    def bind(cls, m: PteMetrics, lab: Labels) -> _SecondsSeries:
-        return cls(
-            m.gpu_seconds.labels(*lab, "prefill"),
-            m.gpu_seconds.labels(*lab, "kv_read"),
-            m.gpu_seconds.labels(*lab, "weights"),
-            m.gpu_seconds.labels(*lab, "overhead"),
-        )
+    def __init__(self, m: PteMetrics, lab: Labels, feeds: tuple[_Feed, ...]) -> None:
+        children = [(getattr(m, f.family).labels(*lab, *f.labels), f) for f in feeds]
+        self._adds = tuple((c.inc, f.read) for c, f in children if f.family not in _HISTOGRAMS)
+        self._observes = tuple((c.observe, f.read) for c, f in children if f.family in _HISTOGRAMS)
+
+    def feed(self, r: RequestRecord) -> None:
+        for add, read in self._adds:
+            add(read(r))
+        for observe, read in self._observes:
+            observe(read(r), exemplar=_exemplar(r))
 
 
 T = TypeVar("T")
@@ -334,18 +322,19 @@ class PrometheusExporter:
         self.labels = (model, str(engine))
         # finish reasons are few (stop, length, abort…); tenants and adapters are bounded upstream
         self._requests = _Bound(lambda key: self.m.requests.labels(*self.labels, *key))
-        self._usage = _Bound(lambda key: _UsageSeries.bind(self.m, (*self.labels, *key)))
-        self._seconds = _Bound(lambda key: _SecondsSeries.bind(self.m, (*self.labels, *key)))
+        self._usage = _Bound(lambda key: _Series(self.m, (*self.labels, *key), _USAGE))
+        self._seconds = _Bound(lambda key: _Series(self.m, (*self.labels, *key), _SECONDS))
         # bound apart from the seconds: without a price there is no cost series, not one at $0
         self._cost = _Bound(lambda key: self.m.cost_usd.labels(*self.labels, *key))
 
     @cached_property
-    def _request(self) -> _RequestSeries:
-        return _RequestSeries.bind(self.m, self.labels)
+    def _request(self) -> _Series:
+        return _Series(self.m, self.labels, _REQUEST)
 
     @cached_property
-    def _engine(self) -> _EngineSeries:
-        return _EngineSeries.bind(self.m, self.labels)
+    def _engine(self) -> tuple[_Series, _Series]:
+        """The hook's series and its seconds', bound together on the first use of either."""
+        return _Series(self.m, self.labels, _ENGINE), _Series(self.m, self.labels, _ENGINE_SECONDS)
 
     @cached_property
     def _tool_pause(self) -> Histogram:
@@ -379,45 +368,17 @@ class PrometheusExporter:
 
     def export(self, r: RequestRecord) -> None:
         failpoint("prometheus")
-        by = (
-            r.tenant or "",
-            r.lora_name or "",
-        )  # empty: tenants off, the base model (no label in Prometheus)
+        # empty: tenants off, the base model (no label in Prometheus)
+        by = (r.tenant or "", r.lora_name or "")
         self._requests[(*by, r.finish_reason)].inc()
-        u = self._usage[by]
-        u.served_prefill.inc(r.pte_prefill)
-        u.served_decode.inc(r.pte_decode)
-        u.reference_prefill.inc(r.pte_reference_prefill)
-        u.reference_decode.inc(r.pte_reference - r.pte_reference_prefill)
-        u.prompt_tokens.inc(r.prompt_tokens)
-        u.cached_tokens.inc(r.cached_tokens)
-        u.output_tokens.inc(r.output_tokens)
-        s = self._request
-        s.ideal.inc(r.pte_ideal)
-        s.recompute.inc(r.pte_recompute)
-        s.eviction.inc(r.pte_eviction_tax)
-        s.routing.inc(r.pte_routing_tax)
-        s.request_pte.observe(r.pte_served, exemplar=_exemplar(r))
+        self._usage[by].feed(r)
+        self._request.feed(r)
         if r.pause_s is not None:
             self._tool_pause.observe(r.pause_s)
         if r.engine_pte_served is not None:
-            e = self._engine
-            e.served.inc(r.engine_pte_served)
-            e.recompute.inc(r.engine_recompute_tokens)
-            e.roofline.inc(r.engine_pte_roofline)
-            e.spec_drafts.inc(r.engine_spec_tokens)
-            e.spec_rejected.inc(r.engine_rejected_tokens)
-            e.wasted_drafts.inc(r.pte_wasted_rejected_drafts)
-            e.wasted_aborted.inc(r.pte_wasted_aborted)
-            e.gap.inc(r.engine_pte_served - r.pte_served)
+            self._engine[0].feed(r)  # the hook's accounting
         if r.gpu_seconds is not None:
-            e, t = self._engine, self._seconds[by]
-            t.gpu_prefill.inc(r.gpu_seconds_prefill)
-            t.gpu_kv_read.inc(r.gpu_seconds_kv_read)
-            t.gpu_weights.inc(r.gpu_seconds_weights)
-            t.gpu_overhead.inc(r.gpu_seconds_overhead)
-            e.request_gpu_seconds.observe(r.gpu_seconds, exemplar=_exemplar(r))
-            e.interference.inc(max(0.0, r.interference_s or 0.0))
-            e.routing_seconds.inc(r.gpu_seconds_routing_tax or 0.0)
+            self._seconds[by].feed(r)
+            self._engine[1].feed(r)  # and its seconds
             if r.cost_usd is not None:
                 self._cost[by].inc(r.cost_usd)
