@@ -11,7 +11,8 @@ length, and a new request takes each finished one's place — so requests finish
 a server sees.
 
 With ``--model-ms`` the engine thread waits that long after each step with the GIL released,
-as vLLM's waits for a GPU (default 2 ms; 0: the schedulers back to back). Per step, timed: ``schedule()``
+as vLLM's waits for a GPU (default 2 ms; 0: the schedulers back to back); the heap built
+before the stream is frozen, as vLLM's engine core freezes its own. Per step, timed: ``schedule()``
 + ``update_from_output()`` (everything the hook does runs inside them: it is called from
 nowhere else in these streams). Reported per batch size and
 kind: vLLM's µs per step (its own class), the hook's added µs per step — the paired
@@ -27,6 +28,7 @@ Writes bench/results/scheduler-overhead-<hostname>-<YYYY-MM-DD>.json and prints 
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import sys
@@ -103,6 +105,10 @@ def paired_run(
             max_num_batched_tokens=max(2048, 2 * batch + 512),
         )
         drivers.append(Driver(s, async_scheduling=asynchronous))
+    # vLLM's engine core freezes its start-up heap, so that the oldest generation's
+    # collections do not walk it while serving; these schedulers' process does the same.
+    gc.collect()
+    gc.freeze()
     rng = np.random.default_rng(seed)
     arrivals: list[Arrival] = []
 
@@ -140,6 +146,7 @@ def paired_run(
     per_step = [np.array(d.schedule_s[-steps:]) for d in drivers]
     for d in drivers:
         d.s.shutdown()
+    gc.unfreeze()
     return per_step[0], per_step[1], hook_s / steps, pricing_s, (admitted[1] - finished_start) / steps
 
 

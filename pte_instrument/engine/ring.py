@@ -1,6 +1,7 @@
 """A one-writer, one-reader ring of messages in shared memory: the engine thread's way to
-hand work to its pricing process with no system call and no wake-up, which cost tens of
-microseconds after an idle spell (a socket send or a pipe write); the reader polls.
+hand work to its pricing process without copying it through a socket; the writer wakes the
+reader apart from it (one byte on a pipe per pass), and the reader takes every message
+published since its last look.
 
 Layout: an 8-byte count of bytes ever written (the writer's), an 8-byte count of bytes ever
 read (the reader's), then the data area. A message is its length (4 bytes), its CRC-32
