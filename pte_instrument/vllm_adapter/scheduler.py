@@ -198,23 +198,26 @@ class _PteHook:
         if pte is not None:
             clock = self._pte_clock
             t = clock()
-            new, cached = out.scheduled_new_reqs, out.scheduled_cached_reqs
-            self._pte_inflight.append(
-                [
-                    [(d.req_id, d.num_computed_tokens, compat.prompt_length(d)) for d in new]
-                    if new
-                    else None,
-                    cached.req_ids,
-                    cached.num_computed_tokens,
-                    out.num_scheduled_tokens,
-                    t,
-                    0.0,
-                    0.0,
-                    None,
-                    None,
-                    None,
-                ]
-            )
+            try:
+                new, cached = out.scheduled_new_reqs, out.scheduled_cached_reqs
+                self._pte_inflight.append(
+                    [
+                        [(d.req_id, d.num_computed_tokens, compat.prompt_length(d)) for d in new]
+                        if new
+                        else None,
+                        cached.req_ids,
+                        cached.num_computed_tokens,
+                        out.num_scheduled_tokens,
+                        t,
+                        0.0,
+                        0.0,
+                        None,
+                        None,
+                        None,
+                    ]
+                )
+            except Exception as e:  # this step is lost to the accounting
+                self._pte_fault("step", e)
             pte.hook_s += clock() - t
         return out
 

@@ -344,6 +344,28 @@ def test_a_lost_step_is_counted_and_the_rest_stays_exact(monkeypatch, asynchrono
     assert d.s._pte.live == 0
 
 
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_a_fault_while_schedule_records_its_step_never_reaches_vllm(monkeypatch, asynchronous):
+    """What the hook reads of a scheduler output it reads inside vLLM's ``schedule()``: a
+    fault there (a field of another vLLM release) loses that step, counted, and the
+    engine schedules on."""
+    from pte_instrument.vllm_adapter import compat
+
+    prompt_length, calls = compat.prompt_length, []
+
+    def fails_once(data):
+        calls.append(data.req_id)
+        if len(calls) == 1:
+            raise AttributeError("prompt_token_ids")
+        return prompt_length(data)
+
+    monkeypatch.setattr(compat, "prompt_length", fails_once)
+    d, sent = drive(PteScheduler, asynchronous, STREAMS["mixed"])
+    assert dict(d.s._pte_faults.counts) == {"engine_step": 1}
+    assert sorted(m.request_id for m in sent) == sorted(d.arrivals)
+    assert d.s._pte.live == 0
+
+
 def test_a_fault_reaches_the_api_server_without_waiting_for_more_traffic(monkeypatch, tmp_path):
     """Every send of totals fails: the faults still reach API server 0 (in a batch of their
     own), and the last one with them, although no later totals follow it."""
