@@ -489,8 +489,8 @@ ROWS: tuple[Row, ...] = (
             ),
             Panel(
                 "Session tracking losses",
-                "Requests served without session tracking (bad id) and ledger rows dropped past "
-                "their caps, per interval.",
+                "Requests served without session tracking (bad id), ledger rows dropped past "
+                "their caps, and records the session store did not take, per interval.",
                 (
                     Query(
                         f"sum by (reason) (increase(pte_session_ids_rejected_total[{RATE}]))",
@@ -498,6 +498,7 @@ ROWS: tuple[Row, ...] = (
                     ),
                     Query(f"increase(pte_session_turn_rows_dropped_total[{RATE}])", "turn rows dropped"),
                     Query(f"increase(pte_session_tags_dropped_total[{RATE}])", "session tags dropped"),
+                    Query(f"increase(pte_session_records_lost_total[{RATE}])", "store records lost"),
                 ),
             ),
         ),

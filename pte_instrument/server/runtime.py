@@ -285,6 +285,7 @@ class Runtime:
                 "max_turns": s.max_turns,
                 "pending_requests": len(self.pending),
                 "pending_dropped": self.pending.dropped,
+                "records_lost": s.stats.records_lost,
             },
             "engine_hook": {
                 **self.inbox.summary(),

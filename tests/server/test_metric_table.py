@@ -58,6 +58,7 @@ BY_TYPE_AND_LABELS: dict[tuple[str, tuple[str, ...]], tuple[str, ...]] = {
     ("gauge", ()): ("pte_sessions_live",),
     ("counter", ()): (
         "pte_sessions_opened_total", "pte_session_turn_rows_dropped_total", "pte_session_tags_dropped_total",
+        "pte_session_records_lost_total",
     ),
 }
 # How each gauge merges across API-server processes.
@@ -76,7 +77,7 @@ GAUGE_MODES = {
 # fmt: on
 # Exposed name -> (type, label names).
 EXPECTED = {name: kind_labels for kind_labels, names in BY_TYPE_AND_LABELS.items() for name in names}
-LEDGER = {"sessions_live", "sessions_opened", "turn_rows_dropped", "tags_dropped"}
+LEDGER = {"sessions_live", "sessions_opened", "turn_rows_dropped", "tags_dropped", "session_records_lost"}
 
 
 def exposed_name(spec: FamilySpec) -> str:

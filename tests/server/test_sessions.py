@@ -339,6 +339,26 @@ def test_ledger_metrics_publish_state_and_count_drops_once(ledgers):
     assert (value("pte_sessions_live"), value("pte_sessions_opened_total")) == (2, 4)
 
 
+def test_records_the_store_lost_are_published_once(ledgers, monkeypatch):
+    """A record the store did not take is a turn missing from the sessions a user reads: the
+    count is a Prometheus counter, not only a fault line."""
+    from prometheus_client import CollectorRegistry
+
+    from pte_instrument.server.exporters.prometheus import LedgerMetrics, PteMetrics
+
+    registry = CollectorRegistry()
+    ledger = ledgers()
+    published = LedgerMetrics(PteMetrics(registry), ledger, PendingTags(capacity=4))
+    monkeypatch.setattr(failpoints, "_points", {"session_store": 1.0})
+    for sid in ("a", "b", "c"):
+        turn(ledger, sid, 10, 1, 0, 1000.0)
+    assert ledger.flush()
+    monkeypatch.setattr(failpoints, "_points", {})
+    published.sync()
+    published.sync()  # nothing new: nothing added
+    assert registry.get_sample_value("pte_session_records_lost_total") == ledger.stats.records_lost == 3
+
+
 def test_a_writer_that_cannot_open_the_store_counts_every_record_lost(tmp_path):
     path = tmp_path / "sessions.sqlite3"
     errors: list[Exception] = []

@@ -112,6 +112,25 @@ def test_an_unusable_store_is_one_fault_and_a_private_store(tmp_path):
         runtime.sessions.close()
 
 
+def test_records_the_store_lost_are_in_the_summary(tmp_path, monkeypatch):
+    from prometheus_client import CollectorRegistry
+
+    from pte_instrument import failpoints
+    from pte_instrument.server.runtime import Runtime
+    from pte_instrument.settings import Settings
+
+    runtime = Runtime(Settings(session_store=str(tmp_path / "s.sqlite3")), CollectorRegistry())
+    try:
+        monkeypatch.setattr(failpoints, "_points", {"session_store": 1.0})
+        runtime.sessions.add(record(session_id="s"))
+        runtime.sessions.add(record(session_id="t"))
+        assert runtime.sessions.flush()
+        monkeypatch.setattr(failpoints, "_points", {})
+        assert runtime.summary()["sessions"]["records_lost"] == 2
+    finally:
+        runtime.sessions.close()
+
+
 def test_tenant_and_adapter_totals_are_host_wide(tmp_path):
     """Two API servers' ledgers on one file: per-tenant and per-adapter sums over both, a
     request without a tenant or an adapter in neither; an adapter's requests count for its

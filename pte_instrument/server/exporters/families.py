@@ -247,5 +247,9 @@ FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("tags_dropped", "pte_session_tags_dropped", "counter",
                "Session tags of requests that never finished, dropped: no complete successful answer "
                "(after 15 s), older than an hour, or past the cap.", source="ledger"),
+    FamilySpec("session_records_lost", "pte_session_records_lost", "counter",
+               "Priced records the session store did not take (its write queue was full, or a batch "
+               "failed): their turns are missing from the sessions; each loss is also a fault "
+               '(stage "sessions").', source="ledger"),
 )
 # fmt: on

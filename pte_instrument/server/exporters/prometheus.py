@@ -105,6 +105,7 @@ class PteMetrics:
     sessions_opened: Counter
     turn_rows_dropped: Counter
     tags_dropped: Counter
+    session_records_lost: Counter
 
     LEDGER = tuple(spec.attr for spec in FAMILIES if spec.source == "ledger")
 
@@ -156,7 +157,7 @@ class LedgerMetrics:
         self.m = metrics
         self.sessions = sessions
         self.pending = pending
-        self._seen = (0, 0, 0)
+        self._seen = (0, 0, 0, 0)
         self._lock = threading.Lock()  # the pricer's thread, and whoever ticks by hand
 
     def sync(self) -> None:
@@ -165,8 +166,13 @@ class LedgerMetrics:
 
     def _sync(self) -> None:
         st = self.sessions.stats
-        now = (st.sessions_opened, st.turns_dropped, self.pending.dropped)
-        counters = (self.m.sessions_opened, self.m.turn_rows_dropped, self.m.tags_dropped)
+        now = (st.sessions_opened, st.turns_dropped, self.pending.dropped, st.records_lost)
+        counters = (
+            self.m.sessions_opened,
+            self.m.turn_rows_dropped,
+            self.m.tags_dropped,
+            self.m.session_records_lost,
+        )
         for counter, new, old in zip(counters, now, self._seen, strict=True):
             if new > old:
                 counter.inc(new - old)
