@@ -33,10 +33,11 @@ def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "benchmark"
 
 
-def save_figure(fig: Any, path: Path) -> Path:
+def save_figure(fig: Any, path: Path, dpi: int = 120) -> Path:
+    """Write ``fig`` to ``path`` and close it (pyplot keeps every open figure alive)."""
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    fig.clf()
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
     return path
 
 
@@ -66,7 +67,6 @@ def efficiency_plots(results: Sequence[BenchmarkResult], out_dir: str | Path) ->
         ax.set_ylabel("accuracy")
         ax.set_title(f"{r.benchmark}: accuracy vs E0 (marker size: E[T])")
         paths.append(save_figure(fig, out / f"{slug}-accuracy-e0.png"))
-        plt.close(fig)
 
         view = r.views.get("trace") or r.views.get("workload") or r.views["outcome"]
         others = [m for m in models if m != r.reference]
@@ -95,7 +95,6 @@ def efficiency_plots(results: Sequence[BenchmarkResult], out_dir: str | Path) ->
         ax.set_title(f"{r.benchmark}: Δlog E0 decomposition ({view.name} view)")
         ax.legend(fontsize=7)
         paths.append(save_figure(fig, out / f"{slug}-dlog.png"))
-        plt.close(fig)
 
         if "workload" in r.views:
             wq = r.views["workload"].quantities
@@ -108,7 +107,6 @@ def efficiency_plots(results: Sequence[BenchmarkResult], out_dir: str | Path) ->
             ax.set_ylabel("κ (coupling)")
             ax.set_title(f"{r.benchmark}: overhead vs coupling ({r.workload_source} workload)")
             paths.append(save_figure(fig, out / f"{slug}-vo-kappa.png"))
-            plt.close(fig)
     return paths
 
 
@@ -130,7 +128,6 @@ def trajectory_plots(groups: Sequence[GroupReport], out_dir: str | Path) -> list
     ax.set_title("PTE per step")
     ax.legend(fontsize=7)
     paths = [save_figure(fig, out / "pte-per-step.png")]
-    plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(max(6.4, 0.6 * len(groups) + 2), 4.8))
     labels = [f"{g.model}\n{g.task}" for g in groups]
@@ -144,5 +141,4 @@ def trajectory_plots(groups: Sequence[GroupReport], out_dir: str | Path) -> list
     ax.set_title("PTE of correct vs incorrect trajectories")
     ax.legend(fontsize=7)
     paths.append(save_figure(fig, out / "pte-correct-incorrect.png"))
-    plt.close(fig)
     return paths

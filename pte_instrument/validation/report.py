@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from pte_instrument.cost.devices import DEFAULT_DEVICE, PROFILES, DeviceProfile
+from pte_instrument.offline.plots import pyplot, save_figure
 
 from . import analysis as A
 from . import seconds as S
@@ -1330,15 +1331,6 @@ def markdown(a: LatencyAnalysis | None, data: Mapping[str, Any], pngs: Sequence[
 # ---------------------------------------------------------------------------------------
 
 
-def _pyplot() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 REQUEST_PLOT = (
     A.OUTPUT_TOKENS,
     "total tokens",
@@ -1379,14 +1371,11 @@ def _scatter_grid(
     for ax in axes.ravel()[n:]:
         ax.axis("off")
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 
 def make_plots(a: LatencyAnalysis, out: Path) -> list[Path]:
-    plt = _pyplot()
+    plt = pyplot()
     files = []
     gamma_cal = a.cost_model.get("gamma_calibrated")
     for p in a.phases:
@@ -1437,9 +1426,5 @@ def make_plots(a: LatencyAnalysis, out: Path) -> list[Path]:
             ax.set_ylabel("mean per turn ÷ its maximum")
             ax.set_title(f"per-turn cost escalation, {name}", fontsize=9)
             ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = out / "turns.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        files.append(path)
+        files.append(save_figure(fig, out / "turns.png", dpi=110))
     return files

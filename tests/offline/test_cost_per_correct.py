@@ -183,6 +183,25 @@ def test_the_report_compares_each_run_with_the_tasks_reference_and_builds_record
     assert problems == []
 
 
+def test_the_cost_plots_are_written_and_leave_no_figure_open(tmp_path):
+    """A long-lived process (a notebook, a server's report route) plots again and again:
+    each figure is closed once its file is written."""
+    pytest.importorskip("matplotlib")
+    from pte_instrument.offline.cost_render import cost_plots
+    from pte_instrument.offline.plots import pyplot
+
+    requests = [req("a0", "d0", 1, 4), req("b0", "d0", 51, 6)]
+    ra = run("a", [sample("0", 1, Call("d0"))], 0, 10)
+    rb = run("b", [sample("0", 1, Call("d0"))], 50, 60)
+    report = cost_report(join_runs([ra, rb], requests), "b", "log.jsonl", n_boot=0)
+    plt = pyplot()
+    open_before = set(plt.get_fignums())
+    paths = cost_plots(report, tmp_path)
+    assert [p.name for p in paths] == ["cost_per_correct.png", "cost_terms.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
+    assert set(plt.get_fignums()) == open_before
+
+
 def test_the_request_log_reader_lists_bad_lines_and_keeps_the_rest(tmp_path):
     log = tmp_path / "requests.jsonl"
     good = {
