@@ -43,9 +43,9 @@ MAX_MODEL_NAME_LEN = 256  # a longer "model" is kept for no adapter (accounted t
 class TaggingMiddleware:
     """Tags generation requests with their session and benchmark label, and with their
     route's operation and the caller's trace context when OpenTelemetry takes them, and with
-    their prompt's digest when the request log takes it. Pure
-    ASGI (no per-request task; the body is copied only for a field of it a tag needs: the
-    ``user`` field, the model of a LoRA server, the prompt for the request log's digest)."""
+    their prompt's digest when the request log takes it. Pure ASGI (no per-request task; the
+    body is copied only for a field of it a tag needs: the ``user`` field, the model of a LoRA
+    server, the prompt for the request log's digest)."""
 
     def __init__(
         self,

@@ -5,10 +5,10 @@
 scheduling on (the GPU builds' default), it is vLLM's ``AsyncScheduler`` with the hook, and
 otherwise vLLM's ``Scheduler`` with the hook. It never changes ``async_scheduling``.
 
-Per step the hook keeps references to the scheduler output's lists and two clock readings,
-and reads nothing per request (but the drafts of speculative decoding). The completed steps are
-priced together every ``PRICE_EVERY_STEPS`` steps or ``PRICE_EVERY_ROWS`` rows, or
-``PRICE_DELAY_S`` after a request finished, or at once when the engine runs out of requests:
+Per step the hook keeps references to the scheduler output's lists and two clock readings;
+per request it reads only what a new request's first step and speculative drafts need. The
+completed steps are priced together every ``PRICE_EVERY_STEPS`` steps or ``PRICE_EVERY_ROWS``
+rows, or ``PRICE_DELAY_S`` after a request finished, or at once when the engine runs out of requests:
 by default handed to the hook's pricing process (``engine.pricing``), which prices them
 (``EngineAccounting``) off the engine thread; with ``PTE_ENGINE_PRICING=inline``, priced
 here. A finished request's exact totals then go to the API server through the transport,
