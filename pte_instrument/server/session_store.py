@@ -29,6 +29,7 @@ from pte_instrument.server.records import MODEL_TOTALS
 MAX_QUEUED = 10_000  # items waiting for the writer; past it an item is refused
 _BATCH = 1024  # items per transaction at most
 _EXPIRE_EVERY_S = 1.0  # a batch is due to close idle sessions at least this often, items or not
+OPEN_TIMEOUT_S = 30.0  # how long opening waits for another process holding the file
 SERVER_ALIVE_S = 60.0  # a server whose writer committed within this long is using the store
 
 # A turn's PTE, in its row and summed over its session.
@@ -130,8 +131,8 @@ def connect(path: Path) -> sqlite3.Connection:
     session store of this version is a :class:`StoreError` naming it."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        db = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False)
-        db.execute("PRAGMA journal_mode = WAL")
+        db = sqlite3.connect(path, timeout=OPEN_TIMEOUT_S, isolation_level=None, check_same_thread=False)
+        _turn_to_wal(db)
         db.execute("PRAGMA synchronous = NORMAL")  # WAL: a process crash loses nothing committed
         db.executescript(SCHEMA)
         _add_columns(db)
@@ -145,6 +146,21 @@ def connect(path: Path) -> sqlite3.Connection:
             f"the session store {path} has schema {version!r}, this version reads {SCHEMA_VERSION}"
         )
     return db
+
+
+def _turn_to_wal(db: sqlite3.Connection) -> None:
+    """Put the store in WAL mode. Another process turning a new file to WAL at the same moment
+    (the API servers of one server start together) makes SQLite answer "database is locked"
+    at once, without waiting out the busy timeout: wait for it here instead."""
+    deadline = time.monotonic() + OPEN_TIMEOUT_S
+    while True:
+        try:
+            db.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if str(e) != "database is locked" or time.monotonic() >= deadline:
+                raise
+        time.sleep(0.01)
 
 
 def _add_columns(db: sqlite3.Connection) -> None:

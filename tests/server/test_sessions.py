@@ -1,11 +1,13 @@
 """The session ledger and session-id handling: bounded, ordered, nothing lost silently."""
 
 import gc
+import multiprocessing
 import threading
 import tracemalloc
 import weakref
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -170,6 +172,36 @@ def test_the_store_outlives_the_process(tmp_path):
         assert r2.turn == 2 and r2.pte_eviction_tax == 96 and len(again) == 1
     finally:
         again.close()
+
+
+def _open_store_at(path: str, start: threading.Barrier, errors: Any) -> None:
+    start.wait()
+    try:
+        SessionLedger(Path(path)).close()
+    except StoreError as e:
+        errors.put(str(e))
+
+
+def test_api_servers_that_open_a_new_store_at_once_all_share_it(tmp_path):
+    """The API servers of one server start together and open its store at the same moment:
+    each must share it, not give up on a store another is still creating (SQLite answers
+    "database is locked" at once to a second process turning a new file to WAL, whatever
+    the busy timeout)."""
+    ctx = multiprocessing.get_context("fork")
+    errors = ctx.Queue()
+    for trial in range(20):
+        start = ctx.Barrier(3)
+        path = str(tmp_path / f"sessions-{trial}.sqlite3")
+        openers = [ctx.Process(target=_open_store_at, args=(path, start, errors)) for _ in range(3)]
+        for p in openers:
+            p.start()
+        for p in openers:
+            p.join(60)
+            assert p.exitcode == 0
+    seen = []
+    while not errors.empty():
+        seen.append(errors.get())
+    assert seen == []
 
 
 def test_a_file_that_is_not_a_store_is_refused_by_name(tmp_path):
