@@ -216,8 +216,8 @@ class FitResult:
         }
 
 
-def _rows(prefill: Any, ctx: Any, mb: Any, dt: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(n, 4) design (the const column included), y, and the mask of usable rows."""
+def _usable_steps(prefill: Any, ctx: Any, mb: Any, dt: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(n, 4) design (the const column included) and y of the usable steps (finite, dt > 0)."""
     cols = [np.asarray(v, dtype=np.float64).ravel() for v in (prefill, ctx, mb, dt)]
     n = cols[3].size
     if any(c.size != n for c in cols):
@@ -225,13 +225,13 @@ def _rows(prefill: Any, ctx: Any, mb: Any, dt: Any) -> tuple[np.ndarray, np.ndar
     X = np.column_stack([*cols[:3], np.ones(n)])
     y = cols[3]
     ok = np.isfinite(X).all(axis=1) & np.isfinite(y) & (y > 0)
-    return X, y, ok
+    return X[ok], y[ok]
 
 
 def score(model: StepTimeModel, prefill: Any, ctx: Any, mb: Any, dt: Any) -> tuple[float, float, float]:
     """(R², MAPE, median APE) of ``model`` on the usable steps (finite, dt > 0)."""
-    X, y, ok = _rows(prefill, ctx, mb, dt)
-    return score_predictions(X[ok] @ model.coefficients(), y[ok])
+    X, y = _usable_steps(prefill, ctx, mb, dt)
+    return score_predictions(X @ model.coefficients(), y)
 
 
 def score_predictions(pred: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:
@@ -307,6 +307,13 @@ def _identifiable(X: np.ndarray, y: np.ndarray) -> tuple[list[int], list[str]]:
     return free, notes
 
 
+def _fixed_terms(free: list[int], prior: StepTimeModel | None) -> np.ndarray:
+    """The coefficients the fit leaves alone: the prior's (0 without one) for the terms the
+    steps cannot identify; the free terms' entries are 0 (the fit sets them)."""
+    prior_coef = prior.coefficients() if prior is not None else np.zeros(4)
+    return np.where(np.isin(np.arange(4), free), 0.0, prior_coef)
+
+
 def _fit_free(
     X: np.ndarray,
     y: np.ndarray,
@@ -373,9 +380,7 @@ def fit(
     non-finite value are left out). Non-negative least squares, Huber-robust, on relative
     errors. A term the steps cannot identify (its column does not vary, or is collinear) takes
     the prior's value (0 without a prior), and is named in ``from_prior``."""
-    X, y, ok = _rows(prefill, ctx, memory_bound, dt)
-    X, y = X[ok], y[ok]
-    prior_coef = prior.coefficients() if prior is not None else np.zeros(4)
+    X, y = _usable_steps(prefill, ctx, memory_bound, dt)
     if y.size < 2:
         return FitResult(
             prior or StepTimeModel(0.0, 0.0, 0.0, 0.0, "no prior"),
@@ -390,9 +395,7 @@ def fit(
     from_prior = tuple(t for j, t in enumerate(TERMS) if j not in free)
     if from_prior:
         notes.append(("prior" if prior is not None else "no prior: 0") + f" used for {', '.join(from_prior)}")
-    coef = _fit_free(
-        X, y, None, free, np.where(np.isin(np.arange(4), free), 0.0, prior_coef), iterations, huber_k
-    )
+    coef = _fit_free(X, y, None, free, _fixed_terms(free, prior), iterations, huber_k)
     r2, mape, mdape = score_predictions(X @ coef, y)
     label = f"fit: {y.size} steps" + (f", {', '.join(from_prior)} from prior" if from_prior else "")
     model = StepTimeModel(*coef.tolist(), source=label)
@@ -415,14 +418,12 @@ def bootstrap_intervals(
     ``n_boot`` resamples of the steps (seeded). The terms the full data cannot identify stay at
     the prior in every resample, so each interval is of one model. For offline use: each
     resample is one full fit. NaN bounds with fewer than 10 finite resamples."""
-    X, y, ok = _rows(prefill, ctx, memory_bound, dt)
-    X, y = X[ok], y[ok]
+    X, y = _usable_steps(prefill, ctx, memory_bound, dt)
     keys = (*TERMS, "gamma")
     if y.size < 2 or n_boot <= 0:
         return {k: (math.nan, math.nan) for k in keys}
     free, _ = _identifiable(X, y)
-    prior_coef = prior.coefficients() if prior is not None else np.zeros(4)
-    fixed = np.where(np.isin(np.arange(4), free), 0.0, prior_coef)
+    fixed = _fixed_terms(free, prior)
     rng = np.random.default_rng(seed)
     n = y.size
     samples = np.empty((n_boot, 5))
