@@ -20,6 +20,7 @@ with the original values — no gather, no Python loop over resamples.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -258,3 +259,9 @@ def interval_bounds(samples: Any, level: float = LEVEL) -> tuple[float, float]:
     """:func:`percentile_interval` of a flat set of resampled values, as two floats."""
     lo, hi = percentile_interval(np.asarray(samples, dtype=np.float64).ravel(), level)
     return float(lo), float(hi)
+
+
+def report_number(v: float | None) -> float | None:
+    """``v`` as a report writes it: None where it is missing or not finite, else rounded to 6
+    decimal places."""
+    return None if v is None or not math.isfinite(v) else round(float(v), 6)

@@ -32,6 +32,7 @@ from pte_instrument.offline.statistics import (
     pearson,
     pearson_rows,
     rankdata,
+    report_number,
     resample_ranks,
     spearman,
     weighted_pearson,
@@ -58,15 +59,11 @@ class Corr:
     def to_dict(self) -> dict[str, Any]:
         return {
             "n": self.n,
-            "pearson": _num(self.pearson),
-            "pearson_ci": [_num(v) for v in self.pearson_ci],
-            "spearman": _num(self.spearman),
-            "spearman_ci": [_num(v) for v in self.spearman_ci],
+            "pearson": report_number(self.pearson),
+            "pearson_ci": [report_number(v) for v in self.pearson_ci],
+            "spearman": report_number(self.spearman),
+            "spearman_ci": [report_number(v) for v in self.spearman_ci],
         }
-
-
-def _num(v: float) -> float | None:
-    return None if v is None or not math.isfinite(v) else round(float(v), 6)
 
 
 @dataclass(frozen=True)
@@ -665,9 +662,11 @@ class MetricResult:
     def to_dict(self) -> dict[str, Any]:
         d = {"name": self.name, "kind": self.kind, "note": self.note, **self.corr.to_dict()}
         if self.primary_minus_this is not None:
-            d["primary_minus_this_pearson"] = [_num(v) for v in self.primary_minus_this]
+            d["primary_minus_this_pearson"] = [report_number(v) for v in self.primary_minus_this]
         if self.versus:
-            d["reference_minus_this_pearson"] = {k: [_num(x) for x in v] for k, v in self.versus.items()}
+            d["reference_minus_this_pearson"] = {
+                k: [report_number(x) for x in v] for k, v in self.versus.items()
+            }
         return d
 
 
@@ -779,7 +778,7 @@ def turn_profile(
             count = np.isfinite(M).sum(axis=0)
             out["turn"] = list(range(1, M.shape[1] + 1))
             out["sessions"] = count.tolist()
-        out[name] = [_num(v) for v in _nanmean0(M)]
+        out[name] = [report_number(v) for v in _nanmean0(M)]
     return out
 
 
@@ -799,10 +798,10 @@ class ProfileScore:
     def to_dict(self) -> dict[str, Any]:
         return {
             "device": self.device,
-            "hoi": _num(self.hoi),
-            "gamma": _num(self.gamma),
-            "spearman_vs_default": _num(self.spearman_vs_default),
-            "pearson_vs_time": _num(self.pearson_vs_time),
+            "hoi": report_number(self.hoi),
+            "gamma": report_number(self.gamma),
+            "spearman_vs_default": report_number(self.spearman_vs_default),
+            "pearson_vs_time": report_number(self.pearson_vs_time),
         }
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from pte_instrument.offline.statistics import index_chunks, interval_bounds, pearson
+from pte_instrument.offline.statistics import index_chunks, interval_bounds, pearson, report_number
 
 from .analysis import RequestTable
 
@@ -40,10 +40,6 @@ def session_index(session_id: str | None) -> int | None:
     """The index of a session id ``<prefix>-s<index>`` (None for any other id)."""
     _, sep, name = str(session_id or "").rpartition("-s")
     return int(name) if sep and name.isdigit() else None
-
-
-def _num(v: float | None) -> float | None:
-    return None if v is None or not math.isfinite(v) else round(float(v), 6)
 
 
 @dataclass(frozen=True)
@@ -64,12 +60,12 @@ class RatioSummary:
         return {
             "name": self.name,
             "n": self.n,
-            "median": _num(self.median),
-            "median_ci": [_num(v) for v in self.median_ci],
-            "quantiles": {k: _num(v) for k, v in self.quantiles.items()},
+            "median": report_number(self.median),
+            "median_ci": [report_number(v) for v in self.median_ci],
+            "quantiles": {k: report_number(v) for k, v in self.quantiles.items()},
             "threshold": self.threshold,
-            "share_at_least": _num(self.share_at_least),
-            "share_ci": [_num(v) for v in self.share_ci],
+            "share_at_least": report_number(self.share_at_least),
+            "share_ci": [report_number(v) for v in self.share_ci],
         }
 
 
@@ -157,14 +153,14 @@ def matched_columns(
     for term, col in GPU_TERMS.items():
         x, y = load[col][il], alone[col][ia]
         out[term] = {
-            "share_under_load": _num(float(np.nansum(x)) / total if total > 0 else math.nan),
-            "share_alone": _num(float(np.nansum(y)) / float(np.nansum(alone["gpu_seconds"][ia])))
+            "share_under_load": report_number(float(np.nansum(x)) / total if total > 0 else math.nan),
+            "share_alone": report_number(float(np.nansum(y)) / float(np.nansum(alone["gpu_seconds"][ia])))
             if np.nansum(alone["gpu_seconds"][ia]) > 0
             else None,
-            "pearson_load_vs_alone": _num(pearson(x, y)),
+            "pearson_load_vs_alone": report_number(pearson(x, y)),
         }
     ratio = ratios(load["gpu_seconds"][il], alone["gpu_seconds"][ia])
-    out["gpu_seconds_load_over_alone_median"] = _num(float(np.median(ratio))) if ratio.size else None
+    out["gpu_seconds_load_over_alone_median"] = report_number(float(np.median(ratio))) if ratio.size else None
     return out
 
 
@@ -176,7 +172,7 @@ def same_work(load: RequestTable, alone: RequestTable, il: np.ndarray, ia: np.nd
 
     def share(col: str) -> float | None:
         a, b = load[col][il], alone[col][ia]
-        return _num(float(np.mean(a == b)))
+        return report_number(float(np.mean(a == b)))
 
     return {
         "prompt_tokens_equal": share("prompt_tokens"),
@@ -198,10 +194,10 @@ def gaps_between_steps(t: np.ndarray, dt: np.ndarray, max_gap_s: float = 1.0) ->
     busy = np.clip(g, 0, None)
     return {
         "n": int(g.size),
-        "median_s": _num(float(np.median(busy))),
-        "mean_s": _num(float(busy.mean())),
-        "p90_s": _num(float(np.quantile(busy, 0.9))),
-        "share_of_step_time": _num(float(busy.sum() / (busy.sum() + np.nansum(ds)))),
+        "median_s": report_number(float(np.median(busy))),
+        "mean_s": report_number(float(busy.mean())),
+        "p90_s": report_number(float(np.quantile(busy, 0.9))),
+        "share_of_step_time": report_number(float(busy.sum() / (busy.sum() + np.nansum(ds)))),
     }
 
 

@@ -28,7 +28,7 @@ from pte_instrument.cost.architecture import KVGroup, ModelShape, kv_dtype_bytes
 from pte_instrument.cost.devices import PROFILES, DeviceProfile, measured_achieved, resolve_device
 from pte_instrument.cost.model import CostModel
 from pte_instrument.cost.step_time import TERMS, HostSpeed, StepTimeModel, fit, score_predictions, theory
-from pte_instrument.offline.statistics import index_chunks, interval_bounds, pearson
+from pte_instrument.offline.statistics import index_chunks, interval_bounds, pearson, report_number
 
 from .analysis import Corr, StepTable, bootstrap_corr
 
@@ -181,16 +181,12 @@ class ModelScore:
             "model": self.model,
             "subset": self.subset,
             "n": self.n,
-            "mape": _num(self.mape),
-            "mape_ci": [_num(v) for v in self.mape_ci],
-            "median_ape": _num(self.median_ape),
-            "r2": _num(self.r2),
+            "mape": report_number(self.mape),
+            "mape_ci": [report_number(v) for v in self.mape_ci],
+            "median_ape": report_number(self.median_ape),
+            "r2": report_number(self.r2),
             **{f"r_{k}": v for k, v in self.corr.to_dict().items() if k != "n"},
         }
-
-
-def _num(v: float | None) -> float | None:
-    return None if v is None or not math.isfinite(v) else round(float(v), 6)
 
 
 def bootstrap_mean(x: np.ndarray, n_boot: int, seed: int, level: float = 0.95) -> tuple[float, float]:
@@ -249,7 +245,7 @@ class TermError:
     bias: float  # median (pred − dt)/dt of those steps: + over-, − under-predicted
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: (_num(v) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
+        return {k: (report_number(v) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
 
 
 def dominant_terms(model: StepTimeModel, c: StepColumns) -> np.ndarray:
@@ -344,8 +340,10 @@ class StepModelAnalysis:
             "engine_online": None if self.online is None else self.online.to_dict(),
             "scores": [s.to_dict() for s in self.scores],
             "error_by_dominant_term": {k: [e.to_dict() for e in v] for k, v in self.errors.items()},
-            "residual_correlations": {k: {f: _num(r) for f, r in v.items()} for k, v in self.leads.items()},
-            "theory_error_by_term": {k: _num(v) for k, v in self.theory_errors.items()},
+            "residual_correlations": {
+                k: {f: report_number(r) for f, r in v.items()} for k, v in self.leads.items()
+            },
+            "theory_error_by_term": {k: report_number(v) for k, v in self.theory_errors.items()},
             "notes": self.notes,
         }
 
