@@ -27,6 +27,7 @@ def hooked(tiny_model, tmp_path_factory):
         "PTE_REQUEST_LOG": str(work / "requests.jsonl"),
         "PTE_STEP_LOG": str(work / "steps.jsonl"),
         "PTE_DEVICE": "h100-sxm",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",  # the CPU build's default: the model in a worker process
     }
     args = [
         "--scheduler-cls",
