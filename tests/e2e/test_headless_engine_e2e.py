@@ -43,7 +43,11 @@ def two_nodes(tiny_model, tmp_path_factory):
     node_env = {k: v for k, v in os.environ.items() if not k.startswith(("PTE_", "VLLM_", "PROMETHEUS_"))}
     # and a malformed setting, which no API server on that node is there to name
     node_env.update(
-        TMPDIR=str(other), VLLM_CPU_KVCACHE_SPACE="1", PTE_ENGINE_TRANSPORT="tcp", PTE_MAX_SESSIONS="many"
+        TMPDIR=str(other),
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",  # the model in the engine process, as the head's
+        PTE_ENGINE_TRANSPORT="tcp",
+        PTE_MAX_SESSIONS="many",
     )
     command = [
         sys.executable,
