@@ -35,8 +35,8 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 
 # vLLM's CPU build runs the model in a worker process of its own (its multiprocessing executor)
 # unless VLLM_ENABLE_V1_MULTIPROCESSING is 0; then the engine process runs it, as a server on
-# one GPU does, and a start-up imports vLLM in two processes instead of three (20 s against
-# 28 s here). tests/e2e/test_engine_hook_e2e.py keeps the CPU build's default.
+# one GPU does, and a start-up imports vLLM in two processes instead of three (the slowest part
+# of a start-up). tests/e2e/test_engine_hook_e2e.py keeps the CPU build's default.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from pte_instrument.offline.statistics import bootstrap_weights, percentile_interval, spearman
+from pte_instrument.offline.statistics import bootstrap_weights, finite_or_none, percentile_interval, spearman
 
 DEFAULT_BOOTSTRAP = 500
 DEFAULT_SPLITS = 200
@@ -169,11 +169,6 @@ class Estimate:
     def to_dict(self) -> dict[str, float | None]:
         v, lo, hi = self.value, self.low, self.high
         return {"value": finite_or_none(v), "low": finite_or_none(lo), "high": finite_or_none(hi)}
-
-
-def finite_or_none(x: float | None) -> float | None:
-    """A number for JSON: undefined (None, NaN, ±inf) is None."""
-    return float(x) if x is not None and math.isfinite(x) else None
 
 
 @dataclass(frozen=True)

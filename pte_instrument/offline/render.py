@@ -14,8 +14,8 @@ from pte_instrument.offline.decomposition import (
     SolverResult,
     ViewResult,
 )
-from pte_instrument.offline.decomposition import finite_or_none as _num
 from pte_instrument.offline.patterns import PATTERNS, GroupReport
+from pte_instrument.offline.statistics import finite_or_none as _num
 
 EFFICIENCY_SCHEMA = "pte-efficiency/1"
 TRAJECTORY_SCHEMA = "pte-trajectory-report/1"

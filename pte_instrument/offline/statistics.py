@@ -261,7 +261,12 @@ def interval_bounds(samples: Any, level: float = LEVEL) -> tuple[float, float]:
     return float(lo), float(hi)
 
 
+def finite_or_none(x: float | None) -> float | None:
+    """A number for JSON: undefined (None, NaN, ±inf) is None."""
+    return float(x) if x is not None and math.isfinite(x) else None
+
+
 def report_number(v: float | None) -> float | None:
-    """``v`` as a report writes it: None where it is missing or not finite, else rounded to 6
-    decimal places."""
-    return None if v is None or not math.isfinite(v) else round(float(v), 6)
+    """``v`` as a report writes it: :func:`finite_or_none`, rounded to 6 decimal places."""
+    x = finite_or_none(v)
+    return None if x is None else round(x, 6)

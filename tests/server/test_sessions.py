@@ -6,6 +6,7 @@ import threading
 import tracemalloc
 import weakref
 from dataclasses import asdict, replace
+from multiprocessing.synchronize import Barrier
 from pathlib import Path
 
 import pytest
@@ -173,7 +174,7 @@ def test_the_store_outlives_the_process(tmp_path):
         again.close()
 
 
-def _open_store_at(path: str, start: threading.Barrier) -> None:
+def _open_store_at(path: str, start: Barrier) -> None:
     start.wait()
     SessionLedger(Path(path)).close()  # a StoreError ends the process with exit code 1
 
