@@ -68,6 +68,7 @@ class PricingConfig:
     step_model: StepTimeModel | None = None
     step_model_source: str = "theory"
     calibrate_online: bool = True
+    idle_look_s: float = IDLE_LOOK_S
 
 
 class PricingBatch(msgspec.Struct, array_like=True, gc=False):
@@ -226,7 +227,7 @@ def serve(config: PricingConfig, ready: Callable[[], None], woken: threading.Eve
         while True:
             messages = ring.take()
             if not messages:
-                woken.wait(IDLE_LOOK_S)
+                woken.wait(config.idle_look_s)
                 woken.clear()
             for data in messages:
                 try:
