@@ -567,9 +567,11 @@ class EngineAccounting:
         self.roofline[slots] = 0.0
         self.rejected_pte[slots] = 0.0
         self.acc.release(slots)
-        self.send(messages)
-        if self._log is not None:
-            self._log.flush()  # step lines reach the file at least as often as requests finish
+        try:
+            if self._log is not None:  # a request's step lines are in the file when its totals leave
+                self._log.flush()
+        finally:
+            self.send(messages)  # a step log that fails loses no totals
 
     def calibration(self) -> EngineCalibration:
         """The step-time model in use, for the API servers' metrics."""

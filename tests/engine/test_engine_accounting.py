@@ -82,6 +82,37 @@ def test_chunked_prefill_then_decode(tmp_path):
     assert ea.live == 0 and m["engine_live"] == 0 and ea.steps == 4
 
 
+def test_a_requests_step_lines_are_in_the_file_when_its_totals_are_sent(tmp_path):
+    """A reader that has a request's totals finds every step it ran in the step log."""
+    log = tmp_path / "steps.jsonl"
+    lines_at_send: list[int] = []
+
+    def send(messages) -> None:
+        lines_at_send.append(sum(1 for x in log.read_text().splitlines() if not json.loads(x).get("header")))
+
+    ea = EngineAccounting(COST, send, step_log=str(log))
+    ea.price(completed([[("a", 0, 6)], [("a", 6, 4)], [("a", 10, 1)]], {"a": 10}))
+    ea.on_finished("a", "length", COUNTS)
+    ea.flush()
+    ea.close()
+    assert lines_at_send == [3]
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_step_log_that_cannot_be_written_loses_no_totals():
+    """A full disk under the step log: its flush fails (the caller counts the fault), and the
+    totals are sent all the same."""
+    sent: list[dict] = []
+    ea = EngineAccounting(COST, collect(sent), step_log="/dev/full")
+    ea.price(completed([[("a", 0, 6)], [("a", 6, 4)]], {"a": 10}))
+    ea.on_finished("a", "length", COUNTS)
+    with pytest.raises(OSError):
+        ea.flush()
+    assert [m["request_id"] for m in sent] == ["a"]
+    with pytest.raises(OSError):  # what it still holds cannot be written either
+        ea.close()
+
+
 def test_preemption_counts_recompute_and_cache_hits_are_free(tmp_path):
     steps = [
         [("b", 4, 6)],  # 4 prefix-cache hits, prefill 6: samples output 0
