@@ -109,12 +109,17 @@ def test_many_distinct_sessions_stay_capped_with_bounded_memory(constrained):
         with ThreadPoolExecutor(8) as pool:
             return list(pool.map(lambda i: chat(client, model, session=f"{prefix}-{i}"), range(n)))
 
+    opened_before = client.get("/pte/summary").json()["sessions"]["opened"]
     assert set(burst("warm", 300)) == {200}
     rss_before = proc.memory_info().rss
     assert set(burst("many", 1500)) == {200}
     rss_after = proc.memory_info().rss
+
+    def opened() -> int:
+        return client.get("/pte/summary").json()["sessions"]["opened"] - opened_before
+
     # a request is priced just after its answer: the burst's last ones may still be on their way
-    assert wait(lambda: client.get("/pte/summary").json()["sessions"]["opened"] >= 1800, timeout_s=30)
+    assert wait(lambda: opened() >= 1800, timeout_s=30), opened()
     summary = client.get("/pte/summary").json()["sessions"]
     assert summary["live"] == MAX_SESSIONS
     assert summary["evicted"] == summary["opened"] - MAX_SESSIONS  # dropped sessions are counted
