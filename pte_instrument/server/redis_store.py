@@ -5,7 +5,8 @@ path, a batch at a time. Each write is one Lua script, so each is whole, and eac
 applied once whichever replica or retry sends it (its replica, id and finish time are
 remembered for ten minutes: at 1,000 requests a second, 600,000 keys of about 100 bytes).
 
-Redis unreachable or slow: nothing waits for it longer than ``TIMEOUT_S``. The first failure
+Redis unreachable or slow: nothing waits for it longer than its timeout (``TIMEOUT_S`` unless
+``PTE_SESSION_STORE_TIMEOUT_S`` says otherwise). The first failure
 says it in one line and counts it; the store is then left alone for a back-off (1 s, doubling
 to 30 s) during which every write is lost, counted, and a turn's context comes from this
 process's latest turns; then it is tried again. One Redis server (or a primary), not a cluster: the
@@ -476,13 +477,19 @@ class RedisSessionLedger(SessionLedger):
 
     RECENT_TAILS = 10_000  # sessions whose latest committed turn here is remembered
 
+    def __init__(self, store: str | Path | None, *, timeout_s: float = TIMEOUT_S, **kwargs: Any) -> None:
+        self._timeout_s = timeout_s  # read by ``_open``, which the base class calls
+        super().__init__(store, **kwargs)
+
     def _open(self, path: str | Path | None, max_queued: int) -> RedisStore:
         # The latest turn this process committed per session, for a context while the store is down.
         self._recent: OrderedDict[str, Tail] = OrderedDict()
         # The store's latest turns of the sessions of the pass being priced, read in one round
         # trip (``prefetch``); each is used once, by its session's next context read.
         self._prefetched: dict[str, Tail | None] = {}
-        return RedisStore(str(path), self._commit, self._error, self.server_id, max_queued)
+        return RedisStore(
+            str(path), self._commit, self._error, self.server_id, max_queued, timeout_s=self._timeout_s
+        )
 
     def _count_live(self) -> int:
         try:
@@ -554,6 +561,9 @@ def is_redis_url(store: str | None) -> bool:
     return store is not None and store.startswith(("redis://", "rediss://"))
 
 
-def open_ledger(store: str | None, **kwargs: Any) -> SessionLedger:
-    """The ledger on the store ``PTE_SESSION_STORE`` names: a Redis URL or a SQLite file."""
-    return RedisSessionLedger(store, **kwargs) if is_redis_url(store) else SessionLedger(store, **kwargs)
+def open_ledger(store: str | None, timeout_s: float = TIMEOUT_S, **kwargs: Any) -> SessionLedger:
+    """The ledger on the store ``PTE_SESSION_STORE`` names: a Redis URL (``timeout_s``: its
+    command timeout) or a SQLite file."""
+    if is_redis_url(store):
+        return RedisSessionLedger(store, timeout_s=timeout_s, **kwargs)
+    return SessionLedger(store, **kwargs)

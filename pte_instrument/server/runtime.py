@@ -165,7 +165,7 @@ class Runtime:
             server_id=settings.engine_transport,  # one per vllm serve, shared by its API servers
         )
         try:
-            ledger = open_ledger(settings.session_store, **kwargs)
+            ledger = open_ledger(settings.session_store, settings.session_store_timeout_s, **kwargs)
         except StoreError as e:
             self.faults.record("sessions", e, logged=True)  # the one line below says it all
             log.error(

@@ -414,3 +414,11 @@ def test_a_pricing_pass_reads_its_sessions_from_the_store_at_once(fleet, redis_s
         assert b.context_for("new", 1020.0, 10).turn == 1
     finally:
         proxy.close()
+
+
+def test_a_stores_commands_time_out_after_the_timeout_it_is_given(fleet):
+    """``PTE_SESSION_STORE_TIMEOUT_S`` reaches the client: both its socket timeouts."""
+    kwargs = fleet("a", timeout_s=3.0).store.client.connection_pool.connection_kwargs
+    assert kwargs["socket_timeout"] == kwargs["socket_connect_timeout"] == 3.0
+    kwargs = fleet("b").store.client.connection_pool.connection_kwargs
+    assert kwargs["socket_timeout"] == kwargs["socket_connect_timeout"] == 0.25  # the default
