@@ -5,8 +5,8 @@ path, a batch at a time. Each write is one Lua script, so each is whole, and eac
 applied once whichever replica or retry sends it (its replica, id and finish time are
 remembered for ten minutes: at 1,000 requests a second, 600,000 keys of about 100 bytes).
 
-Redis unreachable or slow: nothing waits for it longer than its timeout (``TIMEOUT_S`` unless
-``PTE_SESSION_STORE_TIMEOUT_S`` says otherwise). The first failure
+Redis unreachable or slow: nothing waits for it longer than ``PTE_SESSION_STORE_TIMEOUT_S``
+(0.25 s by default). The first failure
 says it in one line and counts it; the store is then left alone for a back-off (1 s, doubling
 to 30 s) during which every write is lost, counted, and a turn's context comes from this
 process's latest turns; then it is tried again. One Redis server (or a primary), not a cluster: the
@@ -37,8 +37,9 @@ from pte_instrument.server.session_store import (
     StoreError,
 )
 from pte_instrument.server.sessions import SessionLedger, Tail, turn_row
+from pte_instrument.settings import Settings
 
-TIMEOUT_S = 0.25  # a command that takes longer has failed
+TIMEOUT_S = Settings.session_store_timeout_s  # the setting's default: a longer command has failed
 FIRST_BACKOFF_S, MAX_BACKOFF_S = 1.0, 30.0
 SEEN_TTL_S = 600  # how long a request id is remembered, so that it is applied once
 PREFIX = "pte:"
