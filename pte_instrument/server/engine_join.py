@@ -229,22 +229,11 @@ class RequestJoin:
                     if totals is None and hooked and now < deadline:
                         self.waiting.append((request, deadline))
                         continue
-                    if totals is None and hooked:
-                        self.faults.record(
-                            "engine_join", TimeoutError(f"no engine totals for {request.request_id}")
-                        )
-                    elif totals is None and self.inbox.hooks:  # other engines' hooks reach us
-                        self.faults.record(
-                            "engine_join",
-                            LookupError(
-                                f"engine {request.engine}'s step hook has not reached this API server: its requests "
-                                "are priced without engine totals (on another node, start it with "
-                                "PTE_ENGINE_TRANSPORT=tcp; docs/deployment.md)"
-                            ),
-                        )
-                        _count(
-                            self._priced_without_engine, request.request_id
-                        )  # its late totals: no 2nd entry
+                    if totals is None and self.inbox.hooks:
+                        self.faults.record("engine_join", self._missing(request, hooked))
+                        # its totals may still come (a busy host, a hook that reached us late):
+                        # they must not price it a second time
+                        _count(self._priced_without_engine, request.request_id)
                     if totals is not None:
                         request = with_engine_totals(request, totals)
                 except Exception as e:
@@ -263,6 +252,16 @@ class RequestJoin:
                     self.faults.record("engine_join", e)
             ready.sort(key=lambda r: r.arrived_at)
             return ready
+
+    @staticmethod
+    def _missing(request: FinishedRequest, hooked: bool) -> Exception:
+        if hooked:
+            return TimeoutError(f"no engine totals for {request.request_id} in {ENGINE_JOIN_TIMEOUT_S:g} s")
+        return LookupError(
+            f"engine {request.engine}'s step hook has not reached this API server: its requests are "
+            "priced without engine totals (on another node, start it with PTE_ENGINE_TRANSPORT=tcp; "
+            "docs/deployment.md)"
+        )
 
 
 def _count(store: BoundedDict[str, int], key: str) -> None:

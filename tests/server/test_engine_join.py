@@ -244,3 +244,24 @@ def test_a_hung_up_stream_the_engine_finished_keeps_its_session_tag_until_it_is_
     priced.extend(join.ready(late + 1.0))
     assert [(r.request_id, r.session_id) for r in priced] == [("cmpl-hangup", "agent-7")]
     assert pending.dropped == 0
+
+
+def test_totals_that_arrive_after_the_join_gave_up_do_not_price_the_request_again():
+    """A busy host held the engine's totals past the join's wait: the request is priced
+    without them (a fault), and its late totals must not price it a second time."""
+    from pte_instrument.server.engine_join import ENGINE_JOIN_TIMEOUT_S, ORPHAN_AFTER_S
+
+    inbox, join, priced, faults = make_join()
+    join.finished(finished_request("cmpl-late-0", 4), now=0.0)
+    join.finished(finished_request("chatcmpl-late", 4), now=0.0)
+    priced.extend(join.ready(now=ENGINE_JOIN_TIMEOUT_S + 0.01))
+    assert sorted(r.request_id for r in priced) == ["chatcmpl-late", "cmpl-late-0"]
+    assert all(r.engine_totals is None for r in priced) and faults.counts["engine_join"] == 2
+    inbox.on_messages([totals("cmpl-late-0", 4), totals("chatcmpl-late", 4)])  # at last
+    priced.extend(join.ready(time.monotonic() + ORPHAN_AFTER_S + 1))
+    assert len(priced) == 2 and len(inbox) == 0
+    # a request reusing the id later is still joined with its own totals
+    inbox.on_messages([totals("chatcmpl-late", 2)])
+    join.finished(finished_request("chatcmpl-late", 2), now=100.0)
+    priced.extend(join.ready(now=100.0))
+    assert len(priced) == 3 and priced[-1].engine_totals is not None
