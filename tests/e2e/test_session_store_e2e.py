@@ -1,6 +1,7 @@
 """The session store outlives the server: a restart between turns keeps every session's
 turn numbering and shows the eviction tax the restart really cost (the KV cache died with
-the engine); a SIGKILL under load leaves the store whole, losing at most the turns in flight."""
+the engine); a SIGKILL under load leaves the store whole, losing at most the turns in flight;
+two servers on one host keep their own default stores."""
 
 from __future__ import annotations
 
@@ -46,21 +47,40 @@ def stored_turns(url: str, sid: str) -> int:
     return r.json()["turns"] if r.status_code == 200 else 0
 
 
-def test_sessions_continue_across_a_restart(tiny_model, tmp_path):
+def test_the_store_outlives_a_restart_and_a_sigkill_under_load(tiny_model, tmp_path):
+    """One store through three servers: a restart between turns, then a SIGKILL of the
+    restarted server under load, then a server that opens what the kill left."""
     store = tmp_path / "sessions.sqlite3"
+    with serve(tiny_model, store, tmp_path / "before.log") as before:
+        sessions, results = begin_sessions(before)
+    with serve(tiny_model, store, tmp_path / "after.log") as after:
+        sessions_continue(after, sessions, results)
+        rows = killed_under_load(after, store)
+    time.sleep(0.5)
+    with serve(tiny_model, store, tmp_path / "after-kill.log") as again:  # the store opens and serves
+        sid, n_turns = rows[0][0], rows[0][1]
+        assert stored_turns(again.url, sid) == n_turns
+
+
+def begin_sessions(server: VllmServer) -> tuple[list[AgentSession], list[list]]:
+    """Two turns of each session, committed."""
     sessions = [AgentSession(f"restart-{k}", CFG, SYSTEM, random.Random(k)) for k in range(SESSIONS)]
     results: list[list] = [[] for _ in sessions]
-    with serve(tiny_model, store, tmp_path / "before.log") as before:
-        for _ in range(2):
-            for k, s in enumerate(sessions):
-                results[k].append(step(before.url, s))
-        assert wait(lambda: all(stored_turns(before.url, s.session_id) == 2 for s in sessions))
-    with serve(tiny_model, store, tmp_path / "after.log") as after:
-        for _ in range(2):
-            for k, s in enumerate(sessions):
-                results[k].append(step(after.url, s))
-        assert wait(lambda: all(stored_turns(after.url, s.session_id) == 4 for s in sessions))
-        views = [httpx.get(f"{after.url}/pte/sessions/{s.session_id}", timeout=10).json() for s in sessions]
+    for _ in range(2):
+        for k, s in enumerate(sessions):
+            results[k].append(step(server.url, s))
+    assert wait(lambda: all(stored_turns(server.url, s.session_id) == 2 for s in sessions))
+    return sessions, results
+
+
+def sessions_continue(after: VllmServer, sessions: list[AgentSession], results: list[list]) -> None:
+    """Turns 3 and 4 on the restarted server: numbered on, with the eviction tax the restart
+    really cost (the KV cache died with the engine)."""
+    for _ in range(2):
+        for k, s in enumerate(sessions):
+            results[k].append(step(after.url, s))
+    assert wait(lambda: all(stored_turns(after.url, s.session_id) == 4 for s in sessions))
+    views = [httpx.get(f"{after.url}/pte/sessions/{s.session_id}", timeout=10).json() for s in sessions]
     for k, (view, turns) in enumerate(zip(views, results, strict=True)):
         rows = view["turn_rows"]
         assert [r["turn"] for r in rows] == [1, 2, 3, 4]
@@ -75,9 +95,9 @@ def test_sessions_continue_across_a_restart(tiny_model, tmp_path):
             assert first_after.cached_tokens == 0 and rows[2]["pte_eviction_tax"] == reusable(prev) > 0
 
 
-def test_sigkill_under_load_leaves_the_store_whole(tiny_model, tmp_path):
-    store = tmp_path / "sessions.sqlite3"
-    server = serve(tiny_model, store, tmp_path / "killed.log").start()
+def killed_under_load(server: VllmServer, store: Path) -> list[tuple]:
+    """16 agents load the server; SIGKILL mid-load (mid-write maybe). The store is whole and
+    lost at most the turns in flight. The rows of the load's sessions, as the kill left them."""
     sent: Counter[str] = Counter()
     answered: Counter[str] = Counter()
     stop = threading.Event()
@@ -99,21 +119,24 @@ def test_sigkill_under_load_leaves_the_store_whole(tiny_model, tmp_path):
 
     def committed() -> int:
         with sqlite3.connect(f"file:{store}?mode=ro", uri=True) as db:
-            return db.execute("SELECT COALESCE(SUM(n_turns), 0) FROM sessions").fetchone()[0]
+            query = "SELECT COALESCE(SUM(n_turns), 0) FROM sessions WHERE id LIKE 'load-%'"
+            return db.execute(query).fetchone()[0]
 
     try:
         with ThreadPoolExecutor(16) as pool:
             for k in range(16):
                 pool.submit(agent, k)
-            assert wait(lambda: store.exists() and committed() >= 60, timeout_s=300)
-            os.killpg(os.getpgid(server.proc.pid), signal.SIGKILL)  # mid-load, mid-write maybe
+            assert wait(lambda: committed() >= 60, timeout_s=300)
+            os.killpg(os.getpgid(server.proc.pid), signal.SIGKILL)
             stop.set()
     finally:
         server.stop()
 
     with sqlite3.connect(store) as db:
         assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-        rows = db.execute("SELECT id, n_turns, turns_dropped, pte_served FROM sessions").fetchall()
+        rows = db.execute(
+            "SELECT id, n_turns, turns_dropped, pte_served FROM sessions WHERE id LIKE 'load-%'"
+        ).fetchall()
         for sid, n_turns, dropped, served in rows:
             seqs = [
                 r[0] for r in db.execute("SELECT seq FROM turns WHERE session_id = ? ORDER BY seq", (sid,))
@@ -128,10 +151,7 @@ def test_sigkill_under_load_leaves_the_store_whole(tiny_model, tmp_path):
     lost = sum(max(0, n - stored.get(sid, 0)) for sid, n in answered.items())
     # at most the turns in flight: answered, not yet priced and committed (one per session at most)
     assert lost <= 16, lost
-    time.sleep(0.5)
-    with serve(tiny_model, store, tmp_path / "after-kill.log") as again:  # the store opens and serves
-        sid, n_turns = rows[0][0], rows[0][1]
-        assert stored_turns(again.url, sid) == n_turns
+    return rows
 
 
 def test_two_servers_on_one_host_have_their_own_default_store_and_a_shared_one_says_so(tiny_model, tmp_path):

@@ -15,7 +15,7 @@ from pte_instrument.validation.phases import MIN_ALONE, Phase, merged, phases_of
 from pte_instrument.validation.report import analyse_logs
 
 RUN = Path(__file__).resolve().parents[2] / "bench" / "results" / "latency-tiny-vm-2026-12-01"
-N_BOOT = 200
+N_BOOT = 100
 
 
 def test_served_alone_is_no_other_request_in_flight():
