@@ -14,7 +14,14 @@ from pte_instrument.cost.architecture import KVGroup, ModelShape
 from pte_instrument.cost.devices import DeviceProfile
 from pte_instrument.cost.model import CostModel
 from pte_instrument.faults import FaultTracker
-from pte_instrument.server.engine_join import ABORT_GRACE_S, EngineInbox, RequestJoin
+from pte_instrument.server.engine_join import (
+    ABORT_GRACE_S,
+    ENGINE_JOIN_TIMEOUT_S,
+    ORPHAN_AFTER_S,
+    TICK_S,
+    EngineInbox,
+    RequestJoin,
+)
 from pte_instrument.server.exporters.prometheus import PrometheusExporter, metrics_for
 from pte_instrument.server.exporters.request_log import RequestLogWriter
 from pte_instrument.server.pricer import RequestPricer
@@ -221,7 +228,6 @@ def test_a_hung_up_stream_the_engine_finished_keeps_its_session_tag_until_it_is_
     """The client closed the stream; the engine finished the request (length), so vLLM's stat
     logger never reports it and it is priced from its totals once they are orphaned. Its tag
     was settled when the client hung up, just before: it must still be there then."""
-    from pte_instrument.server.engine_join import ORPHAN_AFTER_S, TICK_S
     from pte_instrument.server.request_tags import PendingTags, RequestTag
 
     start = time.monotonic()
@@ -249,8 +255,6 @@ def test_a_hung_up_stream_the_engine_finished_keeps_its_session_tag_until_it_is_
 def test_totals_that_arrive_after_the_join_gave_up_do_not_price_the_request_again():
     """A busy host held the engine's totals past the join's wait: the request is priced
     without them (a fault), and its late totals must not price it a second time."""
-    from pte_instrument.server.engine_join import ENGINE_JOIN_TIMEOUT_S, ORPHAN_AFTER_S
-
     inbox, join, priced, faults = make_join()
     join.finished(finished_request("cmpl-late-0", 4), now=0.0)
     join.finished(finished_request("chatcmpl-late", 4), now=0.0)
