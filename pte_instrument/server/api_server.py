@@ -6,16 +6,18 @@ vLLM's config), ``finished`` (the requests an output batch finished), ``fault`` 
 could not convert), ``announce``, and for its HTTP side ``router``, ``middleware`` and
 ``set_api_keys``. A finished request walks one way: ``finished`` tags it and queues it in
 the model's ``RequestJoin``; the pricer thread (``tick``) takes it once the engine's
-totals joined it, and its ``RequestPricer`` prices it, files it under its session and fans it
+totals joined it, and once the turns of its session before it are in the store
+(``turn_order``), and its ``RequestPricer`` prices it, files it under its session and fans it
 out to the exporters, each isolated. No exporter runs on vLLM's output loop."""
 
 from __future__ import annotations
 
 import atexit
+import math
 import threading
 import time
 from collections.abc import Callable, Container, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -30,6 +32,7 @@ from pte_instrument.server.pricer import RequestPricer
 from pte_instrument.server.records import FinishedRequest
 from pte_instrument.server.routes import build_router
 from pte_instrument.server.runtime import Runtime, get_runtime, once
+from pte_instrument.server.turn_order import TURN_ORDER_WAIT_S
 from pte_instrument.settings import Settings
 
 EXPIRY_EVERY_S = 1.0  # idle sessions are closed this often, whether or not a turn arrives
@@ -57,6 +60,8 @@ class _Pricing:
     cost_model: CostModel
     join: RequestJoin
     pricers: dict[int, RequestPricer]
+    # session turns waiting for the turns before them (``turn_order``), with their deadlines
+    held: list[tuple[FinishedRequest, float]] = field(default_factory=list)
 
 
 class ApiServer:
@@ -98,6 +103,7 @@ class ApiServer:
                     "pte-instrument cost model for %r: %s", served.name, "; ".join(cost_model.shape.assumed)
                 )
             rt.sessions.block_size = served.kv_block_size
+            rt.sessions.start()  # the other API servers wait for its watermark (``turn_order``)
             rt.lora_names.enabled = served.lora  # adapters are priced as their base model
             pricers = {
                 engine: RequestPricer(
@@ -142,7 +148,9 @@ class ApiServer:
                 self.fault("adapter", KeyError(f"a request of unconfigured model {request.model!r}"))
                 continue
             try:
-                pricing.join.finished(pricing.join.tag(request), now)
+                tagged = pricing.join.tag(request)
+                if pricing.join.finished(tagged, now) and tagged.session_id is not None:
+                    self.runtime.sessions.told_finished(tagged.request_id)
             except Exception as e:
                 self.fault("adapter", e)
         self.runtime.inbox.arrived.set()  # wake the pricer
@@ -157,11 +165,7 @@ class ApiServer:
         with self._lock:
             priced = 0
             for pricing in list(self._models.values()):
-                ready = pricing.join.ready(now)
-                self._prefetch_sessions(ready)
-                for request in ready:
-                    self._price(pricing, request)
-                    priced += 1
+                priced += self._price_in_turn_order(pricing, pricing.join.ready(now), now)
             expiring = now >= self._next_expiry
             if expiring:
                 self._next_expiry = now + EXPIRY_EVERY_S
@@ -174,6 +178,38 @@ class ApiServer:
                     self.runtime.ledger_metrics.sync()
                 except Exception as e:
                     self.fault("sessions", e)
+
+    def _price_in_turn_order(self, pricing: _Pricing, ready: list[FinishedRequest], now: float) -> int:
+        """Price the ready requests and the held turns whose sessions' earlier turns are in the
+        store (every writer's watermark and this process's unpriced turns past their arrival),
+        in arrival order; hold the other turns, at most ``TURN_ORDER_WAIT_S``. Returns how
+        many were priced."""
+        waiting = pricing.held + [(r, now + TURN_ORDER_WAIT_S) for r in ready]
+        waiting.sort(key=lambda w: w[0].arrived_at)
+        pricing.held = []
+        sessions = self.runtime.sessions
+        others = math.inf
+        if any(r.session_id is not None for r, _ in waiting):
+            others = sessions.others_caught_up_to()
+        self._prefetch_sessions([r for r, _ in waiting if r.arrived_at <= others])
+        priced = 0
+        for request, deadline in waiting:
+            if request.session_id is not None and request.arrived_at > min(others, sessions.unpriced_since()):
+                if now < deadline:
+                    pricing.held.append((request, deadline))
+                    continue
+                self.fault("sessions", self._out_of_order(request))
+            self._price(pricing, request)
+            priced += 1
+        return priced
+
+    @staticmethod
+    def _out_of_order(request: FinishedRequest) -> Exception:
+        return TimeoutError(
+            f"turn {request.request_id} of session {request.session_id!r} priced after waiting "
+            f"{TURN_ORDER_WAIT_S:g} s for the turns before it to reach the session store (another API "
+            "server's writes lag): its turn number, pause and reusable prefix are as the store held them"
+        )
 
     def _prefetch_sessions(self, ready: list[FinishedRequest]) -> None:
         """The sessions of a pass's requests read from the store at once (one round trip to a
@@ -189,6 +225,7 @@ class ApiServer:
         pricer = pricing.pricers.get(request.engine)
         if pricer is None:  # an engine index vLLM did not announce
             self.fault("adapter", KeyError(f"unknown engine {request.engine}"))
+            self.runtime.sessions.gave_up(request.request_id)
             return
         pricer.on_finished(request)
         totals = request.engine_totals

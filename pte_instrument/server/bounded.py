@@ -38,6 +38,10 @@ class BoundedDict(Generic[K, V]):
     def values(self) -> Iterator[V]:
         return iter(self._map.values())
 
+    def items(self) -> Iterator[tuple[K, V]]:
+        """Least recently put first."""
+        return iter(self._map.items())
+
     def put(self, key: K, value: V) -> list[tuple[K, V]]:
         """Insert or replace ``key`` as the most recent entry; returns what was dropped."""
         self._map[key] = value

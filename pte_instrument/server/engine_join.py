@@ -207,11 +207,13 @@ class RequestJoin:
         self._priced_from_engine: BoundedDict[str, int] = BoundedDict(MAX_PRICED_ONCE)
         self._lock = threading.Lock()
 
-    def finished(self, request: FinishedRequest, now: float) -> None:
+    def finished(self, request: FinishedRequest, now: float) -> bool:
+        """Queue a request vLLM reported finished; False if it was priced already."""
         with self._lock:
             if _consume(self._priced_from_engine, request.request_id):
-                return  # priced from its totals already (an abort vLLM reported after all)
+                return False  # priced from its totals already (an abort vLLM reported after all)
             self.waiting.append((request, now + ENGINE_JOIN_TIMEOUT_S))
+            return True
 
     def ready(self, now: float) -> list[FinishedRequest]:
         """The finished requests to price now, joined with the engine hook's exact totals. Those

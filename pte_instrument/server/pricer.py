@@ -96,6 +96,8 @@ class RequestPricer:
             )
         except Exception as e:
             self.faults.record("accounting", e)
+            if self.sessions is not None:
+                self.sessions.gave_up(request.request_id)
             return None
         if self.sessions is not None:
             try:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -37,6 +38,7 @@ from pte_instrument.server.session_store import (
     StoreError,
 )
 from pte_instrument.server.sessions import SessionLedger, Tail, turn_row
+from pte_instrument.server.turn_order import PEER_ALIVE_S, WRITER_GONE_S
 from pte_instrument.settings import Settings
 
 TIMEOUT_S = Settings.session_store_timeout_s  # the setting's default: a longer command has failed
@@ -301,6 +303,41 @@ class RedisStore(BatchWriter):
     def _release(self, conn: Any) -> None:
         with contextlib.suppress(Exception), self.reading() as r:
             r.zrem(self.prefix + "servers", self.server_id)
+            r.hdel(self.prefix + "writers", self.writer_id)
+
+    def _publish(self, pipe: Any, watermark: float) -> None:
+        """This writer's watermark (``turn_order``), and how many writers published lately."""
+        now = time.time()
+        pipe.hset(self.prefix + "writers", self.writer_id, f"{watermark!r} {now!r}")
+        pipe.hvals(self.prefix + "writers")
+
+    def _peers_published(self, values: list[str]) -> None:
+        now = time.time()
+        alive = [v for v in values if now - float(v.split()[1]) < PEER_ALIVE_S]
+        self.with_peers(len(alive) > 1)
+
+    def beat(self, watermark: float) -> None:
+        """Publish this writer's watermark, with nothing else to write."""
+        with self.reading() as r:
+            pipe = r.pipeline(transaction=False)
+            self._publish(pipe, watermark)
+            self._peers_published(pipe.execute()[-1])
+
+    def peer_watermark(self) -> float:
+        """The earliest watermark of the other writers that published lately (inf: none); the
+        entries of writers gone for long are dropped."""
+        with self.reading() as r:
+            found = r.hgetall(self.prefix + "writers")
+            now, earliest, gone = time.time(), math.inf, []
+            for writer, value in found.items():
+                watermark, last_seen = map(float, value.split())
+                if now - last_seen > WRITER_GONE_S:
+                    gone.append(writer)
+                elif writer != self.writer_id and now - last_seen < PEER_ALIVE_S:
+                    earliest = min(earliest, watermark)
+            if gone:
+                r.hdel(self.prefix + "writers", *gone)
+        return earliest
 
     def other_servers(self) -> list[str]:
         with self.reading() as r:
@@ -316,11 +353,13 @@ class RedisStore(BatchWriter):
         now: float,
         idle_before: float,
         limits: tuple[int, int, int],
+        watermark: float,
     ) -> tuple[list[list[int]], list[tuple[dict[str, Any], str]], int]:
         """The batch's turns (each with its session's tail), finished requests for the
         feedback window, then the sessions to close (last seen before ``idle_before``, and the
         least recently active past ``max_live``), in one round trip. ``limits``: max turns
-        per session, the feedback window, max live sessions. Returns each turn's (number,
+        per session, the feedback window, max live sessions; ``watermark``: this writer's, as of
+        the batch (``turn_order``). Returns each turn's (number,
         opened, rows dropped), the closed sessions, and the live count."""
         max_turns, window, max_live = limits
         with self.reading() as r:
@@ -335,9 +374,11 @@ class RedisStore(BatchWriter):
                 self.scripts["observe"](args=args, client=pipe)
             self.scripts["close"](args=[self.prefix, idle_before, max_live], client=pipe)
             pipe.zadd(self.prefix + "servers", {self.server_id: time.time()})
+            self._publish(pipe, watermark)
             pipe.zcard(self.prefix + "live")
             results = pipe.execute()
-        closed = results[-3]
+        self._peers_published(results[-2])
+        closed = results[-5]
         summaries = [
             (session_summary(sid, dict(zip(f[::2], f[1::2], strict=True))), reason)
             for sid, reason, f in closed
@@ -526,6 +567,12 @@ class RedisSessionLedger(SessionLedger):
         adds = [item for item in items if item[0] == "add"]
         observed = [item[1] for item in items if item[0] == "observe"]
         limits = (self.max_turns, self.feedback_window, self.max_sessions)
+        watermark = self.unlanded.watermark(record.request_id for _, record, tail in adds if tail is not None)
+        if not items and not expire:
+            if store.available:
+                with contextlib.suppress(StoreError):  # the next batch says what is wrong
+                    store.beat(watermark)
+            return
         try:
             turns, closed, live = store.commit_batch(
                 [(record, tail) for _, record, tail in adds],
@@ -533,6 +580,7 @@ class RedisSessionLedger(SessionLedger):
                 now,
                 now - self.idle_ttl_s if expire else 0.0,
                 limits,
+                watermark,
             )
             failpoint("session_store")
         except Exception as e:

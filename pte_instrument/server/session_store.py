@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import queue
 import sqlite3
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ from typing import Any
 from pte_instrument.server import feedback_window, totals
 from pte_instrument.server.feedback_window import OUTCOME_COUNTS
 from pte_instrument.server.records import MODEL_TOTALS
+from pte_instrument.server.turn_order import HEARTBEAT_S, PEER_ALIVE_S, WRITER_GONE_S
 
 MAX_QUEUED = 10_000  # items waiting for the writer; past it an item is refused
 _BATCH = 1024  # items per transaction at most
@@ -81,6 +84,9 @@ CREATE TABLE IF NOT EXISTS turns (
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS servers (id TEXT PRIMARY KEY, last_seen REAL NOT NULL) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS writers (
+    id TEXT PRIMARY KEY, watermark REAL NOT NULL, last_seen REAL NOT NULL
+) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS recent (
     request_id TEXT PRIMARY KEY, seq INTEGER NOT NULL, model TEXT NOT NULL, benchmark TEXT NOT NULL,
     output_tokens INTEGER NOT NULL, truncated INTEGER NOT NULL, session_id TEXT, labeled INTEGER NOT NULL
@@ -190,7 +196,10 @@ Commit = Callable[[Any, list[tuple[Any, ...]], bool], None]
 
 class BatchWriter:
     """A writer thread that hands what has queued (``put``) to ``commit``, a batch at a time,
-    with the connection ``_connection`` gives it; the queue is bounded (a full one refuses)."""
+    with the connection ``_connection`` gives it; the queue is bounded (a full one refuses).
+    It commits at least every ``heartbeat_s`` (nothing queued: an empty batch), so that its
+    watermark (``turn_order``) moves on: each second, or ``HEARTBEAT_S`` while other writers
+    share the store (``commit`` sets it)."""
 
     def __init__(
         self, commit: Commit, on_error: Callable[[Exception], None], server_id: str, max_queued: int
@@ -198,6 +207,8 @@ class BatchWriter:
         self.commit = commit
         self.on_error = on_error
         self.server_id = server_id
+        self.writer_id = f"{server_id}/{uuid.uuid4().hex[:12]}"  # this process's writer
+        self.heartbeat_s = _EXPIRE_EVERY_S
         self.max_queued = max_queued
         self._queue: queue.Queue[Any] = queue.Queue(max_queued)
         self._writer: threading.Thread | None = None
@@ -227,6 +238,14 @@ class BatchWriter:
         self._ensure_writer()
         return done.wait(max(0.0, deadline - time.monotonic()))
 
+    def start(self) -> None:
+        """Start the writer, so that the other writers hear from this one from now on."""
+        self._ensure_writer()
+
+    def with_peers(self, peers: bool) -> None:
+        """Whether other writers share the store: this one's watermark is then wanted often."""
+        self.heartbeat_s = HEARTBEAT_S if peers else _EXPIRE_EVERY_S
+
     def stop_writer(self) -> None:
         """Commit what is queued and stop the writer."""
         with self._writer_lock:
@@ -255,9 +274,9 @@ class BatchWriter:
         next_expiry = 0.0
         while True:
             try:
-                first = self._queue.get(timeout=_EXPIRE_EVERY_S)
+                first = self._queue.get(timeout=self.heartbeat_s)
             except queue.Empty:
-                first = ("expire",)
+                first = ("beat",)
             batch = [first]
             while len(batch) < _BATCH:
                 try:
@@ -268,9 +287,8 @@ class BatchWriter:
             expire = any(item[0] == "expire" for item in batch) or time.monotonic() >= next_expiry
             if expire:
                 next_expiry = time.monotonic() + _EXPIRE_EVERY_S
-            items = [item for item in batch if item[0] not in ("expire", "flush", "stop")]
-            if items or expire:
-                self.commit(conn, items, expire)
+            items = [item for item in batch if item[0] not in ("expire", "flush", "stop", "beat")]
+            self.commit(conn, items, expire)
             for item in batch:
                 if item[0] == "flush":
                     item[1].set()
@@ -343,6 +361,32 @@ class Store(BatchWriter):
             (self.server_id, time.time()),
         )
 
+    def publish(self, db: sqlite3.Connection, watermark: float) -> None:
+        """Within the owner's transaction: this writer's watermark (``turn_order``); whether
+        other writers share the store sets how often it is published. The entries of writers
+        gone for long are dropped."""
+        now = time.time()
+        db.execute("DELETE FROM writers WHERE last_seen < ?", (now - WRITER_GONE_S,))
+        db.execute(
+            "INSERT INTO writers VALUES (?, ?, ?) ON CONFLICT (id) DO UPDATE SET"
+            " watermark = excluded.watermark, last_seen = excluded.last_seen",
+            (self.writer_id, watermark, now),
+        )
+        peers = db.execute(
+            "SELECT 1 FROM writers WHERE id != ? AND last_seen > ? LIMIT 1",
+            (self.writer_id, now - PEER_ALIVE_S),
+        )
+        self.with_peers(peers.fetchone() is not None)
+
+    def peer_watermark(self) -> float:
+        """The earliest watermark of the other writers that published lately (inf: none)."""
+        with self.reading() as db:
+            (found,) = db.execute(
+                "SELECT MIN(watermark) FROM writers WHERE id != ? AND last_seen > ?",
+                (self.writer_id, time.time() - PEER_ALIVE_S),
+            ).fetchone()
+        return math.inf if found is None else float(found)
+
     def other_servers(self) -> list[str]:
         """The other servers whose writers committed to this store in the last ``SERVER_ALIVE_S``."""
         with self.reading() as db:
@@ -411,6 +455,7 @@ class Store(BatchWriter):
         if db is not None:
             with contextlib.suppress(sqlite3.Error):  # no longer a server of this store
                 db.execute("DELETE FROM servers WHERE id = ?", (self.server_id,))
+                db.execute("DELETE FROM writers WHERE id = ?", (self.writer_id,))
             db.close()
 
     def _connection(self, db: sqlite3.Connection | None) -> sqlite3.Connection | None:

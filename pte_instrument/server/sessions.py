@@ -6,7 +6,8 @@ restart. The same transactions carry the host's totals (``totals``) and the feed
 
 Readers see every committed batch of every process; a process's own queued turns are seen at
 once by ``context_for`` (a small overlay of them) and by the reads that flush first (``get``,
-``top``, ``summary``).
+``top``, ``summary``). Each commit also says how far this process's turns have landed (its
+watermark, ``turn_order``), so that a turn on another process is priced after them.
 
 Bounded as before: at most ``max_sessions`` live sessions (the least recently active closes
 first), each closed after ``idle_ttl_s`` without a turn, at most ``max_turns`` turn rows per
@@ -16,6 +17,7 @@ session (totals keep counting). Whatever is dropped is counted.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sqlite3
 import threading
@@ -41,6 +43,7 @@ from pte_instrument.server.session_store import (
     StoreError,
     session_summary,
 )
+from pte_instrument.server.turn_order import Unlanded
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,7 @@ class SessionLedger:
         self.clock = clock
         self.stats = LedgerStats()
         self.server_id = server_id or f"pid-{os.getpid()}"
+        self.unlanded = Unlanded()  # this process's turns on their way to the store (``turn_order``)
         self.store = self._open(path, max_queued)
         self._overlay: dict[str, Tail] = {}  # this process's turns not yet committed
         self._overlay_lock = threading.Lock()
@@ -137,6 +141,32 @@ class SessionLedger:
         reusable = reusable_prefix(tail.last_prompt, tail.last_output, prompt_tokens, self.block_size)
         return TurnContext(tail.n_turns + 1, reusable, pause, tail.last_replica)
 
+    def start(self) -> None:
+        """Start the writer, so that the other writers hear from this one from now on (it
+        starts with the first write otherwise)."""
+        self.store.start()
+
+    def told_finished(self, request_id: str) -> None:
+        """A turn of a session finished: it is priced, then lands in the store, later."""
+        self.unlanded.told(request_id)
+
+    def gave_up(self, request_id: str) -> None:
+        """A turn told finished that will not be priced (its pricing failed)."""
+        self.unlanded.landed([request_id])
+
+    def others_caught_up_to(self) -> float:
+        """A time before which every turn the other writers were told finished is in the store
+        (inf: no other writer)."""
+        try:
+            return self.store.peer_watermark()
+        except Exception as e:  # a store that cannot be read: nothing to wait for
+            self._error(e)
+            return math.inf
+
+    def unpriced_since(self) -> float:
+        """When the earliest turn of this process not yet priced finished (inf: none)."""
+        return self.unlanded.unpriced_since()
+
     def prefetch(self, session_ids: Iterable[str]) -> None:
         """Read these sessions' latest turns at once, for the context reads that follow (the
         requests one pricing pass prices). Nothing to do where a read is local (SQLite)."""
@@ -155,6 +185,7 @@ class SessionLedger:
         tail = Tail(record.turn or 1, prompt, output, record.finished_at, record.replica)
         with self._overlay_lock:  # before the writer can see it, so that its commit settles it
             self._overlay[record.session_id] = tail
+        self.unlanded.priced(record.request_id)
         if not self._queue_record(("add", record, tail)):
             self._settle([("add", record, tail)])
 
@@ -266,6 +297,13 @@ class SessionLedger:
         now = self.clock()
         adds = [item for item in items if item[0] == "add"]
         observed = [item[1] for item in items if item[0] == "observe"]
+        watermark = self.unlanded.watermark(record.request_id for _, record, tail in adds if tail is not None)
+        if not items and not expire:
+            if db is not None:
+                with contextlib.suppress(sqlite3.Error), db:  # the next batch says what is wrong
+                    db.execute("BEGIN IMMEDIATE")
+                    self.store.publish(db, watermark)
+            return
         try:
             if db is None:  # the writer could not open the store (said once, when it tried)
                 raise StoreError("not open")
@@ -284,6 +322,7 @@ class SessionLedger:
                     batch.close("WHERE last_seen < ?", (now - self.idle_ttl_s,), "idle")
                 batch.count()
                 self.store.mark_alive(db)
+                self.store.publish(db, watermark)
                 failpoint("session_store")
         except Exception as e:
             self._lost(len(adds) + len(observed), e)
@@ -301,7 +340,9 @@ class SessionLedger:
         self._error(StoreError(f"session store {self.path}: a batch of {n} records was lost ({e})"))
 
     def _settle(self, adds: Iterable[tuple[Any, ...]]) -> None:
-        """Drop the overlay entries the batch committed (unless a later turn replaced them)."""
+        """The batch's turns landed (or were lost): drop their overlay entries (unless a later
+        turn replaced them)."""
+        self.unlanded.landed(record.request_id for _, record, tail in adds if tail is not None)
         with self._overlay_lock:
             for _, record, tail in adds:
                 if tail is not None and self._overlay.get(record.session_id) is tail:

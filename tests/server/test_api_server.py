@@ -16,7 +16,9 @@ from pte_instrument.cost.architecture import load_config
 from pte_instrument.server import api_server
 from pte_instrument.server.api_server import ApiServer, ServedModel
 from pte_instrument.server.records import FinishedRequest, RequestRecord
+from pte_instrument.server.request_tags import RequestTag
 from pte_instrument.server.runtime import Runtime
+from pte_instrument.server.turn_order import TURN_ORDER_WAIT_S
 from pte_instrument.settings import Settings
 from pte_instrument.vllm_adapter.compat import request_keys
 from pte_instrument.wire import EngineHello, RequestTotals
@@ -173,3 +175,96 @@ def test_the_engine_time_gauges_follow_the_priced_requests_totals(runtime):
     assert runtime.registry.get_sample_value("pte_engine_busy_seconds", labels) == 4.5
     unattributed = runtime.registry.get_sample_value("pte_gpu_seconds_unattributed", labels)
     assert unattributed == pytest.approx(4.5 - record.gpu_seconds)
+
+
+def session_turn(runtime: ProbedRuntime, rid: str, prompt: int, arrived: float) -> FinishedRequest:
+    """Turn ``rid`` of session "s", tagged as the middleware tags it: ``prompt`` tokens, none
+    cached, 3 output tokens, from ``arrived`` to half a second later."""
+    runtime.pending.put(rid, RequestTag("s", "none"))
+    return replace(finished_request(rid, 3, arrived=arrived), prompt_tokens=prompt, finished_at=arrived + 0.5)
+
+
+@pytest.fixture
+def two_api_servers(tmp_path):
+    """Two API servers' runtimes on one session store, each ticked by hand, A's engine hooked."""
+    store = str(tmp_path / "sessions.sqlite3")
+    runtimes = [ProbedRuntime(Settings(session_store=store)) for _ in range(2)]
+    servers = [ApiServer(rt, threaded=False) for rt in runtimes]
+    for server in servers:
+        server.configure(served(), request_keys)
+    runtimes[0].inbox.on_messages([EngineHello(0)])  # A waits for its engine's totals
+    yield runtimes, servers
+    for rt in runtimes:
+        rt.sessions.close()
+
+
+def test_a_turn_waits_for_the_turn_before_it_that_another_api_server_has_not_priced(two_api_servers):
+    """Turn 1 finished on API server A, whose engine totals are late; turn 2, sent after turn 1's
+    answer, finished on B. B prices turn 2 once turn 1 is in the store: turn 2 is the session's
+    turn 2, its pause and reusable prefix from turn 1, and the rows are in that order."""
+    (a, b), (server_a, server_b) = two_api_servers
+    server_a.finished([session_turn(a, "cmpl-t1", 100, arrived=time.time() - 1)])
+    assert a.sessions.flush()  # A's writer has said where it stands
+    time.sleep(0.01)
+    server_b.finished([session_turn(b, "cmpl-t2", 160, arrived=time.time())])
+    server_a.tick()
+    server_b.tick()
+    assert a.probe.records == [] and b.probe.records == []  # turn 1 waits for totals, turn 2 for turn 1
+
+    totals = RequestTotals(
+        "cmpl-t1-0123abcd",
+        "cmpl-t1",
+        0,
+        "stop",
+        scheduled=True,
+        prompt_tokens=100,
+        output_tokens=3,
+        prefill=100,
+    )
+    a.inbox.on_messages([totals])
+    server_a.tick()
+    [(first, _)] = a.probe.records
+    assert a.sessions.flush()
+    assert wait(lambda: (server_b.tick(), b.probe.records)[1], timeout_s=2)  # A's next beat lets it go
+    [(second, _)] = b.probe.records
+    assert (first.turn, second.turn) == (1, 2)
+    assert second.pause_s == pytest.approx(second.arrived_at - first.finished_at)
+    assert second.pte_eviction_tax == 96  # turn 1 computed 100 + 2 → 96 in whole blocks, none cached
+    rows = b.sessions.get("s")["turn_rows"]
+    assert [r["request_id"] for r in rows] == ["cmpl-t1", "cmpl-t2"] and [r["turn"] for r in rows] == [1, 2]
+    assert a.faults.counts == {} and b.faults.counts == {}
+
+
+def test_a_turn_waits_for_the_turn_before_it_on_the_same_api_server(runtime):
+    """Turn 1's engine totals are late, turn 2's are not: turn 2 is priced after turn 1, as
+    turn 2, in the same pass."""
+    server = ApiServer(runtime, threaded=False)
+    server.configure(served(), request_keys)
+    runtime.inbox.on_messages([EngineHello(0)])
+    server.finished([session_turn(runtime, "cmpl-t1", 100, arrived=time.time() - 1)])
+    time.sleep(0.01)
+    t2 = session_turn(runtime, "cmpl-t2", 160, arrived=time.time())
+    runtime.inbox.on_messages([RequestTotals("cmpl-t2-0123abcd", "cmpl-t2", 0, "stop", scheduled=True)])
+    server.finished([t2])
+    server.tick()
+    assert runtime.probe.records == []
+    runtime.inbox.on_messages([RequestTotals("cmpl-t1-0123abcd", "cmpl-t1", 0, "stop", scheduled=True)])
+    server.tick()
+    assert [(r.request_id, r.turn) for r, _ in runtime.probe.records] == [("cmpl-t1", 1), ("cmpl-t2", 2)]
+
+
+def test_a_turn_waits_for_another_api_server_only_so_long_and_the_wait_is_a_fault(two_api_servers):
+    """A's turn 1 never comes (its engine totals lost, A's pricing stalled): B prices turn 2
+    after ``TURN_ORDER_WAIT_S``, as the store holds the session, and counts a fault."""
+    (a, b), (server_a, server_b) = two_api_servers
+    server_a.finished([session_turn(a, "cmpl-t1", 100, arrived=time.time() - 1)])
+    assert a.sessions.flush()
+    time.sleep(0.01)
+    server_b.finished([session_turn(b, "cmpl-t2", 160, arrived=time.time())])
+    start = time.monotonic()
+    server_b.tick(start)
+    server_b.tick(start + TURN_ORDER_WAIT_S - 0.1)
+    assert b.probe.records == [] and b.faults.counts == {}
+    server_b.tick(start + TURN_ORDER_WAIT_S + 0.1)
+    [(record, _)] = b.probe.records
+    assert record.turn == 1 and b.faults.counts == {"sessions": 1}

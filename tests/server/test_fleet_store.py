@@ -3,6 +3,7 @@ every replica reads whole sessions and totals, each request is applied once, the
 and a store that is down or never answers costs the request path nothing."""
 
 import contextlib
+import math
 import shutil
 import socket
 import threading
@@ -12,6 +13,7 @@ from dataclasses import replace
 import pytest
 
 from pte_instrument.devtools.redis_server import RedisServer
+from pte_instrument.server import turn_order
 from pte_instrument.server.records import FinishedRequest, price_request
 from pte_instrument.server.redis_store import RedisSessionLedger, open_ledger, shown_url
 from pte_instrument.server.sessions import SessionLedger
@@ -422,3 +424,36 @@ def test_a_stores_commands_time_out_after_the_timeout_it_is_given(fleet):
     assert kwargs["socket_timeout"] == kwargs["socket_connect_timeout"] == 3.0
     kwargs = fleet("b").store.client.connection_pool.connection_kwargs
     assert kwargs["socket_timeout"] == kwargs["socket_connect_timeout"] == 0.25  # the default
+
+
+@pytest.mark.parametrize("store", ["sqlite", "redis"])
+def test_each_writer_publishes_where_its_turns_stand_and_one_that_closed_is_not_waited_for(
+    store, fleet, tmp_path
+):
+    """A writer's watermark stays at the earliest turn it was told finished until that turn is
+    in the store; the other writer reads it, publishes often while it has company, and stops
+    waiting for a writer that closed."""
+    if store == "sqlite":
+        path = str(tmp_path / "sessions.sqlite3")
+        a, b = SessionLedger(path, server_id="a"), SessionLedger(path, server_id="b")
+    else:
+        a, b = fleet("a"), fleet("b")
+    try:
+        assert b.others_caught_up_to() == math.inf  # a has written nothing: nothing to wait for
+        told_at = time.time()
+        a.told_finished("s-1")
+        assert a.flush() and b.flush()
+        assert told_at <= b.others_caught_up_to() < told_at + 1  # a's turn 1 is not in the store
+        assert b.store.heartbeat_s == turn_order.HEARTBEAT_S
+        serve(a, "a", "s", 50, 5, 0, time.time())  # turn 1 (request "s-1") priced and filed
+        assert a.unpriced_since() == math.inf
+        landing = time.time()
+        assert a.flush()
+        assert b.others_caught_up_to() >= landing  # nothing of a's on its way: as of its commit
+        a.close()
+        assert b.others_caught_up_to() == math.inf
+        assert b.flush() and b.store.heartbeat_s > turn_order.HEARTBEAT_S  # alone again
+    finally:
+        if store == "sqlite":
+            a.close()
+            b.close()

@@ -184,7 +184,10 @@ def test_api_servers_that_open_a_new_store_at_once_all_share_it(tmp_path):
     each must share it, not give up on a store another is still creating (SQLite answers
     "database is locked" at once to a second process turning a new file to WAL, whatever
     the busy timeout)."""
-    ctx = multiprocessing.get_context("fork")
+    # Forked from a process without threads: a child forked from this one could inherit a lock
+    # (SQLite's) another writer thread held at that moment, and hang on it.
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
     for trial in range(20):
         start = ctx.Barrier(3)
         path = str(tmp_path / f"sessions-{trial}.sqlite3")

@@ -1,0 +1,82 @@
+"""Turns of one session priced in the order they happened, whichever API server (or replica)
+served each.
+
+A turn's number, pause and reusable prefix come from the session's previous turn as the
+store holds it when the turn is priced. The previous turn may have finished on another
+process whose pricing lags (its engine totals late, its pricer or writer busy): priced
+then, the turn would read the session as it was before, and take the previous turn's
+number. So each writer publishes a watermark with every commit: a wall time before which
+every session turn its process was told finished has landed in the store (``Unlanded``).
+A turn is priced once every other writer's watermark, and this process's own turns not yet
+priced, have passed its arrival: every turn that finished before it arrived is then in the
+store (a client sends the next turn after the previous one's answer, and vLLM reports a
+request finished before its answer goes out). It waits at most ``TURN_ORDER_WAIT_S``, then
+is priced as things are, counted as a fault. Across replicas (a Redis store) this holds
+where their clocks agree to better than the time from a turn's answer to the next turn.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+from pte_instrument.server.bounded import BoundedDict
+
+TURN_ORDER_WAIT_S = 3.0  # longer than the engine join's wait, so a late turn still lands first
+HEARTBEAT_S = 0.05  # how often a writer publishes its watermark while other writers share the store
+PEER_ALIVE_S = 3.0  # a writer that published within this long is waited for (a lone one does each second)
+WRITER_GONE_S = 3600.0  # a writer silent this long has stopped (a crash): its entry is dropped
+MAX_UNLANDED = 100_000  # session turns told finished and not yet landed, remembered at most
+UNLANDED_FOR_S = 10.0  # past this, a turn that never landed (its pricing failed) holds nothing back
+
+
+class Unlanded:
+    """This process's session turns told finished (``told``) and not yet in the store: priced
+    (``priced``: then this process's own context reads see them), then committed, or given
+    up (``landed``: the commit failed, or the pricing did). Both kept in the order told, so
+    that the earliest is the first."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._unlanded: BoundedDict[str, float] = BoundedDict(MAX_UNLANDED)  # id → told at
+        self._unpriced: BoundedDict[str, float] = BoundedDict(MAX_UNLANDED)
+
+    def told(self, request_id: str) -> None:
+        with self._lock:  # the time is read under the lock ``watermark`` reads it under
+            at = self.clock()
+            self._unlanded.put(request_id, at)
+            self._unpriced.put(request_id, at)
+
+    def priced(self, request_id: str) -> None:
+        with self._lock:
+            self._unpriced.pop(request_id)
+
+    def landed(self, request_ids: Iterable[str]) -> None:
+        with self._lock:
+            for rid in request_ids:
+                self._unlanded.pop(rid)
+                self._unpriced.pop(rid)
+
+    def watermark(self, landing: Iterable[str] = ()) -> float:
+        """A time before which every turn told finished has landed, or lands with ``landing``
+        (the batch being committed)."""
+        landing = set(landing)
+        with self._lock:
+            now = self.clock()
+            for told in (self._unlanded, self._unpriced):  # one that never landed holds nothing back
+                while (old := told.oldest()) is not None and old[1] < now - UNLANDED_FOR_S:
+                    told.pop_oldest()
+            return next((at for rid, at in self._unlanded.items() if rid not in landing), now)
+
+    def unpriced_since(self) -> float:
+        """When the earliest turn of this process not yet priced was told finished (inf: none)."""
+        with self._lock:
+            oldest = self._unpriced.oldest()
+            return math.inf if oldest is None else oldest[1]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._unlanded)
