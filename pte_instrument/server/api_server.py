@@ -150,7 +150,7 @@ class ApiServer:
             try:
                 tagged = pricing.join.tag(request)
                 if pricing.join.finished(tagged, now) and tagged.session_id is not None:
-                    self.runtime.sessions.told_finished(tagged.request_id)
+                    self.runtime.sessions.told_finished(tagged.request_id, tagged.session_id)
             except Exception as e:
                 self.fault("adapter", e)
         self.runtime.inbox.arrived.set()  # wake the pricer
@@ -181,9 +181,9 @@ class ApiServer:
 
     def _price_in_turn_order(self, pricing: _Pricing, ready: list[FinishedRequest], now: float) -> int:
         """Price the ready requests and the held turns whose sessions' earlier turns are in the
-        store (every writer's watermark and this process's unpriced turns past their arrival),
-        in arrival order; hold the other turns, at most ``TURN_ORDER_WAIT_S``. Returns how
-        many were priced."""
+        store (every other writer's watermark, and this process's unpriced turns of the
+        session, past their arrival), in arrival order; hold the other turns, at most
+        ``TURN_ORDER_WAIT_S``. Returns how many were priced."""
         waiting = pricing.held + [(r, now + TURN_ORDER_WAIT_S) for r in ready]
         waiting.sort(key=lambda w: w[0].arrived_at)
         pricing.held = []
@@ -194,7 +194,8 @@ class ApiServer:
         self._prefetch_sessions([r for r, _ in waiting if r.arrived_at <= others])
         priced = 0
         for request, deadline in waiting:
-            if request.session_id is not None and request.arrived_at > min(others, sessions.unpriced_since()):
+            sid = request.session_id
+            if sid is not None and request.arrived_at > min(others, sessions.unpriced_since(sid)):
                 if now < deadline:
                     pricing.held.append((request, deadline))
                     continue

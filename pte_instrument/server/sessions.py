@@ -146,9 +146,9 @@ class SessionLedger:
         starts with the first write otherwise)."""
         self.store.start()
 
-    def told_finished(self, request_id: str) -> None:
-        """A turn of a session finished: it is priced, then lands in the store, later."""
-        self.unlanded.told(request_id)
+    def told_finished(self, request_id: str, session_id: str) -> None:
+        """A turn of ``session_id`` finished: it is priced, then lands in the store, later."""
+        self.unlanded.told(request_id, session_id)
 
     def gave_up(self, request_id: str) -> None:
         """A turn told finished that will not be priced (its pricing failed)."""
@@ -163,9 +163,10 @@ class SessionLedger:
             self._error(e)
             return math.inf
 
-    def unpriced_since(self) -> float:
-        """When the earliest turn of this process not yet priced finished (inf: none)."""
-        return self.unlanded.unpriced_since()
+    def unpriced_since(self, session_id: str) -> float:
+        """When the earliest turn of ``session_id`` this process has not priced yet finished
+        (inf: none)."""
+        return self.unlanded.unpriced_since(session_id)
 
     def prefetch(self, session_ids: Iterable[str]) -> None:
         """Read these sessions' latest turns at once, for the context reads that follow (the

@@ -35,30 +35,34 @@ UNLANDED_FOR_S = 10.0  # past this, a turn that never landed (its pricing failed
 class Unlanded:
     """This process's session turns told finished (``told``) and not yet in the store: priced
     (``priced``: then this process's own context reads see them), then committed, or given
-    up (``landed``: the commit failed, or the pricing did). Both kept in the order told, so
-    that the earliest is the first."""
+    up (``landed``: the commit failed, or the pricing did). Kept in the order told, so that
+    the earliest is the first; the unpriced ones also by session."""
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self.clock = clock
         self._lock = threading.Lock()
         self._unlanded: BoundedDict[str, float] = BoundedDict(MAX_UNLANDED)  # id → told at
-        self._unpriced: BoundedDict[str, float] = BoundedDict(MAX_UNLANDED)
+        self._unpriced: BoundedDict[str, tuple[str, float]] = BoundedDict(MAX_UNLANDED)  # id → (session, at)
+        self._by_session: dict[str, dict[str, float]] = {}  # session → its unpriced turns, id → at
 
-    def told(self, request_id: str) -> None:
+    def told(self, request_id: str, session_id: str) -> None:
         with self._lock:  # the time is read under the lock ``watermark`` reads it under
             at = self.clock()
             self._unlanded.put(request_id, at)
-            self._unpriced.put(request_id, at)
+            self._unprice(request_id)  # a client may reuse an id
+            for dropped, (session, _) in self._unpriced.put(request_id, (session_id, at)):
+                self._unlink(dropped, session)
+            self._by_session.setdefault(session_id, {})[request_id] = at
 
     def priced(self, request_id: str) -> None:
         with self._lock:
-            self._unpriced.pop(request_id)
+            self._unprice(request_id)
 
     def landed(self, request_ids: Iterable[str]) -> None:
         with self._lock:
             for rid in request_ids:
                 self._unlanded.pop(rid)
-                self._unpriced.pop(rid)
+                self._unprice(rid)
 
     def watermark(self, landing: Iterable[str] = ()) -> float:
         """A time before which every turn told finished has landed, or lands with ``landing``
@@ -66,17 +70,31 @@ class Unlanded:
         landing = set(landing)
         with self._lock:
             now = self.clock()
-            for told in (self._unlanded, self._unpriced):  # one that never landed holds nothing back
-                while (old := told.oldest()) is not None and old[1] < now - UNLANDED_FOR_S:
-                    told.pop_oldest()
+            cutoff = now - UNLANDED_FOR_S  # a turn that never landed holds nothing back
+            while (old := self._unlanded.oldest()) is not None and old[1] < cutoff:
+                self._unlanded.pop_oldest()
+            while (unpriced := self._unpriced.oldest()) is not None and unpriced[1][1] < cutoff:
+                self._unprice(unpriced[0])
             return next((at for rid, at in self._unlanded.items() if rid not in landing), now)
 
-    def unpriced_since(self) -> float:
-        """When the earliest turn of this process not yet priced was told finished (inf: none)."""
+    def unpriced_since(self, session_id: str) -> float:
+        """When the earliest turn of ``session_id`` not yet priced was told finished (inf: none)."""
         with self._lock:
-            oldest = self._unpriced.oldest()
-            return math.inf if oldest is None else oldest[1]
+            turns = self._by_session.get(session_id)
+            return next(iter(turns.values())) if turns else math.inf
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._unlanded)
+
+    def _unprice(self, request_id: str) -> None:
+        entry = self._unpriced.pop(request_id)
+        if entry is not None:
+            self._unlink(request_id, entry[0])
+
+    def _unlink(self, request_id: str, session_id: str) -> None:
+        turns = self._by_session.get(session_id)
+        if turns is not None:
+            turns.pop(request_id, None)
+            if not turns:
+                del self._by_session[session_id]

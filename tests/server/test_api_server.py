@@ -177,10 +177,12 @@ def test_the_engine_time_gauges_follow_the_priced_requests_totals(runtime):
     assert unattributed == pytest.approx(4.5 - record.gpu_seconds)
 
 
-def session_turn(runtime: ProbedRuntime, rid: str, prompt: int, arrived: float) -> FinishedRequest:
-    """Turn ``rid`` of session "s", tagged as the middleware tags it: ``prompt`` tokens, none
+def session_turn(
+    runtime: ProbedRuntime, rid: str, prompt: int, arrived: float, session: str = "s"
+) -> FinishedRequest:
+    """Turn ``rid`` of ``session``, tagged as the middleware tags it: ``prompt`` tokens, none
     cached, 3 output tokens, from ``arrived`` to half a second later."""
-    runtime.pending.put(rid, RequestTag("s", "none"))
+    runtime.pending.put(rid, RequestTag(session, "none"))
     return replace(finished_request(rid, 3, arrived=arrived), prompt_tokens=prompt, finished_at=arrived + 0.5)
 
 
@@ -251,6 +253,18 @@ def test_a_turn_waits_for_the_turn_before_it_on_the_same_api_server(runtime):
     runtime.inbox.on_messages([RequestTotals("cmpl-t1-0123abcd", "cmpl-t1", 0, "stop", scheduled=True)])
     server.tick()
     assert [(r.request_id, r.turn) for r, _ in runtime.probe.records] == [("cmpl-t1", 1), ("cmpl-t2", 2)]
+
+
+def test_a_turn_does_not_wait_for_another_sessions_turn_on_the_same_api_server(runtime):
+    server = ApiServer(runtime, threaded=False)
+    server.configure(served(), request_keys)
+    runtime.inbox.on_messages([EngineHello(0)])
+    server.finished([session_turn(runtime, "cmpl-x1", 100, arrived=time.time() - 1, session="x")])
+    time.sleep(0.01)
+    runtime.inbox.on_messages([RequestTotals("cmpl-y1-0123abcd", "cmpl-y1", 0, "stop", scheduled=True)])
+    server.finished([session_turn(runtime, "cmpl-y1", 100, arrived=time.time(), session="y")])
+    server.tick()
+    assert [(r.request_id, r.turn) for r, _ in runtime.probe.records] == [("cmpl-y1", 1)]
 
 
 def test_a_turn_waits_for_another_api_server_only_so_long_and_the_wait_is_a_fault(two_api_servers):

@@ -441,12 +441,12 @@ def test_each_writer_publishes_where_its_turns_stand_and_one_that_closed_is_not_
     try:
         assert b.others_caught_up_to() == math.inf  # a has written nothing: nothing to wait for
         told_at = time.time()
-        a.told_finished("s-1")
+        a.told_finished("s-1", "s")
         assert a.flush() and b.flush()
         assert told_at <= b.others_caught_up_to() < told_at + 1  # a's turn 1 is not in the store
         assert b.store.heartbeat_s == turn_order.HEARTBEAT_S
         serve(a, "a", "s", 50, 5, 0, time.time())  # turn 1 (request "s-1") priced and filed
-        assert a.unpriced_since() == math.inf
+        assert a.unpriced_since("s") == math.inf
         landing = time.time()
         assert a.flush()
         assert b.others_caught_up_to() >= landing  # nothing of a's on its way: as of its commit

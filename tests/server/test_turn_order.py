@@ -17,28 +17,43 @@ class Clock:
 def test_the_watermark_stays_at_the_earliest_turn_not_landed():
     clock = Clock()
     unlanded = Unlanded(clock)
-    assert unlanded.watermark() == 1000.0 and unlanded.unpriced_since() == math.inf  # nothing on its way
-    unlanded.told("a")
+    assert unlanded.watermark() == 1000.0 and unlanded.unpriced_since("s") == math.inf  # nothing on its way
+    unlanded.told("a", "s")
     clock.t = 1001.0
-    unlanded.told("b")
+    unlanded.told("b", "s")
     clock.t = 1002.0
-    assert unlanded.watermark() == 1000.0 and unlanded.unpriced_since() == 1000.0
+    assert unlanded.watermark() == 1000.0 and unlanded.unpriced_since("s") == 1000.0
     unlanded.priced("a")  # priced: this process sees it, the others not yet
-    assert unlanded.unpriced_since() == 1001.0 and unlanded.watermark() == 1000.0
+    assert unlanded.unpriced_since("s") == 1001.0 and unlanded.watermark() == 1000.0
     assert unlanded.watermark(landing=["a"]) == 1001.0  # the batch that commits it
     unlanded.landed(["a"])
     assert unlanded.watermark() == 1001.0
     unlanded.landed(["b"])  # given up unpriced (its pricing failed)
-    assert unlanded.watermark() == 1002.0 and unlanded.unpriced_since() == math.inf and len(unlanded) == 0
+    assert unlanded.watermark() == 1002.0 and unlanded.unpriced_since("s") == math.inf and len(unlanded) == 0
 
 
 def test_a_turn_that_never_lands_holds_the_watermark_back_only_so_long():
     clock = Clock()
     unlanded = Unlanded(clock)
-    unlanded.told("stuck")
+    unlanded.told("stuck", "s")
     clock.t += 1.0
-    unlanded.told("next")
+    unlanded.told("next", "s")
     clock.t = 1000.0 + turn_order.UNLANDED_FOR_S - 0.5
     assert unlanded.watermark() == 1000.0
     clock.t = 1000.0 + turn_order.UNLANDED_FOR_S + 0.5
-    assert unlanded.watermark() == 1001.0 and unlanded.unpriced_since() == 1001.0 and len(unlanded) == 1
+    assert unlanded.watermark() == 1001.0 and unlanded.unpriced_since("s") == 1001.0 and len(unlanded) == 1
+
+
+def test_a_session_waits_only_for_its_own_unpriced_turns():
+    clock = Clock()
+    unlanded = Unlanded(clock)
+    unlanded.told("x-1", "x")
+    clock.t = 1001.0
+    unlanded.told("y-1", "y")
+    assert unlanded.unpriced_since("x") == 1000.0 and unlanded.unpriced_since("y") == 1001.0
+    assert unlanded.unpriced_since("z") == math.inf
+    clock.t = 1002.0
+    unlanded.told("x-1", "z")  # a client reused the id, for another session
+    assert unlanded.unpriced_since("x") == math.inf and unlanded.unpriced_since("z") == 1002.0
+    unlanded.priced("y-1")
+    assert unlanded.unpriced_since("y") == math.inf and unlanded.watermark() == 1001.0  # priced, not landed
