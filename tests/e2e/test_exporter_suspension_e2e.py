@@ -34,13 +34,17 @@ def priced(client: httpx.Client) -> float:
     return sum(v for (name, _), v in scrape(client).items() if name == "pte_requests_total")
 
 
-def completions(client: httpx.Client, model: str, n: int, tag: str) -> None:
+def completions(client: httpx.Client, model: str, n: int, tag: str) -> int:
+    """Send ``n`` requests, 8 at a time; returns ``n`` once each is answered (its pricing
+    follows on the pricer thread)."""
+
     def complete(i: int) -> int:
         body = {"model": model, "prompt": f"{tag} {i}", "max_tokens": 1}
         return client.post("/v1/completions", json=body).status_code
 
     with ThreadPoolExecutor(8) as pool:
         assert set(pool.map(complete, range(n))) == {200}
+    return n
 
 
 def test_an_exporter_failing_100_times_in_a_row_is_suspended_and_every_record_it_misses_counted(
@@ -93,17 +97,20 @@ def test_a_transient_fault_and_its_recovery_leave_written_plus_lost_equal_to_pri
         "OTEL_METRIC_EXPORT_INTERVAL": "1000",
     }
     with serving(tiny_model, tmp_path, env, []) as (vllm, client):
-        completions(client, vllm.served_name, MAX_CONSECUTIVE_FAULTS + 5, "blocked")
+        sent = completions(client, vllm.served_name, MAX_CONSECUTIVE_FAULTS + 5, "blocked")
+        assert wait(lambda: priced(client) == sent, timeout_s=60), (priced(client), sent)
         assert by_stage(client, "pte_exporter_enabled")["request_log"] == 0
         blocker.unlink()  # the fault goes away: the log resumes at a retry, with no restart
 
         def resumed() -> bool:
-            completions(client, vllm.served_name, 2, "recovered")
+            nonlocal sent
+            sent += completions(client, vllm.served_name, 2, "recovered")
             return by_stage(client, "pte_exporter_enabled")["request_log"] == 1
 
         assert wait(resumed, timeout_s=120, interval_s=0.5)
-        completions(client, vllm.served_name, 10, "after")
-        total = priced(client)
+        sent += completions(client, vllm.served_name, 10, "after")
+        assert wait(lambda: priced(client) == sent, timeout_s=60), (priced(client), sent)  # all of them
+        total = sent
 
         def accounted() -> bool:
             summary = client.get("/pte/summary").json()["request_log"]
