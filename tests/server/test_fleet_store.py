@@ -8,6 +8,7 @@ import shutil
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
@@ -338,18 +339,28 @@ def test_the_store_url_is_shown_without_its_password():
     assert shown_url("rediss://host:6380") == "rediss://host:6380"
 
 
+@contextlib.contextmanager
+def two_replicas(store: str, fleet, tmp_path) -> Iterator[tuple[SessionLedger, SessionLedger]]:
+    """Replicas "a" and "b" on one store: a SQLite file (closed here), or the fleet's Redis."""
+    if store == "redis":
+        yield fleet("a"), fleet("b")
+        return
+    path = str(tmp_path / "sessions.sqlite3")
+    a, b = SessionLedger(path, server_id="a"), SessionLedger(path, server_id="b")
+    try:
+        yield a, b
+    finally:
+        a.close()
+        b.close()
+
+
 @pytest.mark.parametrize("store", ["sqlite", "redis"])
 def test_a_turn_priced_before_the_previous_turns_write_landed_is_numbered_by_the_store(
     store, fleet, tmp_path
 ):
     """Replica b reads the session before a's turn 1 is in the store (its context says turn 1),
     and its turn lands second: the store numbers the turns in the order they landed."""
-    if store == "sqlite":
-        path = str(tmp_path / "sessions.sqlite3")
-        a, b = SessionLedger(path, server_id="a"), SessionLedger(path, server_id="b")
-    else:
-        a, b = fleet("a"), fleet("b")
-    try:
+    with two_replicas(store, fleet, tmp_path) as (a, b):
         stale = b.context_for("s", 1009.0, 60)
         assert stale.turn == 1
         serve(a, "a", "s", 50, 5, 0, 1000.0)
@@ -360,10 +371,6 @@ def test_a_turn_priced_before_the_previous_turns_write_landed_is_numbered_by_the
         rows = a.get("s")["turn_rows"]
         assert [(r["turn"], r["request_id"]) for r in rows] == [(1, "s-1"), (2, "s-late")]
         assert a.get("s")["turns"] == 2
-    finally:
-        if store == "sqlite":
-            a.close()
-            b.close()
 
 
 def test_replicas_sharing_the_store_on_purpose_are_not_warned_about(fleet, caplog):
@@ -433,12 +440,7 @@ def test_each_writer_publishes_where_its_turns_stand_and_one_that_closed_is_not_
     """A writer's watermark stays at the earliest turn it was told finished until that turn is
     in the store; the other writer reads it, publishes often while it has company, and stops
     waiting for a writer that closed."""
-    if store == "sqlite":
-        path = str(tmp_path / "sessions.sqlite3")
-        a, b = SessionLedger(path, server_id="a"), SessionLedger(path, server_id="b")
-    else:
-        a, b = fleet("a"), fleet("b")
-    try:
+    with two_replicas(store, fleet, tmp_path) as (a, b):
         assert b.others_caught_up_to() == math.inf  # a has written nothing: nothing to wait for
         told_at = time.time()
         a.told_finished("s-1", "s")
@@ -453,7 +455,3 @@ def test_each_writer_publishes_where_its_turns_stand_and_one_that_closed_is_not_
         a.close()
         assert b.others_caught_up_to() == math.inf
         assert b.flush() and b.store.heartbeat_s > turn_order.HEARTBEAT_S  # alone again
-    finally:
-        if store == "sqlite":
-            a.close()
-            b.close()
