@@ -168,14 +168,17 @@ def interval(x: np.ndarray, stat: Any, rng: np.random.Generator) -> tuple[float,
     return float(lo), float(hi)
 
 
-def measure(batch: int, asynchronous: bool, repeats: int, seed: int, model_s: float) -> Case:
+def measure(
+    batch: int, asynchronous: bool, repeats: int, seed: int, model_s: float, steps: int | None = None
+) -> Case:
+    """``steps``: measured steps per run (None: ``STEPS`` of the batch size)."""
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from pte_instrument.vllm_adapter.scheduler import PteScheduler
 
     theirs_cls = AsyncScheduler if asynchronous else Scheduler
-    steps, warmup = STEPS[batch], WARMUP[batch]
+    steps, warmup = steps or STEPS[batch], WARMUP[batch]
     theirs, ours, hook, pricing, finished = [], [], [], [], []
     for r in range(repeats):
         t, o, hook_s, pricing_s, fin = paired_run(
@@ -245,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kinds", nargs="+", default=["sync", "async"], choices=["sync", "async"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--steps", type=int, default=None, help="measured steps per run (default: by batch size, 160–6,000)"
+    )
+    parser.add_argument(
         "--model-ms",
         type=float,
         default=2.0,
@@ -267,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         "model_ms": args.model_ms,
     }
     cases = [
-        measure(b, kind == "async", args.repeats, args.seed, args.model_ms / 1e3)
+        measure(b, kind == "async", args.repeats, args.seed, args.model_ms / 1e3, args.steps)
         for kind in args.kinds
         for b in args.sizes
     ]

@@ -79,7 +79,7 @@ def test_the_receiver_reports_each_malformed_batch(tmp_path):
 def test_over_tcp_api_server_i_listens_on_the_base_port_plus_i():
     from pte_instrument.devtools.serving import free_port
 
-    base = f"tcp://127.0.0.1:{free_port()}"
+    base = f"tcp://127.0.0.1:{free_port() - 1}"  # API server 1's port is the free one
     assert address_for("tcp://10.0.0.5:29650", 2) == "tcp://10.0.0.5:29652"
     assert address_for("ipc:///tmp/pte-1", 2) == "ipc:///tmp/pte-1-2"
     inbox: queue.Queue = queue.Queue()

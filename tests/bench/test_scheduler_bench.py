@@ -28,6 +28,8 @@ def test_the_scheduler_bench_writes_one_case_per_kind_with_provenance(tmp_path):
         "async",
         "--repeats",
         "1",
+        "--steps",
+        "1200",
         "--model-ms",
         "0",
         "--out",
@@ -45,7 +47,7 @@ def test_the_scheduler_bench_writes_one_case_per_kind_with_provenance(tmp_path):
     assert data["benchmark"] == "scheduler_overhead" and data["git_commit"] and data["machine"]["cpu_count"]
     assert [(c["kind"], c["batch"]) for c in data["cases"]] == [("sync", 1), ("async", 1)]
     for c in data["cases"]:
-        assert c["steps"] > 1000 and c["vllm_us"] > 0 and c["hook_s_us"] > 0
+        assert c["steps"] == 1200 and c["vllm_us"] > 0 and c["hook_s_us"] > 0
         lo, hi = c["added_mean_ci"]
         assert lo <= c["added_mean_us"] <= hi and math.isfinite(c["ratio"])
         assert c["ratio"] == pytest.approx(c["added_mean_us"] / c["vllm_us"])
