@@ -158,14 +158,15 @@ class ApiServer:
     def fault(self, stage: str, error: Exception) -> None:
         self.runtime.faults.record(stage, error)
 
-    def tick(self, now: float | None = None) -> None:
+    def tick(self, now: float | None = None, final: bool = False) -> None:
         """Price every request that is ready (its engine totals arrived, or waiting for
-        them timed out), and close the sessions idle past their TTL."""
+        them timed out), and close the sessions idle past their TTL. ``final`` (the process
+        exits): the turns held for the turns before them are priced too."""
         now = time.monotonic() if now is None else now
         with self._lock:
             priced = 0
             for pricing in list(self._models.values()):
-                priced += self._price_in_turn_order(pricing, pricing.join.ready(now), now)
+                priced += self._price_in_turn_order(pricing, pricing.join.ready(now), now, final)
             expiring = now >= self._next_expiry
             if expiring:
                 self._next_expiry = now + EXPIRY_EVERY_S
@@ -179,11 +180,13 @@ class ApiServer:
                 except Exception as e:
                     self.fault("sessions", e)
 
-    def _price_in_turn_order(self, pricing: _Pricing, ready: list[FinishedRequest], now: float) -> int:
+    def _price_in_turn_order(
+        self, pricing: _Pricing, ready: list[FinishedRequest], now: float, final: bool = False
+    ) -> int:
         """Price the ready requests and the held turns whose sessions' earlier turns are in the
         store (every other writer's watermark, and this process's unpriced turns of the
         session, past their arrival), in arrival order; hold the other turns, at most
-        ``TURN_ORDER_WAIT_S``. Returns how many were priced."""
+        ``TURN_ORDER_WAIT_S`` (``final``: not at all). Returns how many were priced."""
         waiting = pricing.held + [(r, now + TURN_ORDER_WAIT_S) for r in ready]
         waiting.sort(key=lambda w: w[0].arrived_at)
         pricing.held = []
@@ -196,7 +199,7 @@ class ApiServer:
         for request, deadline in waiting:
             sid = request.session_id
             if sid is not None and request.arrived_at > min(others, sessions.unpriced_since(sid)):
-                if now < deadline:
+                if now < deadline and not final:
                     pricing.held.append((request, deadline))
                     continue
                 self.fault("sessions", self._out_of_order(request))
@@ -207,9 +210,9 @@ class ApiServer:
     @staticmethod
     def _out_of_order(request: FinishedRequest) -> Exception:
         return TimeoutError(
-            f"turn {request.request_id} of session {request.session_id!r} priced after waiting "
-            f"{TURN_ORDER_WAIT_S:g} s for the turns before it to reach the session store (another API "
-            "server's writes lag): its turn number, pause and reusable prefix are as the store held them"
+            f"turn {request.request_id} of session {request.session_id!r} priced before the turns "
+            f"before it reached the session store (another API server's writes lagged {TURN_ORDER_WAIT_S:g} s, "
+            "or this process exits): its turn number, pause and reusable prefix are as the store held them"
         )
 
     def _prefetch_sessions(self, ready: list[FinishedRequest]) -> None:
@@ -297,5 +300,5 @@ class ApiServer:
 def api_server() -> ApiServer:
     """This process's plugin (vLLM loads the stat logger and the routes separately)."""
     server = ApiServer(get_runtime())
-    atexit.register(server.tick)  # price what is ready before the session store closes
+    atexit.register(server.tick, final=True)  # price what is ready before the session store closes
     return server

@@ -282,3 +282,18 @@ def test_a_turn_waits_for_another_api_server_only_so_long_and_the_wait_is_a_faul
     server_b.tick(start + TURN_ORDER_WAIT_S + 0.1)
     [(record, _)] = b.probe.records
     assert record.turn == 1 and b.faults.counts == {"sessions": 1}
+
+
+def test_at_exit_a_turn_held_for_the_turns_before_it_is_priced_not_dropped(two_api_servers):
+    """The process exits while B holds turn 2 for A's turn 1: the last tick prices it as the
+    store holds the session (a fault says so) rather than dropping it."""
+    (a, b), (server_a, server_b) = two_api_servers
+    server_a.finished([session_turn(a, "cmpl-t1", 100, arrived=time.time() - 1)])
+    assert a.sessions.flush()
+    time.sleep(0.01)
+    server_b.finished([session_turn(b, "cmpl-t2", 160, arrived=time.time())])
+    server_b.tick()
+    assert b.probe.records == []
+    server_b.tick(final=True)
+    [(record, _)] = b.probe.records
+    assert record.request_id == "cmpl-t2" and b.faults.counts == {"sessions": 1}
