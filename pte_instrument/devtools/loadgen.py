@@ -78,11 +78,10 @@ async def _run(
     base_url: str, model: str, sessions: int, turns: int, max_tokens: int, disconnect_p: float, seed: int
 ) -> list[StreamOutcome]:
     rng = random.Random(seed)
-    # An idle connection is dropped before the server's keep-alive timeout (uvicorn's 5 s,
-    # httpx's default too): reused at that moment, the server closes it under the request.
-    limits = httpx.Limits(
-        max_connections=sessions + 8, max_keepalive_connections=sessions, keepalive_expiry=1.0
-    )
+    # Every turn on a connection of its own. A kept connection closes on the server's
+    # keep-alive timeout (uvicorn's 5 s), counted from the last byte it wrote, which a busy
+    # client may read seconds later: reused then, it is closed under the request.
+    limits = httpx.Limits(max_connections=sessions + 8, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
         results = await asyncio.gather(
             *(
