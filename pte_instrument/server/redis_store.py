@@ -37,7 +37,7 @@ from pte_instrument.server.session_store import (
     Commit,
     StoreError,
 )
-from pte_instrument.server.sessions import SessionLedger, Tail, turn_row
+from pte_instrument.server.sessions import SessionLedger, Tail, turn_ids, turn_row
 from pte_instrument.server.turn_order import PEER_ALIVE_S, WRITER_GONE_S
 from pte_instrument.settings import Settings
 
@@ -567,7 +567,7 @@ class RedisSessionLedger(SessionLedger):
         adds = [item for item in items if item[0] == "add"]
         observed = [item[1] for item in items if item[0] == "observe"]
         limits = (self.max_turns, self.feedback_window, self.max_sessions)
-        watermark = self.unlanded.watermark(record.request_id for _, record, tail in adds if tail is not None)
+        watermark = self.unlanded.watermark(turn_ids(adds))
         if not items and not expire:
             if store.available:
                 with contextlib.suppress(StoreError):  # the next batch says what is wrong

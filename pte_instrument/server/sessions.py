@@ -298,7 +298,7 @@ class SessionLedger:
         now = self.clock()
         adds = [item for item in items if item[0] == "add"]
         observed = [item[1] for item in items if item[0] == "observe"]
-        watermark = self.unlanded.watermark(record.request_id for _, record, tail in adds if tail is not None)
+        watermark = self.unlanded.watermark(turn_ids(adds))
         if not items and not expire:
             if db is not None:
                 with contextlib.suppress(sqlite3.Error), db:  # the next batch says what is wrong
@@ -343,7 +343,7 @@ class SessionLedger:
     def _settle(self, adds: Iterable[tuple[Any, ...]]) -> None:
         """The batch's turns landed (or were lost): drop their overlay entries (unless a later
         turn replaced them)."""
-        self.unlanded.landed(record.request_id for _, record, tail in adds if tail is not None)
+        self.unlanded.landed(turn_ids(adds))
         with self._overlay_lock:
             for _, record, tail in adds:
                 if tail is not None and self._overlay.get(record.session_id) is tail:
@@ -363,6 +363,11 @@ class SessionLedger:
         if self.on_error is not None:
             with contextlib.suppress(Exception):  # the fault counter must not raise either
                 self.on_error(e)
+
+
+def turn_ids(adds: Iterable[tuple[Any, ...]]) -> list[str]:
+    """The request ids of a batch's session turns (``("add", record, tail)`` items)."""
+    return [record.request_id for _, record, tail in adds if tail is not None]
 
 
 def turn_row(r: RequestRecord, seq: int | None) -> dict[str, Any]:

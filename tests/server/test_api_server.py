@@ -200,15 +200,22 @@ def two_api_servers(tmp_path):
         rt.sessions.close()
 
 
+def turn_1_on_a_then_turn_2_on_b(two_api_servers) -> None:
+    """Turn 1 of session "s" finishes on A (whose writer then says where it stands); turn 2
+    arrives after it, and finishes on B."""
+    (a, b), (server_a, server_b) = two_api_servers
+    server_a.finished([session_turn(a, "cmpl-t1", 100, arrived=time.time() - 1)])
+    assert a.sessions.flush()
+    time.sleep(0.01)
+    server_b.finished([session_turn(b, "cmpl-t2", 160, arrived=time.time())])
+
+
 def test_a_turn_waits_for_the_turn_before_it_that_another_api_server_has_not_priced(two_api_servers):
     """Turn 1 finished on API server A, whose engine totals are late; turn 2, sent after turn 1's
     answer, finished on B. B prices turn 2 once turn 1 is in the store: turn 2 is the session's
     turn 2, its pause and reusable prefix from turn 1, and the rows are in that order."""
     (a, b), (server_a, server_b) = two_api_servers
-    server_a.finished([session_turn(a, "cmpl-t1", 100, arrived=time.time() - 1)])
-    assert a.sessions.flush()  # A's writer has said where it stands
-    time.sleep(0.01)
-    server_b.finished([session_turn(b, "cmpl-t2", 160, arrived=time.time())])
+    turn_1_on_a_then_turn_2_on_b(two_api_servers)
     server_a.tick()
     server_b.tick()
     assert a.probe.records == [] and b.probe.records == []  # turn 1 waits for totals, turn 2 for turn 1
@@ -270,11 +277,8 @@ def test_a_turn_does_not_wait_for_another_sessions_turn_on_the_same_api_server(r
 def test_a_turn_waits_for_another_api_server_only_so_long_and_the_wait_is_a_fault(two_api_servers):
     """A's turn 1 never comes (its engine totals lost, A's pricing stalled): B prices turn 2
     after ``TURN_ORDER_WAIT_S``, as the store holds the session, and counts a fault."""
-    (a, b), (server_a, server_b) = two_api_servers
-    server_a.finished([session_turn(a, "cmpl-t1", 100, arrived=time.time() - 1)])
-    assert a.sessions.flush()
-    time.sleep(0.01)
-    server_b.finished([session_turn(b, "cmpl-t2", 160, arrived=time.time())])
+    (_, b), (_, server_b) = two_api_servers
+    turn_1_on_a_then_turn_2_on_b(two_api_servers)
     start = time.monotonic()
     server_b.tick(start)
     server_b.tick(start + TURN_ORDER_WAIT_S - 0.1)
@@ -287,11 +291,8 @@ def test_a_turn_waits_for_another_api_server_only_so_long_and_the_wait_is_a_faul
 def test_at_exit_a_turn_held_for_the_turns_before_it_is_priced_not_dropped(two_api_servers):
     """The process exits while B holds turn 2 for A's turn 1: the last tick prices it as the
     store holds the session (a fault says so) rather than dropping it."""
-    (a, b), (server_a, server_b) = two_api_servers
-    server_a.finished([session_turn(a, "cmpl-t1", 100, arrived=time.time() - 1)])
-    assert a.sessions.flush()
-    time.sleep(0.01)
-    server_b.finished([session_turn(b, "cmpl-t2", 160, arrived=time.time())])
+    (_, b), (_, server_b) = two_api_servers
+    turn_1_on_a_then_turn_2_on_b(two_api_servers)
     server_b.tick()
     assert b.probe.records == []
     server_b.tick(final=True)
