@@ -18,8 +18,9 @@ nowhere else in these streams). Reported per batch size and
 kind: vLLM's µs per step (its own class), the hook's added µs per step — the paired
 difference of the same step of the same stream, on the mean (what throughput pays) and the
 median, with 95% bootstrap intervals —, their ratio, the hook's own account (``hook_s``
-per step) beside the measured mean, and the CPU time of the hook's pricing process per step
-(another core's: it is not in vLLM's step).
+per step) beside the measured mean, the CPU time per step of the thread that ships the hook's
+passes to its pricing process (in the engine process, while the engine thread waits for the
+model) and of the pricing process (another core's: neither is in vLLM's step).
 
 Writes bench/results/scheduler-overhead-<hostname>-<YYYY-MM-DD>.json and prints a table.
 
@@ -71,8 +72,19 @@ class Case:
     added_median_ci: tuple[float, float]
     ratio: float  # added mean / vLLM mean
     hook_s_us: float  # the hook's own account per step, on the engine thread
+    shipping_cpu_us: float  # the engine process's shipping thread, in the model wait
     pricing_cpu_us: float | None  # the pricing process's CPU time per step, on another core
     finished_per_step: float
+
+
+@dataclass
+class PairedRun:
+    theirs_s: np.ndarray  # per measured step: vLLM's class's schedule + update_from_output
+    ours_s: np.ndarray  # the same step with the hook
+    hook_s: float  # per measured step: the hook's own account
+    shipping_s: float  # per measured step: the shipping thread's CPU time
+    pricing_s: float | None  # per measured step: the pricing process's CPU time
+    finished: float  # finished requests per step
 
 
 def paired_run(
@@ -84,14 +96,14 @@ def paired_run(
     warmup: int,
     seed: int,
     model_s: float = 0.0,
-) -> tuple[np.ndarray, np.ndarray, float, float | None, float]:
+) -> PairedRun:
     """One stream through vLLM's class and ours in lockstep: step k of one, then step k of
     the other (the order alternating), so that both see the same host state at the same
     moment and the same step of the same stream is paired. After each step the engine thread
     waits ``model_s`` for the model, the GIL released, as it waits for a GPU. Per measured
-    step, each one's host seconds of schedule + update_from_output; the hook's own seconds
-    per measured step; its pricing process's CPU seconds per measured step (None: none, or
-    not Linux); finished requests per step."""
+    step, each one's host seconds of schedule + update_from_output; per measured step, the
+    hook's own seconds, its shipping thread's and its pricing process's CPU seconds (None:
+    none, or not Linux) and the finished requests."""
     from pte_instrument.vllm_adapter.driver import Arrival, Driver, build_scheduler
 
     drivers = []
@@ -123,11 +135,12 @@ def paired_run(
     admitted = [0, 0]
     hook = getattr(drivers[1].s, "_pte", None)
     pid = getattr(hook, "pid", None)  # the pricing process
-    hook_start = finished_start = 0.0
+    hook_start = ship_start = finished_start = 0.0
     cpu_start: float | None = None
     for k in range(warmup + steps):
         if k == warmup:
             hook_start = hook.hook_s if hook is not None else 0.0
+            ship_start = getattr(hook, "ship_s", 0.0)
             finished_start = admitted[1]
             cpu_start = process_cpu_s(pid)
         for j in (0, 1) if k % 2 == 0 else (1, 0):
@@ -141,13 +154,16 @@ def paired_run(
     if admitted[0] != admitted[1] or len(drivers[0].schedule_s) != len(drivers[1].schedule_s):
         raise RuntimeError("the two schedulers ran different streams: the hook changed the scheduling")
     hook_s = (hook.hook_s - hook_start) if hook is not None else 0.0
+    ship_s = getattr(hook, "ship_s", 0.0) - ship_start
     cpu_end = process_cpu_s(pid)
     pricing_s = (cpu_end - cpu_start) / steps if cpu_start is not None and cpu_end is not None else None
     per_step = [np.array(d.schedule_s[-steps:]) for d in drivers]
     for d in drivers:
         d.s.shutdown()
     gc.unfreeze()
-    return per_step[0], per_step[1], hook_s / steps, pricing_s, (admitted[1] - finished_start) / steps
+    return PairedRun(
+        *per_step, hook_s / steps, ship_s / steps, pricing_s, (admitted[1] - finished_start) / steps
+    )
 
 
 def process_cpu_s(pid: int | None) -> float | None:
@@ -179,19 +195,14 @@ def measure(
 
     theirs_cls = AsyncScheduler if asynchronous else Scheduler
     steps, warmup = steps or STEPS[batch], WARMUP[batch]
-    theirs, ours, hook, pricing, finished = [], [], [], [], []
-    for r in range(repeats):
-        t, o, hook_s, pricing_s, fin = paired_run(
-            theirs_cls, PteScheduler, asynchronous, batch, steps, warmup, seed + r, model_s
-        )
-        theirs.append(t)
-        ours.append(o)
-        hook.append(hook_s)
-        pricing.append(pricing_s)
-        finished.append(fin)
-    t, o = np.concatenate(theirs), np.concatenate(ours)
+    runs = [
+        paired_run(theirs_cls, PteScheduler, asynchronous, batch, steps, warmup, seed + r, model_s)
+        for r in range(repeats)
+    ]
+    t, o = np.concatenate([r.theirs_s for r in runs]), np.concatenate([r.ours_s for r in runs])
     added = o - t  # the same step of the same stream
     rng = np.random.default_rng(seed)
+    pricing = [r.pricing_s for r in runs]
     us = 1e6
     return Case(
         batch=batch,
@@ -204,9 +215,10 @@ def measure(
         added_median_us=us * float(np.median(added)),
         added_median_ci=tuple(us * v for v in interval(added, np.median, rng)),
         ratio=float(added.mean() / t.mean()),
-        hook_s_us=us * float(np.mean(hook)),
+        hook_s_us=us * float(np.mean([r.hook_s for r in runs])),
+        shipping_cpu_us=us * float(np.mean([r.shipping_s for r in runs])),
         pricing_cpu_us=None if None in pricing else us * float(np.mean(pricing)),
-        finished_per_step=float(np.mean(finished)),
+        finished_per_step=float(np.mean([r.finished for r in runs])),
     )
 
 
@@ -291,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             "added median µs [95%]",
             "ratio",
             "hook_s µs",
+            "shipping CPU µs",
             "pricing CPU µs",
             "finished/step",
         ],
@@ -303,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{c.added_median_us:.2f} [{c.added_median_ci[0]:.2f}, {c.added_median_ci[1]:.2f}]",
                 f"{100 * c.ratio:.1f}%",
                 f"{c.hook_s_us:.2f}",
+                f"{c.shipping_cpu_us:.1f}",
                 "—" if c.pricing_cpu_us is None else f"{c.pricing_cpu_us:.1f}",
                 f"{c.finished_per_step:.2f}",
             ]

@@ -4,16 +4,20 @@ steps and hands them over.
 
 At each pricing pass the hook gives ``PricingProcess`` its completed steps (``RawStep``:
 references to the scheduler outputs' lists) and the finished requests no running step still
-has; it encodes them as one message (msgspec, in C) into a ring in shared memory
-(``engine.ring``), wakes the pricing process with one byte on its stdin and returns. The
-pricing process sleeps until woken (an idle engine costs it no CPU; woken, it never preempts
+has, and returns. The engine process's shipping thread encodes them as one message (msgspec,
+in C) into a ring in shared memory (``engine.ring``) and wakes the pricing process with one
+byte on its stdin: after a model wait has cooled the caches that takes about a hundred µs,
+which the thread spends while the engine thread waits for the model with the GIL released,
+as vLLM's engine core encodes its outputs on a thread of its own. The pricing process sleeps until woken (an idle engine costs it no CPU; woken, it never preempts
 the engine thread: SCHED_BATCH), prices the steps, writes the step log, fits the step-time
 model and sends each finished request's totals to its API server, as the hook would: the
 same code, off the engine thread and its GIL.
 
-Messages are read in the order they were written, so a request's steps are priced before
-its totals are read. A message the ring has no room for (the pricing process is gone or far
-behind) is dropped and counted as a fault; the engine never waits. The pricing process
+Passes are shipped and read in the order they were handed over, so a request's steps are
+priced before its totals are read. A pass the ring has no room for (the pricing process is
+gone or far behind), or that finds ``MAX_HANDED_OVER`` passes still waiting for the shipping
+thread, is dropped and counted as a fault at the engine thread's next pass; the engine never
+waits. The pricing process
 ends when the hook shuts down, or when the engine process is gone (its stdin closes); a
 SIGINT or SIGTERM to the server's process group does not end it before the engine's last pass.
 
@@ -26,12 +30,15 @@ import contextlib
 import dataclasses
 import os
 import pickle
+import queue
 import select
 import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -51,6 +58,9 @@ RING_BYTES = 4 << 20  # pricing passes waiting to be read (a pass of 8,192 rows:
 # How long the pricing process sleeps between looks at the ring when nothing wakes it (a wake-up
 # lost to a full pipe is made up for by the next one, or by this).
 IDLE_LOOK_S = 1.0
+# Passes handed over and not shipped yet, at most: the shipping thread waits for the GIL at
+# most a switch interval (5 ms) while the engine thread holds it, and a pass takes ≥ 1 step.
+MAX_HANDED_OVER = 1024
 
 
 @dataclass(frozen=True)
@@ -88,7 +98,8 @@ class PricingDropped(RuntimeError):
 
 class PricingProcess:
     """The engine thread's end: ``on_finished``, ``price`` and ``flush`` as
-    ``EngineAccounting``'s, which it runs in the pricing process."""
+    ``EngineAccounting``'s, which it runs in the pricing process. ``ship_s``: the shipping
+    thread's CPU time so far."""
 
     def __init__(
         self,
@@ -102,6 +113,7 @@ class PricingProcess:
         self.hook_s = 0.0
         self._steps: list[RawStep] = []
         self._prompts: dict[str, int] = {}
+        self.ship_s = 0.0
         self._encoder = msgspec.msgpack.Encoder()
         self._ring = Ring.create(f"pte-pricing-{os.getpid()}-{uuid.uuid4().hex[:8]}", RING_BYTES)
         try:
@@ -112,6 +124,10 @@ class PricingProcess:
         finally:
             with contextlib.suppress(OSError):  # both have it mapped, or it failed: no name needed
                 os.unlink(self._ring.path)
+        self._handed_over: queue.SimpleQueue[PricingBatch | None] = queue.SimpleQueue()
+        self._ship_errors: deque[Exception] = deque(maxlen=MAX_HANDED_OVER)
+        self._shipper = threading.Thread(target=self._ship_all, name="pte-pricing-shipper", daemon=True)
+        self._shipper.start()
 
     @staticmethod
     def _start(config: PricingConfig, timeout_s: float) -> subprocess.Popen[bytes]:
@@ -145,12 +161,34 @@ class PricingProcess:
         self._prompts.update(prompts or {})
 
     def flush(self, hold: Callable[[str], bool] | None = None) -> None:
-        """Ship the steps and the finished requests ``hold`` does not keep back."""
+        """Hand the steps and the finished requests ``hold`` does not keep back to the
+        shipping thread; raises ``PricingDropped`` for a pass it could not ship since the
+        last call."""
         done, self.finished = split_held(self.finished, hold)
         steps, self._steps = self._steps, []
         prompts, self._prompts = self._prompts, {}
         if steps or done:
-            self._ship(PricingBatch(steps, prompts, done, self.hook_s))
+            self._hand_over(PricingBatch(steps, prompts, done, self.hook_s))
+        if self._ship_errors:
+            raise self._ship_errors.popleft()
+
+    def _hand_over(self, batch: PricingBatch | None) -> None:
+        if batch is not None and not batch.last and self._handed_over.qsize() >= MAX_HANDED_OVER:
+            raise PricingDropped(
+                f"a pricing pass of {len(batch.steps)} steps and {len(batch.finished)} finished "
+                f"requests dropped: {MAX_HANDED_OVER} passes still wait for the shipping thread"
+            )
+        self._handed_over.put(batch)
+
+    def _ship_all(self) -> None:
+        """The shipping thread: each pass handed over, in order, until ``None``."""
+        while (batch := self._handed_over.get()) is not None:
+            t = time.thread_time()
+            try:
+                self._ship(batch)
+            except Exception as e:  # said on the engine thread
+                self._ship_errors.append(e)
+            self.ship_s += time.thread_time() - t
 
     def _ship(self, batch: PricingBatch) -> None:
         if self._ring.put(self._encoder.encode(batch)):
@@ -173,7 +211,11 @@ class PricingProcess:
     def close(self) -> None:
         """The last pass, then wait for the process to send what is left."""
         try:
-            self._ship(PricingBatch([], {}, [], self.hook_s, last=True))
+            self._hand_over(PricingBatch([], {}, [], self.hook_s, last=True))
+            self._hand_over(None)
+            self._shipper.join(STOP_TIMEOUT_S)
+            if self._ship_errors:
+                raise self._ship_errors.popleft()
             self._proc.wait(STOP_TIMEOUT_S)
         except Exception as e:  # shutting down: say it, end the process
             log.error("pte-instrument: the pricing process did not finish cleanly (%s)", e)

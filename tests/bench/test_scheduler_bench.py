@@ -52,6 +52,6 @@ def test_the_scheduler_bench_writes_one_case_per_kind_with_provenance(tmp_path):
         assert lo <= c["added_mean_us"] <= hi and math.isfinite(c["ratio"])
         assert c["ratio"] == pytest.approx(c["added_mean_us"] / c["vllm_us"])
         assert 0 < c["finished_per_step"] < 1  # requests finish, and a new one takes each place
-        assert c["pricing_cpu_us"] > 0  # the pricing process priced them
+        assert c["pricing_cpu_us"] > 0 and c["shipping_cpu_us"] > 0  # shipped, then priced
     assert data["messages_received"] > 0  # the hook's totals went over its transport
     assert f"written: {out}" in run.stdout

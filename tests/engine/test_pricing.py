@@ -7,9 +7,11 @@ from __future__ import annotations
 import os
 import queue
 import signal
+import threading
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -141,14 +143,51 @@ def test_a_signal_to_the_servers_process_group_leaves_the_pricing_to_end_with_it
 
 
 def test_a_pass_with_no_room_is_dropped_and_said_the_engine_never_waits(api_server):
+    """Said at the engine thread's next pass: the pass was handed over before it was found
+    to have no room."""
     pricing = start(api_server[0])
     pricing._proc.kill()
     pricing._proc.wait()
     running = [(f"request-{i:05d}", 100, 1) for i in range(1000)]  # over 10 kB a pass
+
+    def pass_dropped() -> bool:
+        pricing.price_raw([step(running=running)])
+        pricing.flush()
+        return False
+
     with pytest.raises(PricingDropped, match=r"the pricing process exited \(-9\)"):
         for _ in range(RING_BYTES // 10_000):
-            pricing.price_raw([step(running=running)])
+            pass_dropped()
+        wait(pass_dropped, timeout_s=20)
+    pricing.close()
+
+
+def test_the_engine_thread_hands_a_pass_over_without_encoding_it(api_server):
+    """Encoding a pass, copying it into the ring and waking the pricing process take the
+    engine thread about a hundred µs after a model wait has cooled its caches: they run on
+    the engine process's shipping thread, which the GIL lets run while the engine thread
+    waits for the model. The engine thread's passes are still priced in order."""
+    base, inbox = api_server
+    pricing = start(base)
+    encoded_on = []
+    encode = pricing._encoder.encode
+
+    def spy(batch):
+        encoded_on.append(threading.current_thread())
+        return encode(batch)
+
+    pricing._encoder = SimpleNamespace(encode=spy)
+    try:
+        for i in range(20):
+            pricing.price_raw([step(new=[(f"r{i}", 10, 10)], t=0.01 * i)])
+            pricing.on_finished(f"r{i}", "stop", COUNTS)
             pricing.flush()
+        got = messages(inbox, lambda m: sum(isinstance(x, RequestTotals) for x in m) == 20)
+    finally:
+        pricing.close()
+    assert encoded_on and threading.main_thread() not in encoded_on
+    assert [m.request_id for m in got if isinstance(m, RequestTotals)] == [f"r{i}" for i in range(20)]
+    assert pricing.ship_s > 0
 
 
 def test_a_step_log_that_cannot_be_opened_is_reported_by_the_pricing_process(api_server, tmp_path):
