@@ -57,6 +57,16 @@ SERVER_GROUPS = {
 }
 
 
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """The serial run (``-m alone``) skips the test files that mark no test ``alone``, unread:
+    some import vLLM, which takes seconds."""
+    if config.getoption("markexpr") == "alone" and collection_path.suffix == ".py":
+        name = collection_path.name
+        if name.startswith("test_") and "mark.alone" not in collection_path.read_text(errors="replace"):
+            return True
+    return None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         path = item.nodeid.split("::", 1)[0]
