@@ -8,18 +8,19 @@ has, and returns. The engine process's shipping thread encodes them as one messa
 in C) into a ring in shared memory (``engine.ring``) and wakes the pricing process with one
 byte on its stdin: after a model wait has cooled the caches that takes about a hundred µs,
 which the thread spends while the engine thread waits for the model with the GIL released,
-as vLLM's engine core encodes its outputs on a thread of its own. The pricing process sleeps until woken (an idle engine costs it no CPU; woken, it never preempts
-the engine thread: SCHED_BATCH), prices the steps, writes the step log, fits the step-time
-model and sends each finished request's totals to its API server, as the hook would: the
-same code, off the engine thread and its GIL.
+as vLLM's engine core encodes its outputs on a thread of its own. The pricing process sleeps
+until woken (an idle engine costs it no CPU; woken, it never preempts the engine thread:
+SCHED_BATCH), prices the steps, writes the step log, fits the step-time model and sends each
+finished request's totals to its API server, as the hook would: the same code, off the
+engine thread and its GIL.
 
 Passes are shipped and read in the order they were handed over, so a request's steps are
 priced before its totals are read. A pass the ring has no room for (the pricing process is
 gone or far behind), or that finds ``MAX_HANDED_OVER`` passes still waiting for the shipping
 thread, is dropped and counted as a fault at the engine thread's next pass; the engine never
-waits. The pricing process
-ends when the hook shuts down, or when the engine process is gone (its stdin closes); a
-SIGINT or SIGTERM to the server's process group does not end it before the engine's last pass.
+waits. The pricing process ends when the hook shuts down, or when the engine process is gone
+(its stdin closes); a SIGINT or SIGTERM to the server's process group does not end it before
+the engine's last pass.
 
     python -m pte_instrument.engine.pricing   (started by the hook; its config on stdin)
 """

@@ -7,10 +7,11 @@ otherwise vLLM's ``Scheduler`` with the hook. It never changes ``async_schedulin
 
 Per step the hook keeps references to the scheduler output's lists and two clock readings;
 per request it reads only what a new request's first step and speculative drafts need. The
-completed steps are priced together every ``PRICE_EVERY_STEPS`` steps or ``PRICE_EVERY_ROWS``
-rows, or ``PRICE_DELAY_S`` after a request finished, or at once when the engine runs out of requests:
-by default handed to the hook's pricing process (``engine.pricing``: shipped there by a thread
-of the engine process), which prices them (``EngineAccounting``) off the engine thread; with ``PTE_ENGINE_PRICING=inline``, priced
+completed steps are priced together every ``PRICE_EVERY_STEPS`` steps or
+``PRICE_EVERY_ROWS`` rows, or ``PRICE_DELAY_S`` after a request finished, or at once when
+the engine runs out of requests: by default handed to the hook's pricing process
+(``engine.pricing``: shipped there by a thread of the engine process), which prices them
+(``EngineAccounting``) off the engine thread; with ``PTE_ENGINE_PRICING=inline``, priced
 here. A finished request's exact totals then go to the API server through the transport,
 once no step still running has it. A fault inside the hook is counted and logged, never
 raised into vLLM; a hook that keeps failing switches itself off.
