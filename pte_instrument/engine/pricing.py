@@ -59,9 +59,10 @@ RING_BYTES = 4 << 20  # pricing passes waiting to be read (a pass of 8,192 rows:
 # How long the pricing process sleeps between looks at the ring when nothing wakes it (a wake-up
 # lost to a full pipe is made up for by the next one, or by this).
 IDLE_LOOK_S = 1.0
-# Passes handed over and not shipped yet, at most: the shipping thread waits for the GIL at
-# most a switch interval (5 ms) while the engine thread holds it, and a pass takes ≥ 1 step.
-MAX_HANDED_OVER = 1024
+# Passes handed over and not shipped yet, at most (a pass of 8,192 rows is about 0.5 MB):
+# the shipping thread waits for the GIL at most a switch interval (5 ms) while the engine thread
+# holds it, and ships a pass in about 100 µs, so more than a few wait only if it is gone.
+MAX_HANDED_OVER = 64
 
 
 @dataclass(frozen=True)

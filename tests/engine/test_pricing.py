@@ -15,7 +15,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from pte_instrument.engine.pricing import RING_BYTES, PricingConfig, PricingDropped, PricingProcess
+from pte_instrument.engine.pricing import (
+    MAX_HANDED_OVER,
+    RING_BYTES,
+    PricingConfig,
+    PricingDropped,
+    PricingProcess,
+)
 from pte_instrument.transport import Receiver, address_for
 from pte_instrument.wire import EngineCalibration, EngineFaults, EngineHello, RequestTotals
 from tests.engine.test_engine_accounting import COST, COUNTS
@@ -153,6 +159,8 @@ def test_a_pass_with_no_room_is_dropped_and_said_the_engine_never_waits(api_serv
     def pass_dropped() -> bool:
         pricing.price_raw([step(running=running)])
         pricing.flush()
+        while pricing._handed_over.qsize():  # shipped one by one, as passes a step apart are
+            time.sleep(0.0005)
         return False
 
     with pytest.raises(PricingDropped, match=r"the pricing process exited \(-9\)"):
@@ -160,6 +168,33 @@ def test_a_pass_with_no_room_is_dropped_and_said_the_engine_never_waits(api_serv
             pass_dropped()
         wait(pass_dropped, timeout_s=20)
     pricing.close()
+
+
+def test_passes_the_shipping_thread_has_not_shipped_are_bounded(api_server):
+    """A shipping thread that cannot keep up holds at most ``MAX_HANDED_OVER`` passes: the
+    next one is dropped and said, and the engine thread never waits for it."""
+    pricing = start(api_server[0])
+    ship, stuck = pricing._ship, threading.Event()
+
+    def slow(batch):
+        stuck.wait(20)
+        ship(batch)
+
+    pricing._ship = slow
+    try:
+        pricing.price_raw([step(new=[("first", 10, 10)])])
+        pricing.flush()
+        assert wait(lambda: pricing._handed_over.qsize() == 0)  # taken by the thread, which waits
+        for i in range(MAX_HANDED_OVER):
+            pricing.price_raw([step(new=[(f"r{i}", 10, 10)])])
+            pricing.flush()
+        pricing.price_raw([step(new=[("late", 10, 10)])])
+        with pytest.raises(PricingDropped, match=f"{MAX_HANDED_OVER} passes still wait"):
+            pricing.flush()
+    finally:
+        stuck.set()
+        pricing.close()
+    assert pricing._proc.returncode == 0
 
 
 def test_the_engine_thread_hands_a_pass_over_without_encoding_it(api_server):
