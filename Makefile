@@ -9,8 +9,8 @@ STAMP  := $(VENV)/.installed
 setup: $(STAMP)
 
 # Python compiles each module the first time a process imports it and keeps its bytecode for
-# the next (a vLLM server's processes import about 6,000 of the 29,600 files installed; pip,
-# told not to, would compile all of them one at a time). With bytecode writing off in the
+# the next (a vLLM server's processes import about 6,000 of the 29,600 files installed, which
+# pip, unless told not to, compiles all of, one at a time). With bytecode writing off in the
 # environment, every process would compile all it imports again.
 unexport PYTHONDONTWRITEBYTECODE
 

@@ -181,7 +181,7 @@ class ApiServer:
                     self.fault("sessions", e)
 
     def _price_in_turn_order(
-        self, pricing: _Pricing, ready: list[FinishedRequest], now: float, final: bool = False
+        self, pricing: _Pricing, ready: list[FinishedRequest], now: float, final: bool
     ) -> int:
         """Price the ready requests and the held turns whose sessions' earlier turns are in the
         store (every other writer's watermark, and this process's unpriced turns of the

@@ -3,13 +3,13 @@ served each.
 
 A turn's number, pause and reusable prefix come from the session's previous turn as the
 store holds it when the turn is priced. The previous turn may have finished on another
-process whose pricing lags (its engine totals late, its pricer or writer busy): priced
-then, the turn would read the session as it was before, and take the previous turn's
-number. So each writer publishes a watermark with every commit: a wall time before which
-every session turn its process was told finished has landed in the store (``Unlanded``).
-A turn is priced once every other writer's watermark, and this process's turns of the same
-session not yet priced, have passed its arrival: every turn that finished before it arrived
-is then in the store (a client sends the next turn after the previous one's answer, and vLLM reports a
+process whose pricing lags (its engine totals late, its pricer or writer busy): priced then,
+the turn would read the session as it was before, and take the previous turn's number. So
+each writer publishes a watermark with every commit: a wall time before which every session
+turn its process was told finished has landed in the store (``Unlanded``). A turn is priced
+once every other writer's watermark, and this process's turns of the same session not yet
+priced, have passed its arrival: every turn that finished before it arrived is then in the
+store (a client sends the next turn after the previous one's answer, and vLLM reports a
 request finished before its answer goes out). It waits at most ``TURN_ORDER_WAIT_S``, then
 is priced as things are, counted as a fault. Across replicas (a Redis store) this holds
 where their clocks agree to better than the time from a turn's answer to the next turn.
