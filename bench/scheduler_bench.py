@@ -133,13 +133,14 @@ def paired_run(
         return arrivals[k]
 
     admitted = [0, 0]
-    hook = getattr(drivers[1].s, "_pte", None)
+    hooked = drivers[1].s
+    hook = getattr(hooked, "_pte", None)
     pid = getattr(hook, "pid", None)  # the pricing process
     hook_start = ship_start = finished_start = 0.0
     cpu_start: float | None = None
     for k in range(warmup + steps):
         if k == warmup:
-            hook_start = hook.hook_s if hook is not None else 0.0
+            hook_start = getattr(hooked, "_pte_hook_s", 0.0)
             ship_start = getattr(hook, "ship_s", 0.0)
             finished_start = admitted[1]
             cpu_start = process_cpu_s(pid)
@@ -153,7 +154,7 @@ def paired_run(
                 time.sleep(model_s)
     if admitted[0] != admitted[1] or len(drivers[0].schedule_s) != len(drivers[1].schedule_s):
         raise RuntimeError("the two schedulers ran different streams: the hook changed the scheduling")
-    hook_s = (hook.hook_s - hook_start) if hook is not None else 0.0
+    hook_s = getattr(hooked, "_pte_hook_s", 0.0) - hook_start
     ship_s = getattr(hook, "ship_s", 0.0) - ship_start
     cpu_end = process_cpu_s(pid)
     pricing_s = (cpu_end - cpu_start) / steps if cpu_start is not None and cpu_end is not None else None

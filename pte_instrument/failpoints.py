@@ -18,14 +18,14 @@ class InjectedFault(RuntimeError):
     pass
 
 
-_points = dict(settings.read(SPEC_ENV)[0])
+points = dict(settings.read(SPEC_ENV)[0])  # stage → probability; empty: none armed
 _rng = random.Random(settings.read(SEED_ENV)[0])
 
 
 def fires(stage: str) -> bool:
     """Whether the failpoint of ``stage`` fires now: for a fault that is not an exception
     of its own (a disk that fills in the middle of a write)."""
-    return bool(_points and (p := _points.get(stage)) and _rng.random() < p)
+    return bool(points and (p := points.get(stage)) and _rng.random() < p)
 
 
 def failpoint(stage: str) -> None:

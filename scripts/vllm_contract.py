@@ -160,7 +160,7 @@ CONTRACT: tuple[Item, ...] = (
             "class",
             "scheduler.py _PteHook",
             methods=(
-                "schedule(...)",
+                "schedule(throttle_prefills)",
                 "update_from_output(scheduler_output, model_runner_output)",
                 "finish_requests(...)",
                 "_free_request(request, ...)",

@@ -27,6 +27,7 @@ from typing import Any
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from pte_instrument import failpoints
 from pte_instrument.cost.step_time import StepTimeModel
 from pte_instrument.engine.accounting import EngineAccounting
 from pte_instrument.engine.pricing import PricingConfig, PricingProcess, step_log_off
@@ -66,6 +67,7 @@ class _PteHook:
         self._pte_faults = FaultTracker()
         self._pte_sender: EngineSender | None = None
         self._pte_clock = time.perf_counter
+        self._pte_hook_s = 0.0  # the hook's own time on the engine thread (the accounting's at a pass)
         self._pte_inflight: deque[list[Any]] = deque()  # scheduled, outputs not back (in order)
         self._pte_done: list[list[Any]] = []  # outputs back, not priced yet: RawStep's fields
         self._pte_rows = 0  # their rows
@@ -193,10 +195,11 @@ class _PteHook:
 
     # --- vLLM's scheduler interface -------------------------------------------------------
 
-    def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        out = super().schedule(*args, **kwargs)  # type: ignore[misc]
-        pte = self._pte
-        if pte is not None:
+    # vLLM's signatures, not (*args, **kwargs): a call that packs a dict costs more than the
+    # hook's own work per step. vllm_contract.py checks them against each release.
+    def schedule(self, throttle_prefills: bool = False) -> Any:
+        out = super().schedule(throttle_prefills)  # type: ignore[misc]
+        if self._pte is not None:
             clock = self._pte_clock
             t = clock()
             try:
@@ -219,7 +222,7 @@ class _PteHook:
                 )
             except Exception as e:  # this step is lost to the accounting
                 self._pte_fault("step", e)
-            pte.hook_s += clock() - t
+            self._pte_hook_s += clock() - t
         return out
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
@@ -230,8 +233,15 @@ class _PteHook:
         t0 = clock()
         step, drafts = None, None
         try:
-            failpoint("engine_step")
-            step = self._pte_completed(scheduler_output.num_scheduled_tokens)
+            if failpoints.points:
+                failpoint("engine_step")
+            counts = scheduler_output.num_scheduled_tokens
+            inflight = self._pte_inflight  # steps complete in order: the oldest, but for a fault
+            step = (
+                inflight.popleft()
+                if inflight and inflight[0][_COUNTS] is counts
+                else self._pte_completed(counts)
+            )
             spec = scheduler_output.scheduled_spec_decode_tokens
             if spec and step is not None:  # what vLLM rolls back is what it rejected
                 step[_DRAFTS] = {rid: len(tokens) for rid, tokens in spec.items()}
@@ -251,12 +261,11 @@ class _PteHook:
             if step is not None:
                 if drafts is not None:
                     self._pte_rejected(step, drafts)
-                if rows := len(step[_COUNTS]):
+                if rows := len(counts):
                     step[_DONE] = t0
+                    step[_HOOK] = (t1 - t0) + (clock() - t2)  # for its line in the step log
                     self._pte_done.append(step)
                     self._pte_rows += rows
-                else:
-                    step = None
             finished_at = self._pte_finished_at
             if (
                 len(self._pte_done) >= PRICE_EVERY_STEPS
@@ -269,11 +278,7 @@ class _PteHook:
                 self._pte_price()
         except Exception as e:
             self._pte_fault("finish", e)
-        spent = (t1 - t0) + (clock() - t2)
-        pte.hook_s += spent
-        done = self._pte_done
-        if done and done[-1] is step:  # for its line in the step log, unless handed over already
-            step[_HOOK] += spent
+        self._pte_hook_s += (t1 - t0) + (clock() - t2)
         return outputs
 
     def finish_requests(self, *args: Any, **kwargs: Any) -> Any:
@@ -285,8 +290,7 @@ class _PteHook:
                     self._pte_price()
             except Exception as e:
                 self._pte_fault("finish", e)
-            if self._pte is not None:
-                self._pte.hook_s += self._pte_clock() - t
+            self._pte_hook_s += self._pte_clock() - t
         return result
 
     def _free_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
@@ -299,8 +303,7 @@ class _PteHook:
                     self._pte_finished_at = t
             except Exception as e:
                 self._pte_fault("finish", e)
-            if self._pte is not None:
-                self._pte.hook_s += self._pte_clock() - t
+            self._pte_hook_s += self._pte_clock() - t
         return super()._free_request(request, *args, **kwargs)  # type: ignore[misc]
 
     def shutdown(self) -> None:
@@ -312,6 +315,7 @@ class _PteHook:
             except Exception as e:
                 self._pte_fault("finish", e)
             if self._pte is not None:
+                self._pte.hook_s = self._pte_hook_s
                 self._pte.close()
         if self._pte_sender is not None:
             self._pte_sender.close()
@@ -321,11 +325,9 @@ class _PteHook:
 
     def _pte_completed(self, counts: dict[str, int]) -> list[Any] | None:
         """The in-flight step whose outputs these are (``counts``: its scheduler output's
-        tokens per request): the oldest, as vLLM's engine completes steps in order; steps
-        scheduled before it and never completed are dropped."""
+        tokens per request) when it is not the oldest: the steps scheduled before it never
+        completed, and are dropped."""
         inflight = self._pte_inflight
-        if inflight and inflight[0][_COUNTS] is counts:
-            return inflight.popleft()
         for k, step in enumerate(inflight):
             if step[_COUNTS] is counts:
                 for _ in range(k):
@@ -360,6 +362,7 @@ class _PteHook:
         if pte is None:
             return
         done, self._pte_done, self._pte_rows = self._pte_done, [], 0
+        pte.hook_s = self._pte_hook_s
         if done:
             pte.price_raw(done, self._pte_prompts)
             self._pte_prompts = {}

@@ -308,11 +308,11 @@ def test_a_failed_batch_is_lost_whole_and_counted(ledgers, monkeypatch):
     ledger = ledgers(on_error=errors.append)
     turn(ledger, "kept", 50, 2, 0, 1000.0)
     assert ledger.flush()
-    monkeypatch.setattr(failpoints, "_points", {"session_store": 1.0})
+    monkeypatch.setattr(failpoints, "points", {"session_store": 1.0})
     turn(ledger, "kept", 60, 2, 0, 1001.0)
     turn(ledger, "lost", 50, 2, 0, 1001.0)
     assert ledger.flush()
-    monkeypatch.setattr(failpoints, "_points", {})
+    monkeypatch.setattr(failpoints, "points", {})
     assert ledger.stats.records_lost == 2 and "injected fault" in str(errors[-1])
     assert ledger.get("lost") is None and ledger.get("kept")["turns"] == 1  # nothing half-written
     assert ledger.host_stats()["sessions_opened"] == 1
@@ -376,11 +376,11 @@ def test_records_the_store_lost_are_published_once(ledgers, monkeypatch):
     registry = CollectorRegistry()
     ledger = ledgers()
     published = LedgerMetrics(PteMetrics(registry), ledger, PendingTags(capacity=4))
-    monkeypatch.setattr(failpoints, "_points", {"session_store": 1.0})
+    monkeypatch.setattr(failpoints, "points", {"session_store": 1.0})
     for sid in ("a", "b", "c"):
         turn(ledger, sid, 10, 1, 0, 1000.0)
     assert ledger.flush()
-    monkeypatch.setattr(failpoints, "_points", {})
+    monkeypatch.setattr(failpoints, "points", {})
     published.sync()
     published.sync()  # nothing new: nothing added
     assert registry.get_sample_value("pte_session_records_lost_total") == ledger.stats.records_lost == 3

@@ -121,11 +121,11 @@ def test_records_the_store_lost_are_in_the_summary(tmp_path, monkeypatch):
 
     runtime = Runtime(Settings(session_store=str(tmp_path / "s.sqlite3")), CollectorRegistry())
     try:
-        monkeypatch.setattr(failpoints, "_points", {"session_store": 1.0})
+        monkeypatch.setattr(failpoints, "points", {"session_store": 1.0})
         runtime.sessions.add(record(session_id="s"))
         runtime.sessions.add(record(session_id="t"))
         assert runtime.sessions.flush()
-        monkeypatch.setattr(failpoints, "_points", {})
+        monkeypatch.setattr(failpoints, "points", {})
         assert runtime.summary()["sessions"]["records_lost"] == 2
     finally:
         runtime.sessions.close()

@@ -331,7 +331,7 @@ def test_a_lost_step_is_counted_and_the_rest_stays_exact(monkeypatch, asynchrono
     every request is still sent once, and the steps kept are charged as they ran."""
     from pte_instrument import failpoints
 
-    monkeypatch.setitem(failpoints._points, "engine_step", 0.05)
+    monkeypatch.setitem(failpoints.points, "engine_step", 0.05)
     d, sent = drive(PteScheduler, asynchronous, STREAMS["mixed"])
     faults = dict(d.s._pte_faults.counts)
     assert set(faults) == {"engine_step"} and 0 < faults["engine_step"] < 100, faults
@@ -377,7 +377,7 @@ def test_a_fault_reaches_the_api_server_without_waiting_for_more_traffic(monkeyp
     from pte_instrument.transport import Receiver, Sender, address_for
     from pte_instrument.wire import EngineFaults
 
-    monkeypatch.setitem(failpoints._points, "transport", 1.0)
+    monkeypatch.setitem(failpoints.points, "transport", 1.0)
     base = f"ipc://{tmp_path}/pte-{uuid.uuid4().hex[:6]}"
     inbox: queue.Queue = queue.Queue()
     receiver = Receiver(address_for(base, 0), inbox.put)
