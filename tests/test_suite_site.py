@@ -35,3 +35,24 @@ def test_the_serial_run_collects_only_the_files_with_tests_marked_alone():
     files = {line.split("::")[0] for line in run.stdout.splitlines() if "::" in line}
     assert files == {"tests/e2e/test_pricing_e2e.py"}
     assert "deselected" not in run.stdout, run.stdout[-500:]
+
+
+def test_a_server_that_runs_the_model_in_its_engine_process_forks_it():
+    """vLLM's CPU platform asks for ``spawn``; with the model in the engine process the suite's
+    servers fork it instead, and with a worker process they keep vLLM's choice."""
+    model = Path(__file__).parent.parent / "models" / "tiny"
+    code = f"""
+import os
+from vllm.config import ModelConfig, VllmConfig
+
+def method(multiprocessing):
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = multiprocessing
+    os.environ.pop("VLLM_WORKER_MULTIPROC_METHOD", None)
+    VllmConfig(model_config=ModelConfig(model={str(model)!r}, dtype="float32", skip_tokenizer_init=True))
+    return os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")
+
+print(method("0"), method("1"))
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["fork", "spawn"], run.stdout

@@ -150,11 +150,13 @@ def logged(request_log: Path, ids: list[str]) -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def keep_lora_server(tiny_model, tmp_path_factory) -> Iterator:
     """VLLM_PLUGINS naming pte and vLLM's filesystem LoRA resolver; DEBUG logging, at which
-    vLLM logs the general plugins it loads."""
+    vLLM logs the general plugins a process it starts with ``spawn`` loads (the CPU build's
+    way: the suite's other servers fork their engine process, which loads none of its own)."""
     work = tmp_path_factory.mktemp("keep-lora")
     env = {
         "VLLM_PLUGINS": KEEP_LORA,
         "VLLM_LOGGING_LEVEL": "DEBUG",
+        "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
         "VLLM_LORA_RESOLVER_CACHE_DIR": str(work),  # gives the resolver a directory to register on
         "PTE_REQUEST_LOG": str(work / "requests.jsonl"),
     }
