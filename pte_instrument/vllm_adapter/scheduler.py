@@ -195,8 +195,8 @@ class _PteHook:
 
     # --- vLLM's scheduler interface -------------------------------------------------------
 
-    # vLLM's signatures, not (*args, **kwargs): a call that packs a dict costs more than the
-    # hook's own work per step. vllm_contract.py checks them against each release.
+    # vLLM's own signatures, not (*args, **kwargs): packing a dict on every call costs more than
+    # the hook's own work per step (scripts/vllm_contract.py checks them against each release).
     def schedule(self, throttle_prefills: bool = False) -> Any:
         out = super().schedule(throttle_prefills)  # type: ignore[misc]
         if self._pte is not None:
