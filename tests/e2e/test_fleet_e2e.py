@@ -37,12 +37,19 @@ ROUTES = {"sticky": "aaaa", "moving": "abba"}
 # Replica b's store commands time out after this long (the default is 0.25 s): a request that
 # waited on its held store would take at least this long, far beyond any scheduling delay.
 HELD_TIMEOUT_S = 10.0
+# Replica a's: a command that waits for a host busy starting two servers beside other tests is
+# not a store that failed (at the default, one such timeout at start-up lost a second of turns);
+# a stopped store still fails at once (connection refused).
+TIMEOUT_S = 5.0
 
 
 def replica(tiny_model: Path, workdir: Path, name: str, store: str) -> VllmServer:
-    env = {"VLLM_PLUGINS": "pte", "PTE_SESSION_STORE": store, "PTE_INSTANCE": name}
-    if name == "b":
-        env["PTE_SESSION_STORE_TIMEOUT_S"] = str(HELD_TIMEOUT_S)
+    env = {
+        "VLLM_PLUGINS": "pte",
+        "PTE_SESSION_STORE": store,
+        "PTE_INSTANCE": name,
+        "PTE_SESSION_STORE_TIMEOUT_S": str(HELD_TIMEOUT_S if name == "b" else TIMEOUT_S),
+    }
     return VllmServer(
         tiny_model, log_path=workdir / f"{name}.log", env=env, extra_args=["--enable-prefix-caching", EAGER]
     )
