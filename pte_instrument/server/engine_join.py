@@ -25,7 +25,13 @@ from pte_instrument.wire import EngineCalibration, EngineFaults, EngineHello, En
 MAX_ENGINE_RESULTS = 20_000  # request ids with totals waiting for their finish
 MAX_PER_ID = 64  # totals under one id (parallel-sampling children, a client reusing an id)
 MAX_PRICED_ONCE = 10_000  # ids priced from one side, whose other side may still come
+# How long a finished request waits for its engine's totals: at least ENGINE_JOIN_TIMEOUT_S
+# (a request the engine holds back for a step still running, a busy transport); then, while
+# its engine lags (no totals of a request it freed later, no fault said since), up to
+# ENGINE_JOIN_MAX_WAIT_S: a busy host can delay the engine's pricing by seconds. Shorter than
+# ``turn_order.UNLANDED_FOR_S``, so a session turn waiting here still holds later turns back.
 ENGINE_JOIN_TIMEOUT_S = 2.0
+ENGINE_JOIN_MAX_WAIT_S = 8.0
 ORPHAN_AFTER_S = 5.0  # finished totals unclaimed this long: the stat logger never saw them
 ABORT_GRACE_S = 0.05  # vLLM reports no stats for a client abort: price its totals at once
 TICK_S = 0.02
@@ -54,6 +60,10 @@ class EngineInbox:
         self._on_calibration = on_calibration
         self.calibration: dict[int, EngineCalibration] = {}  # each engine's latest step-time model
         self.hooks: set[int] = set()  # engines whose scheduler hook said hello
+        # Per engine: the latest unix time it freed a request whose totals came here (it sends
+        # totals in the order it frees requests), and whether its latest word was a fault.
+        self.freed_through: dict[int, float] = {}
+        self.fault_said: dict[int, bool] = {}
         self.live: dict[int, int] = {}  # requests each engine's hook still tracks
         self.cost: dict[int, tuple[int, float]] = {}  # (steps, seconds in the hook)
         self.arrived = threading.Event()  # set when totals arrive: the join may have work
@@ -77,6 +87,7 @@ class EngineInbox:
                 if isinstance(m, EngineHello):
                     self.hooks.add(m.engine)
                 elif isinstance(m, EngineFaults):  # the hook's faults since its last report
+                    self.fault_said[m.engine] = True
                     for stage, n in m.counts.items():
                         self._on_engine_faults(stage, n)
                         self.faults.counts[stage] += n
@@ -84,6 +95,9 @@ class EngineInbox:
                     self.calibration[m.engine] = m
                     self._on_calibration(m)
                 else:
+                    self.fault_said[m.engine] = False
+                    if m.finished_at > self.freed_through.get(m.engine, 0.0):
+                        self.freed_through[m.engine] = m.finished_at
                     self.live[m.engine] = m.engine_live
                     self.cost[m.engine] = (m.engine_steps, m.engine_hook_s)
                     store = self._aborted if m.finish_reason == "abort" else self._finished
@@ -201,43 +215,49 @@ class RequestJoin:
         self.keys = keys
         self.tag = tag
         self.faults = faults
-        self.waiting: list[tuple[FinishedRequest, float]] = []
+        self.waiting: list[tuple[FinishedRequest, float, float]] = []  # with when seen: monotonic, unix
         # ids priced by one side whose other side may still come: count per id, one entry each
         self._priced_without_engine: BoundedDict[str, int] = BoundedDict(MAX_PRICED_ONCE)
         self._priced_from_engine: BoundedDict[str, int] = BoundedDict(MAX_PRICED_ONCE)
         self._lock = threading.Lock()
 
-    def finished(self, request: FinishedRequest, now: float) -> bool:
-        """Queue a request vLLM reported finished; False if it was priced already."""
+    def finished(self, request: FinishedRequest, now: float, seen_at: float | None = None) -> bool:
+        """Queue a request vLLM reported finished (``now``: monotonic; ``seen_at``: unix, the
+        clock the engine frees requests on); False if it was priced already."""
         with self._lock:
             if _consume(self._priced_from_engine, request.request_id):
                 return False  # priced from its totals already (an abort vLLM reported after all)
-            self.waiting.append((request, now + ENGINE_JOIN_TIMEOUT_S))
+            self.waiting.append((request, now, time.time() if seen_at is None else seen_at))
             return True
 
     def ready(self, now: float) -> list[FinishedRequest]:
-        """The finished requests to price now, joined with the engine hook's exact totals. Those
-        usually arrive first (sent before the engine returns its outputs); a request
-        waits for them at most ENGINE_JOIN_TIMEOUT_S, and only when its engine's hook said hello.
-        Requests ready together come in arrival order (sessions number turns so)."""
+        """The finished requests to price now, joined with the engine hook's exact totals. The
+        engine sends them within a step or two of a request's end, so they often arrive
+        first; a request whose engine's hook said hello waits for them as long as
+        ``_gave_up`` says. Requests ready together come in arrival order (sessions number
+        turns so)."""
         with self._lock:
             ready: list[FinishedRequest] = []
             waiting, self.waiting = self.waiting, []
-            for request, deadline in waiting:
+            for request, seen, seen_at in waiting:
                 try:
                     keys = self.keys(request.request_id)
                     totals = self.inbox.take(keys, request.output_tokens, request.finish_reason)
-                    hooked = request.engine in self.inbox.hooks
-                    if totals is None and hooked and now < deadline:
-                        self.waiting.append((request, deadline))
-                        continue
-                    if totals is None and self.inbox.hooks:
-                        self.faults.record("engine_join", self._missing(request, hooked))
+                    if totals is not None:
+                        request = with_engine_totals(request, totals)
+                    elif self.inbox.hooks:
+                        missing = (
+                            self._gave_up(request, now - seen, seen_at)
+                            if request.engine in self.inbox.hooks
+                            else self._unreached(request)
+                        )
+                        if missing is None:
+                            self.waiting.append((request, seen, seen_at))
+                            continue
+                        self.faults.record("engine_join", missing)
                         # its totals may still come (a busy host, a hook that reached us late):
                         # they must not price it a second time
                         _count(self._priced_without_engine, request.request_id)
-                    if totals is not None:
-                        request = with_engine_totals(request, totals)
                 except Exception as e:
                     self.faults.record("engine_join", e)
                 ready.append(request)
@@ -255,10 +275,26 @@ class RequestJoin:
             ready.sort(key=lambda r: r.arrived_at)
             return ready
 
+    def _gave_up(self, request: FinishedRequest, waited: float, seen_at: float) -> Exception | None:
+        """Why ``request``, seen finished ``waited`` s ago, is priced without its engine's
+        totals now; None: they may still come, and it waits on. Its engine sends totals in the
+        order it frees requests, so once totals of a request freed after this one was seen
+        finished have come, this one's were lost (a step's hold-back is within the least wait)."""
+        if waited < ENGINE_JOIN_TIMEOUT_S:
+            return None
+        engine = request.engine
+        if self.inbox.fault_said.get(engine):
+            why = "its engine reported a fault and has sent no totals since"
+        elif self.inbox.freed_through.get(engine, 0.0) > seen_at:
+            why = "its engine has sent the totals of requests it freed after this one finished"
+        elif waited >= ENGINE_JOIN_MAX_WAIT_S:
+            why = "the longest the join waits"
+        else:
+            return None
+        return TimeoutError(f"no engine totals for {request.request_id} after {waited:.1f} s: {why}")
+
     @staticmethod
-    def _missing(request: FinishedRequest, hooked: bool) -> Exception:
-        if hooked:
-            return TimeoutError(f"no engine totals for {request.request_id} in {ENGINE_JOIN_TIMEOUT_S:g} s")
+    def _unreached(request: FinishedRequest) -> Exception:
         return LookupError(
             f"engine {request.engine}'s step hook has not reached this API server: its requests are "
             "priced without engine totals (on another node, start it with PTE_ENGINE_TRANSPORT=tcp; "

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 
 from pte_instrument.server.bounded import BoundedDict
 
-TURN_ORDER_WAIT_S = 3.0  # longer than the engine join's wait, so a late turn still lands first
+TURN_ORDER_WAIT_S = 3.0  # longer than the engine join's least wait, so a late turn still lands first
 HEARTBEAT_S = 0.05  # how often a writer publishes its watermark while other writers share the store
 PEER_ALIVE_S = 3.0  # a writer that published within this long is waited for (a lone one does each second)
 WRITER_GONE_S = 3600.0  # a writer silent this long has stopped (a crash): its entry is dropped

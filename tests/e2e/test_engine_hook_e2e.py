@@ -91,6 +91,11 @@ def steps(work: Path) -> list[dict]:
     return [s for s in map(json.loads, lines) if not s.get("header")]
 
 
+def join_faults(work: Path) -> list[str]:
+    """The server's log lines about requests priced without their engine totals."""
+    return [line for line in (work / "vllm.log").read_text().splitlines() if "engine totals" in line]
+
+
 def no_preemption_pte(gamma: float, rec: dict) -> float:
     L, D, cached = rec["prompt_tokens"], rec["output_tokens"], rec["cached_tokens"]
     return L - cached + gamma * (L * D + D * (D - 1) / 2)
@@ -137,6 +142,8 @@ def test_preemption_recompute_and_conservation(hooked, tiny_model):
             break
     preempted = [r for r in recs.values() if r["num_preemptions"] > 0]
     assert preempted, "the small KV cache should have forced a preemption"
+    unjoined = [k for k, r in recs.items() if r["engine_pte_served"] is None]
+    assert not unjoined, f"priced without engine totals: {unjoined}; {join_faults(work)}"
     for r in recs.values():
         # served PTE exceeds the no-preemption PTE by exactly the recomputed work
         assert r["engine_pte_served"] == pytest.approx(

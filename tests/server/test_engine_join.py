@@ -16,6 +16,7 @@ from pte_instrument.cost.model import CostModel
 from pte_instrument.faults import FaultTracker
 from pte_instrument.server.engine_join import (
     ABORT_GRACE_S,
+    ENGINE_JOIN_MAX_WAIT_S,
     ENGINE_JOIN_TIMEOUT_S,
     ORPHAN_AFTER_S,
     TICK_S,
@@ -28,15 +29,27 @@ from pte_instrument.server.pricer import RequestPricer
 from pte_instrument.server.records import FinishedRequest, price_request
 from pte_instrument.server.sessions import SessionLedger
 from pte_instrument.vllm_adapter.compat import request_keys
-from pte_instrument.wire import EngineHello, RequestTotals
+from pte_instrument.wire import EngineFaults, EngineHello, RequestTotals
 from tests.server.builders import finished_request
 
 SHAPE = ModelShape("unit", 1, 8, 1, 1, 8, "mha", 2, (KVGroup(1, 2.0, None),), 100.0, 100.0)
 COST = CostModel(SHAPE, DeviceProfile("unit", 1.0, 1.0, "test"))  # γ = 0.01
 
 
-def make_join(hook: bool = True) -> tuple[EngineInbox, RequestJoin, list[FinishedRequest], FaultTracker]:
-    faults = FaultTracker()
+class SaidFaults(FaultTracker):
+    """A fault tracker that keeps what each fault said."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.said: list[str] = []
+
+    def record(self, stage: str, exc: BaseException, *, logged: bool = False) -> None:
+        self.said.append(f"{stage}: {exc}")
+        super().record(stage, exc, logged=logged)
+
+
+def make_join(hook: bool = True) -> tuple[EngineInbox, RequestJoin, list[FinishedRequest], SaidFaults]:
+    faults = SaidFaults()
     inbox = EngineInbox(faults, lambda stage, n: None)
     if hook:
         inbox.on_messages([EngineHello(0)])
@@ -253,12 +266,14 @@ def test_a_hung_up_stream_the_engine_finished_keeps_its_session_tag_until_it_is_
 
 
 def test_totals_that_arrive_after_the_join_gave_up_do_not_price_the_request_again():
-    """A busy host held the engine's totals past the join's wait: the request is priced
-    without them (a fault), and its late totals must not price it a second time."""
+    """A busy host held the engine's totals past the join's longest wait: the request is
+    priced without them (a fault), and its late totals must not price it a second time."""
     inbox, join, priced, faults = make_join()
     join.finished(finished_request("cmpl-late-0", 4), now=0.0)
     join.finished(finished_request("chatcmpl-late", 4), now=0.0)
-    priced.extend(join.ready(now=ENGINE_JOIN_TIMEOUT_S + 0.01))
+    priced.extend(join.ready(now=ENGINE_JOIN_MAX_WAIT_S - 0.01))
+    assert priced == []  # the engine has sent nothing since: its totals are behind, not lost
+    priced.extend(join.ready(now=ENGINE_JOIN_MAX_WAIT_S + 0.01))
     assert sorted(r.request_id for r in priced) == ["chatcmpl-late", "cmpl-late-0"]
     assert all(r.engine_totals is None for r in priced) and faults.counts["engine_join"] == 2
     inbox.on_messages([totals("cmpl-late-0", 4), totals("chatcmpl-late", 4)])  # at last
@@ -269,3 +284,53 @@ def test_totals_that_arrive_after_the_join_gave_up_do_not_price_the_request_agai
     join.finished(finished_request("chatcmpl-late", 2), now=100.0)
     priced.extend(join.ready(now=100.0))
     assert len(priced) == 3 and priced[-1].engine_totals is not None
+
+
+# A request seen finished at unix time SEEN; its engine frees requests on the same clock.
+SEEN = 1_000.0
+
+
+def test_totals_later_than_the_least_wait_still_join_while_their_engine_sends_nothing_newer():
+    """A busy host delays the engine's totals by seconds: the request keeps waiting, since
+    its engine has sent no totals of a request freed after it."""
+    inbox, join, priced, faults = make_join()
+    join.finished(finished_request("cmpl-slow-0", 4), now=0.0, seen_at=SEEN)
+    inbox.on_messages([totals("cmpl-before-0", 2, finished_at=SEEN - 3.0)])  # an older request's
+    priced.extend(join.ready(now=ENGINE_JOIN_TIMEOUT_S + 1.0))
+    assert [r.request_id for r in priced] == []
+    inbox.on_messages([totals("cmpl-slow-0", 4, finished_at=SEEN - 0.01)])  # 3 s after its finish
+    priced.extend(join.ready(now=ENGINE_JOIN_TIMEOUT_S + 1.0))
+    assert [r.request_id for r in priced] == ["cmpl-slow-0"]
+    assert priced[0].engine_totals is not None and faults.counts["engine_join"] == 0
+
+
+def test_once_its_engine_sent_totals_of_a_request_freed_later_a_request_waits_the_least_only():
+    """The engine sends totals in the order it freed the requests: totals of one freed after
+    this request was seen finished mean this one's were lost (a dropped batch)."""
+    inbox, join, priced, faults = make_join()
+    join.finished(finished_request("cmpl-lost-0", 4), now=0.0, seen_at=SEEN)
+    inbox.on_messages([totals("cmpl-next-0", 2, finished_at=SEEN + 0.5)])
+    priced.extend(join.ready(now=ENGINE_JOIN_TIMEOUT_S - 0.01))
+    assert priced == []  # the least wait covers a request the engine still holds for a step
+    priced.extend(join.ready(now=ENGINE_JOIN_TIMEOUT_S + 0.01))
+    assert [(r.request_id, r.engine_totals) for r in priced] == [("cmpl-lost-0", None)]
+    assert faults.counts["engine_join"] == 1
+    assert "has sent the totals of requests it freed after" in faults.said[-1]
+
+
+def test_after_its_engine_reported_a_fault_a_request_waits_the_least_only():
+    """The engine's latest word is a fault (a batch it could not send, a hook switched off):
+    its totals may be lost, and no request is held longer than it was before."""
+    inbox, join, priced, faults = make_join()
+    join.finished(finished_request("cmpl-f-0", 4), now=0.0, seen_at=SEEN)
+    inbox.on_messages([EngineFaults(0, {"engine_transport": 1})])
+    priced.extend(join.ready(now=ENGINE_JOIN_TIMEOUT_S + 0.01))
+    assert [(r.request_id, r.engine_totals) for r in priced] == [("cmpl-f-0", None)]
+    assert faults.counts["engine_join"] == 1 and "reported a fault" in faults.said[-1]
+    # totals flowing again: the next late request waits for its own
+    inbox.on_messages([totals("cmpl-older-0", 2, finished_at=SEEN - 1.0)])
+    join.finished(finished_request("cmpl-g-0", 4), now=10.0, seen_at=SEEN + 10)
+    priced.extend(join.ready(now=10.0 + ENGINE_JOIN_TIMEOUT_S + 0.01))
+    assert len(priced) == 1
+    priced.extend(join.ready(now=10.0 + ENGINE_JOIN_MAX_WAIT_S + 0.01))
+    assert [r.request_id for r in priced][1:] == ["cmpl-g-0"] and faults.counts["engine_join"] == 2
