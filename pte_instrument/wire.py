@@ -21,8 +21,8 @@ class EngineHello(msgspec.Struct, tag="hello", frozen=True):
 
 
 class EngineFaults(msgspec.Struct, tag="faults", frozen=True):
-    """The hook's faults since its previous report, by stage (sent to API server 0 only, so
-    they are counted once)."""
+    """The hook's faults since its previous report, by stage: to API server 0, so that they
+    are counted once; the other API servers get it empty (there were faults)."""
 
     engine: int
     counts: dict[str, int]

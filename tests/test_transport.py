@@ -116,3 +116,33 @@ def test_what_a_sender_queued_before_it_closed_arrives_after_its_process_exits(t
             break
         got += 1
     assert got == 200 and receiver.errors == 0
+
+
+def test_every_api_server_hears_that_an_engine_reported_faults_and_only_api_server_0_counts_them(tmp_path):
+    """A fault may have lost totals that any API server waits for: each stops waiting longer
+    than the least for them, and the faults are counted once in the merged metrics."""
+    from pte_instrument.engine.sender import EngineSender
+    from pte_instrument.faults import FaultTracker
+    from pte_instrument.server.engine_join import EngineInbox
+
+    base = f"ipc://{tmp_path}/pte-{uuid.uuid4().hex[:6]}"
+    inboxes = [EngineInbox(FaultTracker(), lambda stage, n: None) for _ in range(2)]
+    got: queue.Queue = queue.Queue()
+
+    def on_messages(i: int):
+        return lambda messages: (inboxes[i].on_messages(messages), got.put(i))
+
+    receivers = [Receiver(address_for(base, i), on_messages(i)) for i in range(2)]
+    engine_sender = EngineSender(Sender(base), engine=0, faults=FaultTracker())
+    engine_sender.hello(api_servers=2)
+    engine_sender.send([RequestTotals("r", "r", engine=0, finish_reason="stop", api_server=1)])
+    for _ in range(3):  # the hellos, the totals
+        got.get(timeout=5)
+    assert [inbox.fault_said.get(0) for inbox in inboxes] == [None, False]
+    engine_sender.fault("finish", RuntimeError("a pricing pass failed"))
+    for _ in range(2):
+        got.get(timeout=5)
+    assert [inbox.fault_said.get(0) for inbox in inboxes] == [True, True]
+    assert [inbox.faults.counts["engine_finish"] for inbox in inboxes] == [1, 0]
+    engine_sender.close()
+    assert receivers[0].errors == receivers[1].errors == 0

@@ -1,6 +1,7 @@
 """The engine hook's side of the transport: each finished request's totals go to the API
 server that submitted it, and the hook's new faults, once, to API server 0 (so that with
-several API servers they are counted once in the merged metrics)."""
+several API servers they are counted once in the merged metrics); the other API servers
+hear only that there were some (totals they wait for may be lost)."""
 
 from __future__ import annotations
 
@@ -24,10 +25,12 @@ class EngineSender:
         self.faults = faults
         self._faults_sent: dict[str, int] = {}
         self._calibration_sent: EngineCalibration | None = None
+        self.api_servers = 1
 
     def hello(self, api_servers: int, calibration: EngineCalibration | None = None) -> None:
         """Every API server learns that this engine's totals will come; faults of the set-up
         (an unwritable step log) and the starting step-time model travel with it."""
+        self.api_servers = api_servers
         by_server: defaultdict[int, list[EngineMessage]] = defaultdict(list)
         for api_server in range(api_servers):
             by_server[api_server].append(EngineHello(self.engine))
@@ -69,8 +72,16 @@ class EngineSender:
         counts = dict(self.faults.counts)
         new = {k: n - self._faults_sent.get(k, 0) for k, n in counts.items()}
         new = {k: n for k, n in new.items() if n > 0}
+        notices = []
         if new:
             by_server[0].append(EngineFaults(self.engine, new))
+            for api_server in range(1, self.api_servers):
+                if api_server in by_server:
+                    by_server[api_server].append(EngineFaults(self.engine, {}))
+                else:
+                    notices.append(api_server)
+        for api_server in notices:  # best effort: a notice dropped is not a fault of its own
+            self.sender.send([EngineFaults(self.engine, {})], api_server)
         for api_server, batch in by_server.items():
             if self.sender.send(batch, api_server):
                 if api_server == 0:
