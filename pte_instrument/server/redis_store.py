@@ -6,10 +6,13 @@ applied once whichever replica or retry sends it (its replica, id and finish tim
 remembered for ten minutes: at 1,000 requests a second, 600,000 keys of about 100 bytes).
 
 Redis unreachable or slow: nothing waits for it longer than ``PTE_SESSION_STORE_TIMEOUT_S``
-(0.25 s by default). The first failure
-says it in one line and counts it; the store is then left alone for a back-off (1 s, doubling
-to 30 s) during which every write is lost, counted, and a turn's context comes from this
-process's latest turns; then it is tried again. One Redis server (or a primary), not a cluster: the
+(0.25 s by default). The first failure says it in one line and counts it; the store is then
+left alone for a back-off (1 s, doubling to 30 s), and a turn's context comes from this
+process's latest turns; then it is tried again. The turns of a failed batch, and those priced
+meanwhile, are kept (as many as the writer's queue holds, the oldest lost first, counted) and
+sent again with the next batch: each is applied once, so one whose first try did land is not
+counted twice. The feedback window's observations of a failed batch are lost, counted (they
+are not applied once per request). One Redis server (or a primary), not a cluster: the
 scripts touch keys they do not declare."""
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import json
 import math
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -282,9 +285,10 @@ class RedisStore(BatchWriter):
             self._down_until = time.monotonic() + self._backoff
         if first:
             log.error(
-                "pte-instrument: session store %s failed (%s: %s); serving goes on, the writes it misses "
-                'are counted in pte_plugin_faults_total{stage="sessions"}, and it is tried again after '
-                "%g s, then with a back-off up to %g s",
+                "pte-instrument: session store %s failed (%s: %s); serving goes on, the turns priced "
+                "meanwhile are kept and written once it answers (what is lost is counted in "
+                'pte_plugin_faults_total{stage="sessions"}); it is tried again after %g s, then with '
+                "a back-off up to %g s",
                 self.path,
                 type(e).__name__,
                 e,
@@ -529,6 +533,8 @@ class RedisSessionLedger(SessionLedger):
         # The store's latest turns of the sessions of the pass being priced, read in one round
         # trip (``prefetch``); each is used once, by its session's next context read.
         self._prefetched: dict[str, Tail | None] = {}
+        # Turns the store has not taken yet (it failed, or is left alone), oldest first.
+        self._kept: deque[tuple[Any, ...]] = deque()
         return RedisStore(
             str(path), self._commit, self._error, self.server_id, max_queued, timeout_s=self._timeout_s
         )
@@ -562,16 +568,29 @@ class RedisSessionLedger(SessionLedger):
             return self._recent.get(session_id)
         return None if found is None else Tail(*found)
 
+    def close(self) -> None:
+        super().close()
+        if self._kept:  # the store never came back while this process ran
+            lost, self._kept = list(self._kept), deque()
+            self._lost(len(lost), StoreError("unreachable until the server stopped"))
+            self._settle(lost)
+
     def _commit(self, store: RedisStore, items: list[tuple[Any, ...]], expire: bool) -> None:
         now = self.clock()
-        adds = [item for item in items if item[0] == "add"]
+        adds = [*self._kept, *(item for item in items if item[0] == "add")]  # the kept ones first
+        self._kept.clear()
         observed = [item[1] for item in items if item[0] == "observe"]
         limits = (self.max_turns, self.feedback_window, self.max_sessions)
         watermark = self.unlanded.watermark(turn_ids(adds))
-        if not items and not expire:
+        if not adds and not observed and not expire:
             if store.available:
                 with contextlib.suppress(StoreError):  # the next batch says what is wrong
                     store.beat(watermark)
+            return
+        if adds and not store.available:  # left alone: kept, with no attempt
+            self._keep(adds)
+            if observed:
+                self._lost(len(observed), StoreError(f"session store {self.path} is left alone"))
             return
         try:
             turns, closed, live = store.commit_batch(
@@ -584,8 +603,13 @@ class RedisSessionLedger(SessionLedger):
             )
             failpoint("session_store")
         except Exception as e:
-            self._lost(len(adds) + len(observed), e)
-            self._settle(adds)
+            self._keep(adds)
+            if observed:
+                self._lost(len(observed), e)
+            elif adds:
+                self._error(
+                    StoreError(f"session store {self.path}: {len(adds)} turns kept for its return ({e})")
+                )
             return
         self._live = live
         for _, record, tail in adds:
@@ -604,6 +628,16 @@ class RedisSessionLedger(SessionLedger):
                 self.stats.sessions_evicted += 1
         self._settle(adds)
         self._notify(closed)
+
+    def _keep(self, adds: list[tuple[Any, ...]]) -> None:
+        """Turns the store did not take, for the next batch; past the writer queue's bound,
+        the oldest are lost, counted."""
+        over = len(adds) - self.store.max_queued
+        if over > 0:
+            lost, adds = adds[:over], adds[over:]
+            self._lost(over, StoreError(f"more than {self.store.max_queued} turns waited for the store"))
+            self._settle(lost)
+        self._kept.extend(adds)
 
 
 def is_redis_url(store: str | None) -> bool:
