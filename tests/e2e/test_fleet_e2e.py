@@ -38,8 +38,9 @@ ROUTES = {"sticky": "aaaa", "moving": "abba"}
 # waited on its held store would take at least this long, far beyond any scheduling delay.
 HELD_TIMEOUT_S = 10.0
 # Replica a's: a command that waits for a host busy starting two servers beside other tests is
-# not a store that failed (at the default, one such timeout at start-up lost a second of turns);
-# a stopped store still fails at once (connection refused).
+# not a store that failed (at the default, one such timeout at start-up holds a's turns back for
+# a second of back-off, and a turn b prices meanwhile would not see them); a stopped store still
+# fails at once (connection refused).
 TIMEOUT_S = 5.0
 
 
