@@ -279,7 +279,9 @@ class RequestJoin:
         """Why ``request``, seen finished ``waited`` s ago, is priced without its engine's
         totals now; None: they may still come, and it waits on. Its engine sends totals in the
         order it frees requests, so once totals of a request freed after this one was seen
-        finished have come, this one's were lost (a step's hold-back is within the least wait)."""
+        finished have come, this one's were lost (a step's hold-back is within the least wait).
+        Both clocks are unix time: an engine on another node whose clock runs behind makes a
+        lost request wait the longest, not the least."""
         if waited < ENGINE_JOIN_TIMEOUT_S:
             return None
         engine = request.engine
