@@ -419,7 +419,7 @@ TABLE: tuple[Setting, ...] = (
         float,
         0.25,
         number(0.0, 60.0, low_open=True, unit=" s"),
-        help="a `redis://…` session store only: how long one command may take before it has failed; the store is then left alone for a back-off (1 s, doubling to 30 s); the turns priced meanwhile are kept (up to 10,000) and written once it answers, and what is lost is counted. No request waits for the store: the pricing of finished requests and the store's writer do",
+        help="a `redis://…` session store only: how long one command may take before it has failed; the store is then left alone for a back-off (1 s, doubling to 30 s); the turns and feedback-window observations it could not take are kept (up to 10,000 of each) and written once it answers, each once, and what is lost is counted. No request waits for the store: the pricing of finished requests and the store's writer do",
         summary="a Redis session store's command timeout (the pricing waits at most this long; no request does)",
     ),
     Setting(

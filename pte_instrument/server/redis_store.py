@@ -8,12 +8,11 @@ remembered for ten minutes: at 1,000 requests a second, 600,000 keys of about 10
 Redis unreachable or slow: nothing waits for it longer than ``PTE_SESSION_STORE_TIMEOUT_S``
 (0.25 s by default). The first failure says it in one line and counts it; the store is then
 left alone for a back-off (1 s, doubling to 30 s), and a turn's context comes from this
-process's latest turns; then it is tried again. The turns of a failed batch, and those priced
-meanwhile, are kept (as many as the writer's queue holds, the oldest lost first, counted) and
-sent again with the next batch: each is applied once, so one whose first try did land is not
-counted twice. The feedback window's observations of a failed batch are lost, counted (they
-are not applied once per request). One Redis server (or a primary), not a cluster: the
-scripts touch keys they do not declare."""
+process's latest turns; then it is tried again. The turns and feedback-window observations of
+a failed batch, and those made meanwhile, are kept (as many of each as the writer's queue
+holds, the oldest lost first, counted) and sent again with the next batch: each turn, and each
+batch's observations, is applied once, so what a first try did write is not counted twice.
+One Redis server (or a primary), not a cluster: the scripts touch keys they do not declare."""
 
 from __future__ import annotations
 
@@ -22,6 +21,7 @@ import json
 import math
 import threading
 import time
+import uuid
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -120,16 +120,17 @@ end
 return closed
 """
 
-# ARGV: prefix, window, then (request id, session id or '', model, benchmark, output tokens,
-# truncated) per finished request. The window's requests: hash r:<id> and zset recent (by seq);
+# ARGV: prefix, window, seen_ttl, the group's id, then (request id, session id or '', model,
+# benchmark, output tokens, truncated) per finished request; a group is applied once. The window's requests: hash r:<id> and zset recent (by seq);
 # a session's: zset rs:<session>. Counts per cell: hash outcomes, fields <model>\\x1f<benchmark>\\x1f<count>.
 _OBSERVE = """
 local p, window = ARGV[1], tonumber(ARGV[2])
+if not redis.call('SET', p .. 'obs:' .. ARGV[4], 1, 'NX', 'EX', ARGV[3]) then return 0 end
 local seq
 local function cell(model, benchmark, name, n)
   redis.call('HINCRBY', p .. 'outcomes', model .. '\\31' .. benchmark .. '\\31' .. name, n)
 end
-for i = 3, #ARGV, 6 do
+for i = 5, #ARGV, 6 do
   local rid, sid, model, benchmark = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
   local tokens, truncated = tonumber(ARGV[i + 4]), tonumber(ARGV[i + 5])
   seq = redis.call('INCR', p .. 'recent:seq')
@@ -285,8 +286,8 @@ class RedisStore(BatchWriter):
             self._down_until = time.monotonic() + self._backoff
         if first:
             log.error(
-                "pte-instrument: session store %s failed (%s: %s); serving goes on, the turns priced "
-                "meanwhile are kept and written once it answers (what is lost is counted in "
+                "pte-instrument: session store %s failed (%s: %s); serving goes on, what it does not "
+                "take is kept and written once it answers (what is lost is counted in "
                 'pte_plugin_faults_total{stage="sessions"}); it is tried again after %g s, then with '
                 "a back-off up to %g s",
                 self.path,
@@ -353,14 +354,14 @@ class RedisStore(BatchWriter):
     def commit_batch(
         self,
         adds: list[tuple[RequestRecord, Any]],
-        observed: list[tuple[Any, ...]],
+        observed: list[tuple[str, list[tuple[Any, ...]]]],
         now: float,
         idle_before: float,
         limits: tuple[int, int, int],
         watermark: float,
     ) -> tuple[list[list[int]], list[tuple[dict[str, Any], str]], int]:
-        """The batch's turns (each with its session's tail), finished requests for the
-        feedback window, then the sessions to close (last seen before ``idle_before``, and the
+        """The batch's turns (each with its session's tail), groups of finished requests for
+        the feedback window (each group applied once, by its id), then the sessions to close (last seen before ``idle_before``, and the
         least recently active past ``max_live``), in one round trip. ``limits``: max turns
         per session, the feedback window, max live sessions; ``watermark``: this writer's, as of
         the batch (``turn_order``). Returns each turn's (number,
@@ -371,9 +372,9 @@ class RedisStore(BatchWriter):
             for record, tail in adds:
                 payload = json.dumps(_turn(record, tail))
                 self.scripts["add"](args=[self.prefix, now, max_turns, SEEN_TTL_S, payload], client=pipe)
-            if observed:
-                args: list[Any] = [self.prefix, window]
-                for rid, sid, model, benchmark, tokens, truncated in observed:
+            for group, requests in observed:
+                args: list[Any] = [self.prefix, window, SEEN_TTL_S, group]
+                for rid, sid, model, benchmark, tokens, truncated in requests:
                     args += [rid, sid or "", model, benchmark, tokens, truncated]
                 self.scripts["observe"](args=args, client=pipe)
             self.scripts["close"](args=[self.prefix, idle_before, max_live], client=pipe)
@@ -533,8 +534,10 @@ class RedisSessionLedger(SessionLedger):
         # The store's latest turns of the sessions of the pass being priced, read in one round
         # trip (``prefetch``); each is used once, by its session's next context read.
         self._prefetched: dict[str, Tail | None] = {}
-        # Turns the store has not taken yet (it failed, or is left alone), oldest first.
+        # Turns, and groups of observations (an id each), the store has not taken yet (it
+        # failed, or is left alone), oldest first.
         self._kept: deque[tuple[Any, ...]] = deque()
+        self._kept_observed: deque[tuple[str, list[tuple[Any, ...]]]] = deque()
         return RedisStore(
             str(path), self._commit, self._error, self.server_id, max_queued, timeout_s=self._timeout_s
         )
@@ -570,16 +573,22 @@ class RedisSessionLedger(SessionLedger):
 
     def close(self) -> None:
         super().close()
-        if self._kept:  # the store never came back while this process ran
-            lost, self._kept = list(self._kept), deque()
-            self._lost(len(lost), StoreError("unreachable until the server stopped"))
-            self._settle(lost)
+        adds, observed = list(self._kept), list(self._kept_observed)
+        self._kept, self._kept_observed = deque(), deque()
+        n = len(adds) + sum(len(g) for _, g in observed)
+        if n:  # the store never came back while this process ran
+            self._lost(n, StoreError("unreachable until the server stopped"))
+            self._settle(adds)
 
     def _commit(self, store: RedisStore, items: list[tuple[Any, ...]], expire: bool) -> None:
         now = self.clock()
-        adds = [*self._kept, *(item for item in items if item[0] == "add")]  # the kept ones first
+        # the kept ones first, so that a session's turns land in order
+        adds = [*self._kept, *(item for item in items if item[0] == "add")]
+        observed = list(self._kept_observed)
         self._kept.clear()
-        observed = [item[1] for item in items if item[0] == "observe"]
+        self._kept_observed.clear()
+        if new := [item[1] for item in items if item[0] == "observe"]:
+            observed.append((uuid.uuid4().hex, new))
         limits = (self.max_turns, self.feedback_window, self.max_sessions)
         watermark = self.unlanded.watermark(turn_ids(adds))
         if not adds and not observed and not expire:
@@ -587,10 +596,8 @@ class RedisSessionLedger(SessionLedger):
                 with contextlib.suppress(StoreError):  # the next batch says what is wrong
                     store.beat(watermark)
             return
-        if adds and not store.available:  # left alone: kept, with no attempt
-            self._keep(adds)
-            if observed:
-                self._lost(len(observed), StoreError(f"session store {self.path} is left alone"))
+        if (adds or observed) and not store.available:  # left alone: kept, with no attempt
+            self._keep(adds, observed)
             return
         try:
             turns, closed, live = store.commit_batch(
@@ -603,13 +610,9 @@ class RedisSessionLedger(SessionLedger):
             )
             failpoint("session_store")
         except Exception as e:
-            self._keep(adds)
-            if observed:
-                self._lost(len(observed), e)
-            elif adds:
-                self._error(
-                    StoreError(f"session store {self.path}: {len(adds)} turns kept for its return ({e})")
-                )
+            self._keep(adds, observed)
+            if adds or observed:
+                self._error(StoreError(f"session store {self.path}: a batch kept for its return ({e})"))
             return
         self._live = live
         for _, record, tail in adds:
@@ -629,15 +632,21 @@ class RedisSessionLedger(SessionLedger):
         self._settle(adds)
         self._notify(closed)
 
-    def _keep(self, adds: list[tuple[Any, ...]]) -> None:
-        """Turns the store did not take, for the next batch; past the writer queue's bound,
-        the oldest are lost, counted."""
-        over = len(adds) - self.store.max_queued
-        if over > 0:
+    def _keep(self, adds: list[tuple[Any, ...]], observed: list[tuple[str, list[tuple[Any, ...]]]]) -> None:
+        """Turns and observations the store did not take, for the next batch; past the writer
+        queue's bound (of each), the oldest are lost, counted."""
+        bound = self.store.max_queued
+        if (over := len(adds) - bound) > 0:
             lost, adds = adds[:over], adds[over:]
-            self._lost(over, StoreError(f"more than {self.store.max_queued} turns waited for the store"))
+            self._lost(over, StoreError(f"more than {bound} turns waited for the store"))
             self._settle(lost)
         self._kept.extend(adds)
+        waiting = sum(len(g) for _, g in observed)
+        while waiting > bound:  # a whole group at a time: it is applied once, by its id
+            _, group = observed.pop(0)
+            waiting -= len(group)
+            self._lost(len(group), StoreError(f"more than {bound} observations waited for the store"))
+        self._kept_observed.extend(observed)
 
 
 def is_redis_url(store: str | None) -> bool:

@@ -287,6 +287,45 @@ def test_an_unreachable_store_costs_nothing_and_its_turns_land_once_it_is_back(f
     assert [row["turn"] for row in a.get("s")["turn_rows"]] == [1, 2, 3]
 
 
+def test_a_batch_whose_reply_was_lost_is_sent_again_and_applied_once(fleet, monkeypatch):
+    """The store applied a batch but its reply never came (a timeout after the write): the
+    batch is kept and sent again, and its turns and observations count once."""
+    from pte_instrument import failpoints
+
+    a = fleet("a")
+    monkeypatch.setitem(failpoints.points, "session_store", 1.0)  # every reply "lost"
+    serve(a, "a", "s", 10, 2, 0, 1000.0)
+    a.observe("r1", "s", "m", "gsm8k", 10, False)
+    assert a.flush(5)
+    monkeypatch.delitem(failpoints.points, "session_store")
+    assert wait_for(lambda: a.flush(5) and not a._kept and not a._kept_observed, timeout_s=40)
+    assert a.get("s")["turns"] == 1 and a.stats.records_lost == 0
+    assert a.outcomes()[("m", "gsm8k")]["requests"] == 1
+    assert a.outcomes()[("m", "gsm8k")]["output_tokens"] == 10
+
+
+def test_observations_made_while_the_store_is_down_are_counted_once_it_is_back(fleet, redis_server):
+    a = fleet("a")
+    a.observe("r0", None, "m", "none", 5, False)
+    assert a.flush()
+    redis_server.stop()
+    try:
+        a.observe("r1", None, "m", "none", 7, True)
+        assert a.flush(5) and a.stats.records_lost == 0
+    finally:
+        redis_server.start()
+    assert wait_for(lambda: _requests(a) == 2, timeout_s=40)
+    assert a.outcomes()[("m", "none")]["truncated"] == 1 and a.stats.records_lost == 0
+    assert a.label(True, ["r1"], None) is not None  # in the window
+
+
+def _requests(ledger: SessionLedger) -> int:
+    try:
+        return ledger.outcomes().get(("m", "none"), {}).get("requests", 0)
+    except Exception:
+        return -1
+
+
 def test_a_store_that_never_answers_does_not_hold_the_pricing_path(fleet, redis_server):
     """A store that accepts connections and stops replying: each call gives up after the
     timeout, the store is then left alone, and the turns priced meanwhile land once it
@@ -311,7 +350,7 @@ def test_a_store_that_never_answers_does_not_hold_the_pricing_path(fleet, redis_
 
 def test_turns_kept_past_the_bound_or_when_the_server_stops_are_lost_and_counted(fleet, redis_server):
     """Kept for a store that is down: at most the writer queue's bound (the oldest go first),
-    and nothing once the server stops; every turn lost is counted."""
+    and nothing once the server stops; every turn and observation lost is counted."""
     a = fleet("a", max_queued=5)
     serve(a, "a", "s", 10, 2, 0, 1000.0)
     assert a.flush()
@@ -321,8 +360,10 @@ def test_turns_kept_past_the_bound_or_when_the_server_stops_are_lost_and_counted
             serve(a, "a", f"down-{i}", 10, 2, 0, 1010.0 + i)
             assert a.flush(5)
         assert a.stats.records_lost == 3
+        a.observe("r-down", None, "m", "none", 1, False)
+        assert a.flush(5) and a.stats.records_lost == 3
         a.close()
-        assert a.stats.records_lost == 8
+        assert a.stats.records_lost == 9
     finally:
         redis_server.start()
 
