@@ -121,8 +121,9 @@ return closed
 """
 
 # ARGV: prefix, window, seen_ttl, the group's id, then (request id, session id or '', model,
-# benchmark, output tokens, truncated) per finished request; a group is applied once. The window's requests: hash r:<id> and zset recent (by seq);
-# a session's: zset rs:<session>. Counts per cell: hash outcomes, fields <model>\\x1f<benchmark>\\x1f<count>.
+# benchmark, output tokens, truncated) per finished request; a group is applied once. The
+# window's requests: hash r:<id> and zset recent (by seq); a session's: zset rs:<session>.
+# Counts per cell: hash outcomes, fields <model>\\x1f<benchmark>\\x1f<count>.
 _OBSERVE = """
 local p, window = ARGV[1], tonumber(ARGV[2])
 if not redis.call('SET', p .. 'obs:' .. ARGV[4], 1, 'NX', 'EX', ARGV[3]) then return 0 end
@@ -361,8 +362,9 @@ class RedisStore(BatchWriter):
         watermark: float,
     ) -> tuple[list[list[int]], list[tuple[dict[str, Any], str]], int]:
         """The batch's turns (each with its session's tail), groups of finished requests for
-        the feedback window (each group applied once, by its id), then the sessions to close (last seen before ``idle_before``, and the
-        least recently active past ``max_live``), in one round trip. ``limits``: max turns
+        the feedback window (each group applied once, by its id), then the sessions to close
+        (last seen before ``idle_before``, and the least recently active past ``max_live``),
+        in one round trip. ``limits``: max turns
         per session, the feedback window, max live sessions; ``watermark``: this writer's, as of
         the batch (``turn_order``). Returns each turn's (number,
         opened, rows dropped), the closed sessions, and the live count."""
