@@ -179,8 +179,7 @@ def analyse_logs(
     )
 
     # --- cost model actually used by the plugin ---
-    gamma = float(np.nanmedian(req["gamma"])) if len(req) else math.nan
-    hoi = float(np.nanmedian(req["hoi"])) if len(req) else math.nan
+    gamma, hoi = (_median(finite(req[name])) for name in ("gamma", "hoi"))
     cost_model: dict[str, Any] = {
         "gamma_logged": gamma,
         "hoi_logged": hoi,
@@ -408,6 +407,12 @@ def _seconds(
 
 def _median(x: np.ndarray) -> float:
     return float(np.median(x)) if x.size else math.nan
+
+
+def finite(x: np.ndarray) -> np.ndarray:
+    """The finite values of ``x`` (a column the log left out is all NaN)."""
+    x = np.asarray(x, dtype=np.float64)
+    return x[np.isfinite(x)]
 
 
 def _matched(p: Phase, load: A.RequestTable, alone: A.RequestTable, n_boot: int, seed: int) -> dict[str, Any]:

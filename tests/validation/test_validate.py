@@ -160,3 +160,37 @@ def test_lines_and_values_that_are_not_what_the_log_holds_are_skipped_and_counte
     assert out["phases"][0]["requests"] == 4  # "x" has no inference time: not usable
     assert "2 lines skipped (not a JSON object)" in captured.err
     assert "2 values that are not numbers read as missing" in captured.err
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+def test_a_log_without_the_cost_model_fields_reports_them_unknown_without_numpy_warnings(tmp_path, capsys):
+    """A request log of a plugin that logged no γ or HOI (another version, a filtered log):
+    the report says they are unknown, and says nothing about all-NaN slices."""
+    path = tmp_path / "requests.jsonl"
+    lines = [
+        {
+            "request_id": f"r{i}",
+            "finish_reason": "stop",
+            "inference_s": 1.0 + i,
+            "output_tokens": 10 * (i + 1),
+            "prompt_tokens": 5,
+            "pte_served": 3.0 * (i + 1),
+            "arrived_at": 10.0 * i,
+            "finished_at": 10.0 * i + 2,
+        }
+        for i in range(4)
+    ]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    args = [
+        "validate",
+        str(path),
+        "--out",
+        str(tmp_path / "out"),
+        "--bootstrap",
+        "10",
+        "--no-plots",
+        "--json",
+    ]
+    assert main(args) == 0
+    cost_model = json.loads((tmp_path / "out" / "report.json").read_text())["analysis"]["cost_model"]
+    assert cost_model["gamma_logged"] is None and cost_model["hoi_logged"] is None
