@@ -543,11 +543,11 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": round(time.time() - t_begin, 1),
         "load_avg_1m_end": load_avg_1m(),
     }
-    from pte_instrument.validation.report import _clean
+    from pte_instrument.validation.report import strict_json
 
     kind = "gpu-latency-tiny" if args.tiny else "gpu-latency"
     out = Path(args.out or os.environ.get("OUT") or REPO / "bench" / "results")
-    jpath = write_results(_clean(result), kind, results_path(kind, out))
+    jpath = write_results(strict_json(result), kind, results_path(kind, out))
     mpath = jpath.with_suffix(".md")
     mpath.write_text(_markdown(result, fit, fit_d, explain_shares))
     print(mpath.read_text())

@@ -44,7 +44,7 @@ def add_validate_parser(sub: Any) -> None:
 def cmd_validate(args: argparse.Namespace) -> int:
     from pte_instrument.validation import analysis as A
     from pte_instrument.validation.phases import phases_of_log
-    from pte_instrument.validation.report import analyse_logs, write_report
+    from pte_instrument.validation.report import analyse_logs, strict_json, write_report
 
     requests_path = Path(args.request_log)
     steps_path = Path(args.step_log) if args.step_log else None
@@ -78,6 +78,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
         report_warning("validate", f"{problems['not_object']} lines skipped (not a JSON object)")
     if problems["not_number"]:
         report_warning("validate", f"{problems['not_number']} values that are not numbers read as missing")
+    if problems["out_of_range"]:
+        report_warning(
+            "validate",
+            f"{problems['out_of_range']} values out of range (negative, or not finite) read as missing",
+        )
     meta = {
         "source": {"request_log": str(requests_path), "step_log": str(steps_path) if steps_path else None},
         "phases": [p.to_dict() for p in phases],
@@ -86,12 +91,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
     targets = [t.to_dict() for t in analysis.targets]
     if args.json:
         print_json(
-            {
-                "out": str(args.out),
-                "files": [str(f) for f in files],
-                "phases": meta["phases"],
-                "targets": targets,
-            }
+            strict_json(
+                {
+                    "out": str(args.out),
+                    "files": [str(f) for f in files],
+                    "phases": meta["phases"],
+                    "targets": targets,
+                }
+            )
         )
         return 0
     console = Console()

@@ -299,16 +299,22 @@ def _whole(v: Any) -> int:
 def _col(
     records: Sequence[Mapping[str, Any]], key: str, *aliases: str, problems: Counter[str] | None = None
 ) -> np.ndarray:
-    """A numeric column; a value that is not a number is read as missing (NaN) and counted in
-    ``problems["not_number"]``."""
+    """A numeric column; a value that is not a number, or one no log holds (not finite, or
+    negative where the field cannot be), is read as missing (NaN) and counted in
+    ``problems["not_number"]`` or ``problems["out_of_range"]``."""
     vals = []
+    signed = key in MAY_BE_NEGATIVE
     for r in records:
         v = r.get(key)
         for a in aliases:
             if v is None:
                 v = r.get(a)
         x = None if v is None else _number(v)
-        if v is not None and x is None and problems is not None:
+        if x is not None and not (math.isfinite(x) and (signed or x >= 0)):
+            x = None
+            if problems is not None:
+                problems["out_of_range"] += 1
+        elif v is not None and x is None and problems is not None:
             problems["not_number"] += 1
         vals.append(np.nan if x is None else x)
     return np.asarray(vals, dtype=np.float64)
@@ -336,6 +342,9 @@ REQUEST_FIELDS = (
     "num_preemptions",
     "arrived_at",
 )
+# The logs' only fields that may be negative: a request's interference (its queueing is in the
+# latency it explains, not in its GPU seconds).
+MAY_BE_NEGATIVE = frozenset({"interference_s"})
 # Seconds from the engine hook (docs/cost-model.md §5b): the request's share of measured step
 # time, by term; the step-time model's cost of its own work alone; the steps it was in plus
 # its queue time; the part of those that was other requests' work; money.

@@ -986,21 +986,23 @@ def _json_default(o: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
 
-def _clean(o: Any) -> Any:
+def strict_json(o: Any) -> Any:
     """NaN/inf → None everywhere (strict JSON)."""
     if isinstance(o, float):
         return o if math.isfinite(o) else None
     if isinstance(o, dict):
-        return {k: _clean(v) for k, v in o.items()}
+        return {k: strict_json(v) for k, v in o.items()}
     if isinstance(o, (list, tuple)):
-        return [_clean(v) for v in o]
+        return [strict_json(v) for v in o]
     if isinstance(o, np.generic):
-        return _clean(o.item())
+        return strict_json(o.item())
     return o
 
 
 def report_dict(a: LatencyAnalysis | None, meta: Mapping[str, Any]) -> dict[str, Any]:
-    return _clean({"benchmark": "latency", **meta, **({"analysis": a.to_dict()} if a is not None else {})})
+    return strict_json(
+        {"benchmark": "latency", **meta, **({"analysis": a.to_dict()} if a is not None else {})}
+    )
 
 
 def write_report(

@@ -194,3 +194,45 @@ def test_a_log_without_the_cost_model_fields_reports_them_unknown_without_numpy_
     assert main(args) == 0
     cost_model = json.loads((tmp_path / "out" / "report.json").read_text())["analysis"]["cost_model"]
     assert cost_model["gamma_logged"] is None and cost_model["hoi_logged"] is None
+
+
+def test_values_no_log_can_hold_are_read_as_missing_and_counted(tmp_path, capsys):
+    """Negative tokens, PTE or seconds, and NaN or infinite numbers (a hand-edited or foreign
+    log): each read as missing and counted; interference may be negative (queueing counted)."""
+    path = tmp_path / "requests.jsonl"
+    lines = [
+        {
+            "request_id": f"r{i}",
+            "finish_reason": "stop",
+            "inference_s": 1.0 + i,
+            "output_tokens": 10 * (i + 1),
+            "prompt_tokens": 5,
+            "pte_served": 3.0 * (i + 1),
+            "arrived_at": 10.0 * i,
+            "finished_at": 10.0 * i + 2,
+            "interference_s": -0.5,
+        }
+        for i in range(5)
+    ]
+    lines[0]["prompt_tokens"] = -5
+    lines[1]["pte_served"] = -1.0
+    lines[2]["inference_s"] = -3.0  # no longer usable
+    path.write_text(
+        "".join(json.dumps(line) + "\n" for line in lines)
+        + '{"request_id": "n", "finish_reason": "stop", "inference_s": NaN, "output_tokens": Infinity}\n'
+    )
+    args = [
+        "validate",
+        str(path),
+        "--out",
+        str(tmp_path / "out"),
+        "--no-plots",
+        "--bootstrap",
+        "10",
+        "--json",
+    ]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["phases"][0]["requests"] == 4
+    assert "5 values out of range (negative, or not finite) read as missing" in captured.err
+    assert "not numbers" not in captured.err
