@@ -117,11 +117,9 @@ def test_a_log_that_cannot_be_validated_is_one_line_and_exit_2(tmp_path, capsys,
     assert not (tmp_path / "out").exists()
 
 
-def test_lines_and_values_that_are_not_what_the_log_holds_are_skipped_and_counted(tmp_path, capsys):
-    """Torn lines, lines that are not objects and fields of the wrong type: each skipped
-    (a value read as missing), counted on stderr, the rest validated."""
-    path = tmp_path / "requests.jsonl"
-    good = [
+def finished_requests(n: int) -> list[dict]:
+    """``n`` request-log lines of finished requests, one after another, PTE and time rising."""
+    return [
         {
             "request_id": f"r{i}",
             "finish_reason": "stop",
@@ -132,29 +130,27 @@ def test_lines_and_values_that_are_not_what_the_log_holds_are_skipped_and_counte
             "arrived_at": 10.0 * i,
             "finished_at": 10.0 * i + 2,
         }
-        for i in range(4)
+        for i in range(n)
     ]
+
+
+def validate_json(path: Path, out: Path) -> list[str]:
+    """``pte validate`` of ``path`` into ``out``, quick: 10 bootstrap draws, no plots, JSON."""
+    return ["validate", str(path), "--out", str(out), "--bootstrap", "10", "--no-plots", "--json"]
+
+
+def test_lines_and_values_that_are_not_what_the_log_holds_are_skipped_and_counted(tmp_path, capsys):
+    """Torn lines, lines that are not objects and fields of the wrong type: each skipped
+    (a value read as missing), counted on stderr, the rest validated."""
+    path = tmp_path / "requests.jsonl"
+    good = finished_requests(4)
     bad = [
         '{"request_id": "x", "finish_reason": "stop", "inference_s": "fast", "prompt_tokens": {"a": 1}}',
         "[1, 2]",
         '{"request_id": "torn", "inference',
     ]
     path.write_text("\n".join([*map(json.dumps, good), *bad]) + "\n")
-    assert (
-        main(
-            [
-                "validate",
-                str(path),
-                "--out",
-                str(tmp_path / "out"),
-                "--bootstrap",
-                "10",
-                "--no-plots",
-                "--json",
-            ]
-        )
-        == 0
-    )
+    assert main(validate_json(path, tmp_path / "out")) == 0
     captured = capsys.readouterr()
     out = json.loads(captured.out)
     assert out["phases"][0]["requests"] == 4  # "x" has no inference time: not usable
@@ -167,31 +163,8 @@ def test_a_log_without_the_cost_model_fields_reports_them_unknown_without_numpy_
     """A request log of a plugin that logged no γ or HOI (another version, a filtered log):
     the report says they are unknown, and says nothing about all-NaN slices."""
     path = tmp_path / "requests.jsonl"
-    lines = [
-        {
-            "request_id": f"r{i}",
-            "finish_reason": "stop",
-            "inference_s": 1.0 + i,
-            "output_tokens": 10 * (i + 1),
-            "prompt_tokens": 5,
-            "pte_served": 3.0 * (i + 1),
-            "arrived_at": 10.0 * i,
-            "finished_at": 10.0 * i + 2,
-        }
-        for i in range(4)
-    ]
-    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    args = [
-        "validate",
-        str(path),
-        "--out",
-        str(tmp_path / "out"),
-        "--bootstrap",
-        "10",
-        "--no-plots",
-        "--json",
-    ]
-    assert main(args) == 0
+    path.write_text("".join(json.dumps(line) + "\n" for line in finished_requests(4)))
+    assert main(validate_json(path, tmp_path / "out")) == 0
     cost_model = json.loads((tmp_path / "out" / "report.json").read_text())["analysis"]["cost_model"]
     assert cost_model["gamma_logged"] is None and cost_model["hoi_logged"] is None
 
@@ -200,20 +173,7 @@ def test_values_no_log_can_hold_are_read_as_missing_and_counted(tmp_path, capsys
     """Negative tokens, PTE or seconds, and NaN or infinite numbers (a hand-edited or foreign
     log): each read as missing and counted; interference may be negative (queueing counted)."""
     path = tmp_path / "requests.jsonl"
-    lines = [
-        {
-            "request_id": f"r{i}",
-            "finish_reason": "stop",
-            "inference_s": 1.0 + i,
-            "output_tokens": 10 * (i + 1),
-            "prompt_tokens": 5,
-            "pte_served": 3.0 * (i + 1),
-            "arrived_at": 10.0 * i,
-            "finished_at": 10.0 * i + 2,
-            "interference_s": -0.5,
-        }
-        for i in range(5)
-    ]
+    lines = [{**line, "interference_s": -0.5} for line in finished_requests(5)]
     lines[0]["prompt_tokens"] = -5
     lines[1]["pte_served"] = -1.0
     lines[2]["inference_s"] = -3.0  # no longer usable
@@ -221,17 +181,7 @@ def test_values_no_log_can_hold_are_read_as_missing_and_counted(tmp_path, capsys
         "".join(json.dumps(line) + "\n" for line in lines)
         + '{"request_id": "n", "finish_reason": "stop", "inference_s": NaN, "output_tokens": Infinity}\n'
     )
-    args = [
-        "validate",
-        str(path),
-        "--out",
-        str(tmp_path / "out"),
-        "--no-plots",
-        "--bootstrap",
-        "10",
-        "--json",
-    ]
-    assert main(args) == 0
+    assert main(validate_json(path, tmp_path / "out")) == 0
     captured = capsys.readouterr()
     assert json.loads(captured.out)["phases"][0]["requests"] == 4
     assert "5 values out of range (negative, or not finite) read as missing" in captured.err
