@@ -234,14 +234,21 @@ def score(model: StepTimeModel, prefill: Any, ctx: Any, mb: Any, dt: Any) -> tup
     return score_predictions(X @ model.coefficients(), y)
 
 
+def r_squared(y: np.ndarray, pred: np.ndarray) -> float:
+    """R² of ``pred`` against ``y``; NaN where ``y`` has no variance to explain (values that
+    are all the same leave only the rounding of their mean, about 1e-16 of their square)."""
+    ss_tot = float(((y - y.mean()) ** 2).sum())
+    if not ss_tot > 1e-12 * float((y * y).sum()):
+        return math.nan
+    return 1.0 - float(((y - pred) ** 2).sum()) / ss_tot
+
+
 def score_predictions(pred: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:
     """(R², MAPE, median APE) of predicted step times against measured ones (dt > 0)."""
     if y.size == 0:
         return math.nan, math.nan, math.nan
-    ss_tot = float(((y - y.mean()) ** 2).sum())
-    r2 = 1.0 - float(((y - pred) ** 2).sum()) / ss_tot if ss_tot > 0 else math.nan
     ape = np.abs(pred - y) / y
-    return r2, float(ape.mean()), float(np.median(ape))
+    return r_squared(y, pred), float(ape.mean()), float(np.median(ape))
 
 
 @cache

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from pte_instrument.cost.devices import DeviceProfile
+from pte_instrument.cost.step_time import r_squared
 from pte_instrument.offline.statistics import count_chunks, interval_bounds, percentile_interval
 
 
@@ -66,8 +67,7 @@ def fit_linear(
     coef_s, *_ = np.linalg.lstsq(As, y, rcond=None)
     pred = As @ coef_s
     ss_res = float(((y - pred) ** 2).sum())
-    ss_tot = float(((y - y.mean()) ** 2).sum())
-    r2 = 1 - ss_res / ss_tot if ss_tot > 0 else math.nan
+    r2 = r_squared(y, pred)
     boots = []
     # Resample counts w (b, n): the weighted normal equations refit every resample at once.
     for w in count_chunks(n, n_boot, np.random.default_rng(seed), max_elems):

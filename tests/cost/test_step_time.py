@@ -26,6 +26,7 @@ from pte_instrument.cost.step_time import (
     fit,
     memory_bound,
     score,
+    score_predictions,
     theory,
     weighted_ctx,
 )
@@ -379,3 +380,12 @@ def test_load_rejects_a_bad_file(tmp_path: Path, content: bytes, message: str):
 def test_load_a_missing_file(tmp_path: Path):
     with pytest.raises(ValueError, match="cannot read step-time model"):
         StepTimeModel.load(tmp_path / "absent.json")
+
+
+def test_r2_of_steps_that_all_took_the_same_time_is_undefined():
+    """Identical measured times have no variance to explain (their mean's rounding leaves
+    ~1e-36, not 0): R² is undefined, not a number in the millions."""
+    y = np.full(10, 0.01)
+    r2, mape, median_ape = score_predictions(y * (1 + 1e-9), y)
+    assert math.isnan(r2)
+    assert mape == pytest.approx(1e-9) and median_ape == pytest.approx(1e-9)
