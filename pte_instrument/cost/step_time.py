@@ -89,7 +89,7 @@ class StepTimeModel:
             **{t: getattr(self, t) for t in TERMS},
             "units": dict(UNITS),
             "source": self.source,
-            "gamma_measured": _finite_or_none(self.gamma_measured),  # informative; not read back
+            "gamma_measured": finite_or_none(self.gamma_measured),  # informative; not read back
         }
 
     @classmethod
@@ -137,7 +137,7 @@ def _reject_constant(literal: str) -> float:
     raise json.JSONDecodeError(f"{literal} is not a finite number", literal, 0)
 
 
-def _finite_or_none(v: float) -> float | None:
+def finite_or_none(v: float) -> float | None:
     return v if math.isfinite(v) else None
 
 
@@ -207,9 +207,9 @@ class FitResult:
     def to_dict(self) -> dict[str, Any]:
         return {
             "model": self.model.to_dict(),
-            "r2": _finite_or_none(self.r2),
-            "mape": _finite_or_none(self.mape),
-            "median_ape": _finite_or_none(self.median_ape),
+            "r2": finite_or_none(self.r2),
+            "mape": finite_or_none(self.mape),
+            "median_ape": finite_or_none(self.median_ape),
             "n": self.n,
             "from_prior": list(self.from_prior),
             "notes": list(self.notes),

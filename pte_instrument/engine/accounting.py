@@ -38,7 +38,7 @@ import msgspec
 import numpy as np
 
 from pte_instrument.cost.model import CostModel
-from pte_instrument.cost.step_time import OnlineStepFit, StepTimeModel, theory
+from pte_instrument.cost.step_time import OnlineStepFit, StepTimeModel, finite_or_none, theory
 from pte_instrument.engine.accumulator import StepAccumulator
 from pte_instrument.engine.kernels import reference as ref
 from pte_instrument.engine.timing import TimeAttribution
@@ -585,8 +585,9 @@ class EngineAccounting:
             m.o,
             "online" if fitted else self.step_model_source,
             gamma_theory=self.cost_model.gamma,
-            r2=online.r2 if fitted else None,
-            mape=online.mape if fitted else None,
+            # undefined where the steps' times have no variance (JSON has no NaN)
+            r2=finite_or_none(online.r2) if fitted else None,
+            mape=finite_or_none(online.mape) if fitted else None,
             steps=online.steps_seen if online is not None else 0,
             speed=online.speed.ratio if online is not None else 1.0,
         )

@@ -457,3 +457,17 @@ def test_a_steps_time_starts_when_it_or_the_step_before_it_ended(scheduled, done
     ea._last_done = None
     ea.price(batch)
     assert ea.timing.busy_s == pytest.approx(union)
+
+
+def test_a_step_model_fitted_on_steps_of_one_duration_reports_its_r2_undefined():
+    """Every step took 1 ms: the online fit has no variance to explain. Its R² is reported as
+    unknown (None), never NaN, which the API server's JSON routes cannot encode."""
+    import msgspec
+
+    ea = EngineAccounting(COST, collect([]))
+    steps = [[("a", 10 + k, 1)] for k in range(300)]  # past the engine's first refit (256 steps)
+    ea.price(completed(steps, {"a": 10}))
+    c = ea.calibration()
+    assert c.source == "online" and c.r2 is None
+    json.dumps(msgspec.structs.asdict(c), allow_nan=False)
+    ea.close()
