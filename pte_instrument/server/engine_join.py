@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -70,6 +71,10 @@ class EngineInbox:
         self._finished: BoundedDict[str, _Pending] = BoundedDict(MAX_ENGINE_RESULTS)
         self._aborted: BoundedDict[str, _Pending] = BoundedDict(MAX_ENGINE_RESULTS)
         self._overflow = 0  # totals dropped past MAX_PER_ID
+        # The ids of the totals received, in order (the first ``_arrived_base`` dropped), so
+        # that each join looks up only the waiting requests whose totals came.
+        self._arrived: list[str] = []
+        self._arrived_base = 0
         self._lock = threading.Lock()
 
     @property
@@ -100,6 +105,7 @@ class EngineInbox:
                         self.freed_through[m.engine] = m.finished_at
                     self.live[m.engine] = m.engine_live
                     self.cost[m.engine] = (m.engine_steps, m.engine_hook_s)
+                    self._arrived.append(m.external_id)
                     store = self._aborted if m.finish_reason == "abort" else self._finished
                     pending = store.get(m.external_id) or _Pending()
                     pending.items.append((m, now))
@@ -107,7 +113,22 @@ class EngineInbox:
                         del pending.items[0]
                         self._overflow += 1
                     store.put(m.external_id, pending)  # never joined: bounded
+            if len(self._arrived) > 2 * MAX_ENGINE_RESULTS:  # keep the latest MAX_ENGINE_RESULTS
+                del self._arrived[:-MAX_ENGINE_RESULTS]
+                self._arrived_base = self.arrivals - MAX_ENGINE_RESULTS
         self.arrived.set()
+
+    @property
+    def arrivals(self) -> int:
+        """Totals received so far."""
+        return self._arrived_base + len(self._arrived)
+
+    def arrived_since(self, count: int) -> tuple[list[str] | None, int]:
+        """The ids of the totals received after the first ``count`` (None: some of them are
+        no longer remembered), and how many have been received."""
+        with self._lock:
+            start = count - self._arrived_base
+            return (self._arrived[start:] if start >= 0 else None), self.arrivals
 
     def take(self, keys: tuple[str, ...], output_tokens: int, finish_reason: str) -> RequestTotals | None:
         """The totals of a finished request known by one of ``keys``. Several totals under
@@ -195,12 +216,26 @@ def orphan_request(totals: RequestTotals, model: str) -> FinishedRequest:
     )
 
 
+class _Waiting:
+    """A finished request waiting for its engine's totals, seen finished at ``seen``
+    (monotonic) and ``seen_at`` (unix); ``done``: handed out (its queue drops it later)."""
+
+    __slots__ = ("done", "keys", "request", "seen", "seen_at")
+
+    def __init__(self, request: FinishedRequest, seen: float, seen_at: float) -> None:
+        self.request, self.seen, self.seen_at = request, seen, seen_at
+        self.keys: tuple[str, ...] = ()
+        self.done = False
+
+
 class RequestJoin:
     """Hands out each finished request once, with the engine's exact totals when a hook runs.
 
     ``keys(request_id)``: the spellings under which the middleware and the engine may know
     a request's id; ``tag(request)``: the request with its session tag. Thread-safe: vLLM's
-    output loop calls ``finished``, the pricer thread ``ready``."""
+    output loop calls ``finished``, the pricer thread ``ready``. A tick's work is in the new
+    requests, the totals that arrived and the requests it gives up, not in all those waiting:
+    while an engine lags, seconds of requests wait."""
 
     def __init__(
         self,
@@ -215,7 +250,11 @@ class RequestJoin:
         self.keys = keys
         self.tag = tag
         self.faults = faults
-        self.waiting: list[tuple[FinishedRequest, float, float]] = []  # with when seen: monotonic, unix
+        self._new: list[_Waiting] = []  # finished since the last tick
+        self._queues: dict[int, deque[_Waiting]] = {}  # per engine, in the order seen
+        self._by_key: dict[str, list[_Waiting]] = {}  # the waiting, under each of their keys
+        self._waiting = 0
+        self._arrivals = 0  # the inbox's totals this join has looked at
         # ids priced by one side whose other side may still come: count per id, one entry each
         self._priced_without_engine: BoundedDict[str, int] = BoundedDict(MAX_PRICED_ONCE)
         self._priced_from_engine: BoundedDict[str, int] = BoundedDict(MAX_PRICED_ONCE)
@@ -227,8 +266,13 @@ class RequestJoin:
         with self._lock:
             if _consume(self._priced_from_engine, request.request_id):
                 return False  # priced from its totals already (an abort vLLM reported after all)
-            self.waiting.append((request, now, time.time() if seen_at is None else seen_at))
+            self._new.append(_Waiting(request, now, time.time() if seen_at is None else seen_at))
             return True
+
+    def __len__(self) -> int:
+        """Requests waiting for their engine's totals."""
+        with self._lock:
+            return self._waiting + len(self._new)
 
     def ready(self, now: float) -> list[FinishedRequest]:
         """The finished requests to price now, joined with the engine hook's exact totals. The
@@ -238,29 +282,23 @@ class RequestJoin:
         turns so)."""
         with self._lock:
             ready: list[FinishedRequest] = []
-            waiting, self.waiting = self.waiting, []
-            for request, seen, seen_at in waiting:
-                try:
-                    keys = self.keys(request.request_id)
-                    totals = self.inbox.take(keys, request.output_tokens, request.finish_reason)
-                    if totals is not None:
-                        request = with_engine_totals(request, totals)
-                    elif self.inbox.hooks:
-                        missing = (
-                            self._gave_up(request, now - seen, seen_at)
-                            if request.engine in self.inbox.hooks
-                            else self._unreached(request)
-                        )
-                        if missing is None:
-                            self.waiting.append((request, seen, seen_at))
-                            continue
-                        self.faults.record("engine_join", missing)
-                        # its totals may still come (a busy host, a hook that reached us late):
-                        # they must not price it a second time
-                        _count(self._priced_without_engine, request.request_id)
-                except Exception as e:
-                    self.faults.record("engine_join", e)
-                ready.append(request)
+            arrived, self._arrivals = self.inbox.arrived_since(self._arrivals)
+            candidates = (
+                [w for queue in self._queues.values() for w in queue]
+                if arrived is None  # more arrived than the inbox remembers: every one
+                else [w for key in arrived for w in self._by_key.get(key, ())]
+            )
+            for w in candidates:
+                if not w.done:
+                    self._join(w, ready)
+            new, self._new = self._new, []
+            for w in new:
+                self._first_look(w, ready)
+            for queue in self._queues.values():
+                # the give-ups are a prefix: later requests have waited less, and their
+                # engine's later totals are needed to end their wait early
+                while queue and (queue[0].done or self._give_up(queue[0], now, ready)):
+                    queue.popleft()
             for totals in self.inbox.take_orphans(now):
                 try:
                     if _consume(self._priced_without_engine, totals.external_id):
@@ -274,6 +312,77 @@ class RequestJoin:
                     self.faults.record("engine_join", e)
             ready.sort(key=lambda r: r.arrived_at)
             return ready
+
+    def _first_look(self, w: _Waiting, ready: list[FinishedRequest]) -> None:
+        """A request just finished: with its totals, if they came first; priced at once when no
+        hook can send them; otherwise it waits."""
+        request = w.request
+        try:
+            w.keys = self.keys(request.request_id)
+        except Exception as e:
+            self.faults.record("engine_join", e)
+            w.done = True
+            ready.append(request)
+            return
+        self._queues.setdefault(request.engine, deque()).append(w)
+        for key in w.keys:
+            self._by_key.setdefault(key, []).append(w)
+        self._waiting += 1
+        if self._join(w, ready):
+            return
+        if not self.inbox.hooks:  # no hook at all: nothing to wait for
+            self._hand_out(w)
+            ready.append(request)
+        elif request.engine not in self.inbox.hooks:
+            self._hand_out(w)
+            self._without_totals(w, self._unreached(request), ready)
+
+    def _join(self, w: _Waiting, ready: list[FinishedRequest]) -> bool:
+        """Hand ``w`` out with its totals, if they have come."""
+        try:
+            r = w.request
+            totals = self.inbox.take(w.keys, r.output_tokens, r.finish_reason)
+            if totals is None:
+                return False
+            request = with_engine_totals(r, totals)
+        except Exception as e:
+            self.faults.record("engine_join", e)
+            request = w.request
+        self._hand_out(w)
+        ready.append(request)
+        return True
+
+    def _give_up(self, w: _Waiting, now: float, ready: list[FinishedRequest]) -> bool:
+        """Price ``w`` without its totals if ``_gave_up`` says so."""
+        try:
+            missing = self._gave_up(w.request, now - w.seen, w.seen_at)
+        except Exception as e:
+            missing = e
+        if missing is None:
+            return False
+        self._hand_out(w)
+        self._without_totals(w, missing, ready)
+        return True
+
+    def _without_totals(self, w: _Waiting, missing: Exception, ready: list[FinishedRequest]) -> None:
+        self.faults.record("engine_join", missing)
+        # its totals may still come (a busy host, a hook that reached us late): they must not
+        # price it a second time
+        _count(self._priced_without_engine, w.request.request_id)
+        ready.append(w.request)
+
+    def _hand_out(self, w: _Waiting) -> None:
+        """``w`` leaves the waiting requests (its queue drops it when it reaches the front)."""
+        if w.done:
+            return
+        w.done = True
+        self._waiting -= 1
+        for key in w.keys:
+            entries = self._by_key.get(key)
+            if entries is not None and w in entries:
+                entries.remove(w)
+                if not entries:
+                    del self._by_key[key]
 
     def _gave_up(self, request: FinishedRequest, waited: float, seen_at: float) -> Exception | None:
         """Why ``request``, seen finished ``waited`` s ago, is priced without its engine's

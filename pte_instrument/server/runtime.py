@@ -289,7 +289,7 @@ class Runtime:
             },
             "engine_hook": {
                 **self.inbox.summary(),
-                "requests_waiting": sum(len(j.waiting) for j in self.joins),
+                "requests_waiting": sum(len(j) for j in self.joins),
             },
             "request_log": None
             if self.request_log is None

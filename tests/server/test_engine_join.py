@@ -85,6 +85,7 @@ def test_parallel_sampling_children_are_priced_once_each_under_unique_ids():
         ("1_cmpl-x-0", 1, 5),
     ]
     assert all(r.engine_totals.output_tokens == r.output_tokens for r in priced)
+    assert len(join) == 0  # none waits
     priced.extend(join.ready(now + 10))  # nothing left over to price as an orphan
     assert len(priced) == 2 and len(inbox) == 0 and faults.counts["engine_join"] == 0
 
@@ -334,3 +335,37 @@ def test_after_its_engine_reported_a_fault_a_request_waits_the_least_only():
     assert len(priced) == 1
     priced.extend(join.ready(now=10.0 + ENGINE_JOIN_MAX_WAIT_S + 0.01))
     assert [r.request_id for r in priced][1:] == ["cmpl-g-0"] and faults.counts["engine_join"] == 2
+
+
+class CountingInbox(EngineInbox):
+    """An inbox that counts the join's lookups of totals."""
+
+    def __init__(self) -> None:
+        super().__init__(FaultTracker(), lambda stage, n: None)
+        self.takes = 0
+
+    def take(self, keys: tuple[str, ...], output_tokens: int, finish_reason: str) -> RequestTotals | None:
+        self.takes += 1
+        return super().take(keys, output_tokens, finish_reason)
+
+
+def test_a_tick_looks_up_only_the_requests_whose_totals_arrived():
+    """A lagging engine leaves seconds of requests waiting: a tick must not look each one up
+    again (at 1,000 requests a second that took half a core), only those new, and those whose
+    totals came since the last tick."""
+    inbox = CountingInbox()
+    inbox.on_messages([EngineHello(0)])
+    join = RequestJoin(inbox, "m", request_keys, lambda r: r, inbox.faults)
+    for i in range(1000):
+        join.finished(finished_request(f"chatcmpl-{i}", 4), now=0.0, seen_at=SEEN)
+    assert join.ready(now=0.0) == [] and inbox.takes == 1000  # each new request: once
+    for k in range(1, 50):  # ticks with nothing new: no lookup
+        assert join.ready(now=0.02 * k) == []
+    assert inbox.takes == 1000 and len(join) == 1000
+    inbox.on_messages([totals("chatcmpl-7", 4, finished_at=SEEN - 0.1)])
+    [joined] = join.ready(now=1.0)
+    assert joined.request_id == "chatcmpl-7" and joined.engine_totals is not None
+    assert inbox.takes <= 1002 and len(join) == 999
+    # the rest are given up together at the longest wait, without a lookup each
+    assert len(join.ready(now=ENGINE_JOIN_MAX_WAIT_S + 0.01)) == 999
+    assert inbox.takes <= 1002 and len(join) == 0 and inbox.faults.counts["engine_join"] == 999
