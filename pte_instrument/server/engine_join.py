@@ -1,8 +1,9 @@
 """Joining the engine hook's exact totals to the requests the stat logger sees finish.
 
 ``EngineInbox`` receives the hook's messages (on the transport's thread) and keeps each
-request's totals until its finish is reported; ``RequestJoin`` waits a little for totals
-that have not arrived yet, prices each request once, in the order the requests arrived,
+request's totals until its finish is reported; ``RequestJoin`` waits for totals that have
+not arrived yet (2 s, up to 8 s while their engine lags), prices each request once, in the
+order the requests arrived,
 and prices from the totals alone the requests vLLM never reports (a client that hung up,
 a request aborted while queued). The API server's pricer thread asks it for what is ready
 within ``TICK_S`` of its totals or its finish arriving."""

@@ -616,7 +616,7 @@ class RedisSessionLedger(SessionLedger):
             if adds or observed:
                 self._error(StoreError(f"session store {self.path}: a batch kept for its return ({e})"))
             return
-        self._live = live
+        self._set_live(live)
         for _, record, tail in adds:
             if tail is not None:
                 self._recent[record.session_id] = tail

@@ -114,6 +114,9 @@ class SessionLedger:
         self._overlay: dict[str, Tail] = {}  # this process's turns not yet committed
         self._overlay_lock = threading.Lock()
         self._live = self._count_live()
+        # Told the live count as each commit reads it (the writer's thread): the Prometheus
+        # gauge several API servers share keeps the value set last, so it must be the latest.
+        self.on_live: Callable[[int], None] | None = None
 
     def _open(self, path: str | Path | None, max_queued: int) -> Any:
         return Store(path, self._commit, self._error, self.server_id, max_queued)
@@ -329,11 +332,19 @@ class SessionLedger:
             self._lost(len(adds) + len(observed), e)
             self._settle(adds)
             return
-        self._live = batch.live
+        self._set_live(batch.live)
         for name in COUNTED:
             setattr(self.stats, name, getattr(self.stats, name) + getattr(batch.delta, name))
         self._settle(adds)
         self._notify(batch.closed)
+
+    def _set_live(self, live: int) -> None:
+        self._live = live
+        if self.on_live is not None:
+            try:
+                self.on_live(live)
+            except Exception as e:
+                self._error(e)
 
     def _lost(self, n: int, e: Exception) -> None:
         """A batch of ``n`` records the store did not take: counted, and said."""

@@ -366,6 +366,24 @@ def test_ledger_metrics_publish_state_and_count_drops_once(ledgers):
     assert (value("pte_sessions_live"), value("pte_sessions_opened_total")) == (2, 4)
 
 
+def test_live_sessions_are_published_by_each_commit_from_the_count_it_read(ledgers):
+    """Several API servers publish the gauge and the latest value set wins ("mostrecent"):
+    each must set it when its writer reads the store's count, not later from a count its
+    writer read a second before (a server that published 0 after another had published 2
+    left the gauge at 0)."""
+    from prometheus_client import CollectorRegistry
+
+    from pte_instrument.server.exporters.prometheus import LedgerMetrics, PteMetrics
+
+    registry = CollectorRegistry()
+    ledger = ledgers()
+    LedgerMetrics(PteMetrics(registry), ledger, PendingTags(capacity=4))
+    assert registry.get_sample_value("pte_sessions_live") == 0
+    turn(ledger, "a", 10, 1, 0, 1000.0)
+    assert ledger.flush()
+    assert registry.get_sample_value("pte_sessions_live") == 1  # no tick in between
+
+
 def test_records_the_store_lost_are_published_once(ledgers, monkeypatch):
     """A record the store did not take is a turn missing from the sessions a user reads: the
     count is a Prometheus counter, not only a fault line."""

@@ -150,8 +150,9 @@ class PteMetrics:
 
 
 class LedgerMetrics:
-    """Publishes the session ledger's state (live sessions, drop counts) when the pricer
-    calls ``sync()``: a few integer comparisons, so it runs at every tick."""
+    """Publishes the session ledger's state: its drop counts when the pricer calls ``sync()``
+    (a few integer comparisons, so it runs at every tick), and the live sessions as each of
+    its commits reads them."""
 
     def __init__(self, metrics: PteMetrics, sessions: SessionLedger, pending: PendingTags) -> None:
         self.m = metrics
@@ -159,6 +160,8 @@ class LedgerMetrics:
         self.pending = pending
         self._seen = (0, 0, 0, 0)
         self._lock = threading.Lock()  # the pricer's thread, and whoever ticks by hand
+        metrics.sessions_live.set(len(sessions))
+        sessions.on_live = metrics.sessions_live.set
 
     def sync(self) -> None:
         with self._lock:
@@ -177,7 +180,6 @@ class LedgerMetrics:
             if new > old:
                 counter.inc(new - old)
         self._seen = now
-        self.m.sessions_live.set(len(self.sessions))
 
 
 _metrics: weakref.WeakKeyDictionary[CollectorRegistry, PteMetrics] = weakref.WeakKeyDictionary()
