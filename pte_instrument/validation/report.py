@@ -179,7 +179,7 @@ def analyse_logs(
     )
 
     # --- cost model actually used by the plugin ---
-    gamma, hoi = (_median(finite(req[name])) for name in ("gamma", "hoi"))
+    gamma, hoi = (_median(_finite(req[name])) for name in ("gamma", "hoi"))
     cost_model: dict[str, Any] = {
         "gamma_logged": gamma,
         "hoi_logged": hoi,
@@ -409,7 +409,7 @@ def _median(x: np.ndarray) -> float:
     return float(np.median(x)) if x.size else math.nan
 
 
-def finite(x: np.ndarray) -> np.ndarray:
+def _finite(x: np.ndarray) -> np.ndarray:
     """The finite values of ``x`` (a column the log left out is all NaN)."""
     x = np.asarray(x, dtype=np.float64)
     return x[np.isfinite(x)]
