@@ -25,8 +25,8 @@ from pte_instrument.cost.step_time import (
     bootstrap_intervals,
     fit,
     memory_bound,
+    r_squared,
     score,
-    score_predictions,
     theory,
     weighted_ctx,
 )
@@ -386,6 +386,7 @@ def test_r2_of_steps_that_all_took_the_same_time_is_undefined():
     """Identical measured times have no variance to explain (their mean's rounding leaves
     ~1e-36, not 0): R² is undefined, not a number in the millions."""
     y = np.full(10, 0.01)
-    r2, mape, median_ape = score_predictions(y * (1 + 1e-9), y)
-    assert math.isnan(r2)
-    assert mape == pytest.approx(1e-9) and median_ape == pytest.approx(1e-9)
+    assert math.isnan(r_squared(y, y * (1 + 1e-9)))
+    varied = np.array([0.01, 0.02, 0.04])
+    assert r_squared(varied, varied) == 1.0
+    assert r_squared(varied, np.full(3, varied.mean())) == 0.0
