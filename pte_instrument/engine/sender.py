@@ -72,16 +72,13 @@ class EngineSender:
         counts = dict(self.faults.counts)
         new = {k: n - self._faults_sent.get(k, 0) for k, n in counts.items()}
         new = {k: n for k, n in new.items() if n > 0}
-        notices = []
         if new:
             by_server[0].append(EngineFaults(self.engine, new))
             for api_server in range(1, self.api_servers):
                 if api_server in by_server:
                     by_server[api_server].append(EngineFaults(self.engine, {}))
-                else:
-                    notices.append(api_server)
-        for api_server in notices:  # best effort: a notice dropped is not a fault of its own
-            self.sender.send([EngineFaults(self.engine, {})], api_server)
+                else:  # best effort: a notice dropped is not a fault of its own
+                    self.sender.send([EngineFaults(self.engine, {})], api_server)
         for api_server, batch in by_server.items():
             if self.sender.send(batch, api_server):
                 if api_server == 0:
