@@ -592,7 +592,7 @@ TABLE: tuple[Setting, ...] = (
         "process",
         choice("process", "inline"),
         accepted="`process`, `inline`",
-        help="where the engine hook prices its steps: `process`: in a pricing process of its own beside each engine core, which takes the completed steps from a 4 MiB shared-memory ring (in `/dev/shm`, else the temporary directory), woken by the pass (the engine thread keeps references to each step's lists and hands each pass to a thread of the engine process, which writes it as one message and one byte to the process's pipe while the engine thread waits for the model; an idle engine costs it no CPU); `inline`: on the engine thread, inside vLLM's scheduler calls (about a millisecond per pass). A pricing process that cannot start: one log line, counted in `pte_plugin_faults_total{stage=\"engine_setup\"}`, and `inline`",
+        help="where the engine hook prices its steps: `process`: in a pricing process of its own beside each engine core, which takes the completed steps from a 4 MiB shared-memory ring (in `/dev/shm`, else the temporary directory), woken by the pass (the engine thread keeps a reference to each step's scheduler output and hands each pass to a thread of the engine process, which reads the steps' rows and writes them as one message and one byte to the process's pipe while the engine thread waits for the model; an idle engine costs it no CPU); `inline`: on the engine thread, inside vLLM's scheduler calls (about a millisecond per pass). A pricing process that cannot start: one log line, counted in `pte_plugin_faults_total{stage=\"engine_setup\"}`, and `inline`",
         summary="where the engine hook prices its steps: `process` (its own process, off the engine thread) or `inline`",
     ),
     Setting(

@@ -2,10 +2,10 @@
 its own beside the engine core, so that the engine thread only keeps references to its
 steps and hands them over.
 
-At each pricing pass the hook gives ``PricingProcess`` its completed steps (``RawStep``:
-references to the scheduler outputs' lists) and the finished requests no running step still
-has, and returns. The engine process's shipping thread encodes them as one message (msgspec,
-in C) into a ring in shared memory (``engine.ring``) and wakes the pricing process with one
+At each pricing pass the hook gives ``PricingProcess`` its completed steps (references to the
+scheduler outputs, with the hook's clocks) and the finished requests no running step still
+has, and returns. The engine process's shipping thread reads the steps' rows
+(``RawStep``s), encodes them as one message (msgspec, in C) into a ring in shared memory (``engine.ring``) and wakes the pricing process with one
 byte on its stdin: after a model wait has cooled the caches that takes about a hundred µs,
 which the thread spends while the engine thread waits for the model with the GIL released,
 as vLLM's engine core encodes its outputs on a thread of its own. The pricing process sleeps
@@ -42,6 +42,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
@@ -98,22 +99,30 @@ class PricingDropped(RuntimeError):
     """A pricing pass the pricing process's queue had no room for."""
 
 
+class StepUnread(RuntimeError):
+    """A step the shipping thread could not read (``read_steps``): lost to the accounting."""
+
+
 class PricingProcess:
-    """The engine thread's end: ``on_finished``, ``price`` and ``flush`` as
-    ``EngineAccounting``'s, which it runs in the pricing process. ``ship_s``: the shipping
-    thread's CPU time so far."""
+    """The engine thread's end: ``on_finished``, ``price_raw`` and ``flush`` as
+    ``EngineAccounting``'s, which it runs in the pricing process. ``read_steps(steps, lost)``
+    turns the steps ``price_raw`` is given into ``RawStep``s on the shipping thread, calling
+    ``lost`` for each one it cannot read (None: they are ``RawStep``s). ``ship_s``: the
+    shipping thread's CPU time so far."""
 
     def __init__(
         self,
         config: PricingConfig,
         external_id: Callable[[str], tuple[str, int | None]],
+        read_steps: Callable[[list[Any], Callable[[Exception], None]], list[RawStep]] | None = None,
         start_timeout_s: float = START_TIMEOUT_S,
     ) -> None:
         self.backend = config.backend
         self.external_id = external_id
+        self._read_steps = read_steps
         self.finished: list[Finished] = []
         self.hook_s = 0.0
-        self._steps: list[RawStep] = []
+        self._steps: list[Any] = []
         self._prompts: dict[str, int] = {}
         self.ship_s = 0.0
         self._encoder = msgspec.msgpack.Encoder()
@@ -157,7 +166,7 @@ class PricingProcess:
     def on_finished(self, rid: str, reason: str, counts: Mapping[str, float]) -> None:
         self.finished.append(Finished.of(rid, reason, counts, self.external_id))
 
-    def price_raw(self, steps: list[RawStep], prompts: Mapping[str, int] | None = None) -> None:
+    def price_raw(self, steps: list[Any], prompts: Mapping[str, int] | None = None) -> None:
         """Kept until the ``flush`` that follows, which ships them."""
         self._steps += steps
         self._prompts.update(prompts or {})
@@ -165,7 +174,7 @@ class PricingProcess:
     def flush(self, hold: Callable[[str], bool] | None = None) -> None:
         """Hand the steps and the finished requests ``hold`` does not keep back to the
         shipping thread; raises ``PricingDropped`` for a pass it could not ship since the
-        last call."""
+        last call, or ``StepUnread`` for a step it could not read."""
         done, self.finished = split_held(self.finished, hold)
         steps, self._steps = self._steps, []
         prompts, self._prompts = self._prompts, {}
@@ -193,6 +202,8 @@ class PricingProcess:
             self.ship_s += time.thread_time() - t
 
     def _ship(self, batch: PricingBatch) -> None:
+        if self._read_steps is not None and batch.steps:
+            batch.steps = self._read_steps(batch.steps, self._step_unread)
         if self._ring.put(self._encoder.encode(batch)):
             # A full pipe holds unread wake-ups already; a closed one, a process that is gone
             # (its next pass finds the ring full and says so).
@@ -209,6 +220,11 @@ class PricingProcess:
                     else f"the pricing process exited ({code})"
                 )
             )
+
+    def _step_unread(self, e: Exception) -> None:
+        lost = StepUnread(f"a step could not be read and is lost to the accounting: {e!r}")
+        lost.__cause__ = e
+        self._ship_errors.append(lost)
 
     def close(self) -> None:
         """The last pass, then wait for the process to send what is left."""

@@ -5,8 +5,9 @@
 scheduling on (the GPU builds' default), it is vLLM's ``AsyncScheduler`` with the hook, and
 otherwise vLLM's ``Scheduler`` with the hook. It never changes ``async_scheduling``.
 
-Per step the hook keeps references to the scheduler output's lists and two clock readings;
-per request it reads only what a new request's first step and speculative drafts need. The
+Per step the hook keeps a reference to the scheduler output and two clock readings (it reads
+the output's rows when the step is priced, ``raw_steps``), and times its own work on one step
+in ``TIME_EVERY_STEPS``; per request it reads only what speculative drafts need. The
 completed steps are priced together every ``PRICE_EVERY_STEPS`` steps or
 ``PRICE_EVERY_ROWS`` rows, or ``PRICE_DELAY_S`` after a request finished, or at once when
 the engine runs out of requests: by default handed to the hook's pricing process
@@ -22,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -29,8 +31,8 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from pte_instrument import failpoints
 from pte_instrument.cost.step_time import StepTimeModel
-from pte_instrument.engine.accounting import EngineAccounting
-from pte_instrument.engine.pricing import PricingConfig, PricingProcess, step_log_off
+from pte_instrument.engine.accounting import EngineAccounting, RawStep
+from pte_instrument.engine.pricing import PricingConfig, PricingProcess, StepUnread, step_log_off
 from pte_instrument.engine.sender import EngineSender
 from pte_instrument.failpoints import failpoint
 from pte_instrument.faults import FaultTracker, install_log_handler, log
@@ -49,12 +51,44 @@ PRICE_EVERY_ROWS = 8192
 PRICE_DELAY_S = 0.04
 SCHEDULER_FLAG = "--scheduler-cls pte_instrument.vllm_adapter.scheduler.PteScheduler"
 
-# One step in flight or completed, a ``RawStep`` from the moment it is scheduled (a list: its
-# fields still change): [new requests (id, computed tokens, prompt length), the other
-# requests' ids, their computed tokens, tokens scheduled per request (the scheduler output's
-# own dict, which also tells its outputs apart), scheduled at, outputs back at, hook s, draft
-# tokens per request, rejected drafts per request, positions to take back per request]
-_NEW, _RIDS, _C, _COUNTS, _SCHEDULED, _DONE, _HOOK, _DRAFTS, _REJECTED, _BACK = range(10)
+# What the engine thread keeps of one step, from the moment it is scheduled (a list: its fields
+# still change): [the scheduler output, scheduled at, outputs back at, hook s (where timed),
+# draft tokens per request, rejected drafts per request, positions to take back per request].
+# The scheduler output is read only when the step is priced (``raw_steps``): by the pricing
+# process's shipping thread, or at the pricing pass when pricing inline.
+_OUT, _SCHEDULED, _DONE, _HOOK, _DRAFTS, _REJECTED, _BACK = range(7)
+# The hook's per-step time is timed on one step in this many (timing a step takes as many
+# clock readings as its work takes time) and counted that many times; passes are timed each.
+TIME_EVERY_STEPS = 64
+
+
+def raw_steps(steps: list[list[Any]], lost: Callable[[Exception], None]) -> list[RawStep]:
+    """The hook's steps as the accounting reads them: what each scheduler output says of its
+    rows, with the hook's clocks and drafts. A step it cannot read (a field of another vLLM
+    release) is left out, and ``lost`` told why."""
+    raw: list[RawStep] = []
+    for out, scheduled_at, done_at, hook_s, drafts, rejected, back in steps:
+        try:
+            new, cached = out.scheduled_new_reqs, out.scheduled_cached_reqs
+            raw.append(
+                (
+                    [(d.req_id, d.num_computed_tokens, compat.prompt_length(d)) for d in new]
+                    if new
+                    else None,
+                    cached.req_ids,
+                    cached.num_computed_tokens,
+                    out.num_scheduled_tokens,
+                    scheduled_at,
+                    done_at,
+                    hook_s,
+                    drafts,
+                    rejected,
+                    back,
+                )
+            )
+        except Exception as e:
+            lost(e)
+    return raw
 
 
 class _PteHook:
@@ -68,6 +102,7 @@ class _PteHook:
         self._pte_sender: EngineSender | None = None
         self._pte_clock = time.perf_counter
         self._pte_hook_s = 0.0  # the hook's own time on the engine thread (the accounting's at a pass)
+        self._pte_steps = 0  # outputs taken so far: which step is timed
         self._pte_inflight: deque[list[Any]] = deque()  # scheduled, outputs not back (in order)
         self._pte_done: list[list[Any]] = []  # outputs back, not priced yet: RawStep's fields
         self._pte_rows = 0  # their rows
@@ -114,6 +149,7 @@ class _PteHook:
                         api_servers=compat.api_server_count(cfg),
                     ),
                     compat.external_request_id,
+                    raw_steps,
                 )
             except Exception as e:
                 log.error("pte-instrument: %s; pricing on the engine thread", e)
@@ -177,6 +213,8 @@ class _PteHook:
 
     def _pte_fault(self, stage: str, e: Exception) -> None:
         """Counted, and reported now."""
+        if isinstance(e, StepUnread):  # read on the shipping thread, reported at a pass
+            stage = "step"
         if self._pte_sender is not None:
             self._pte_sender.fault(stage, e)
         else:
@@ -202,27 +240,9 @@ class _PteHook:
         if self._pte is not None:
             clock = self._pte_clock
             t = clock()
-            try:
-                new, cached = out.scheduled_new_reqs, out.scheduled_cached_reqs
-                self._pte_inflight.append(
-                    [
-                        [(d.req_id, d.num_computed_tokens, compat.prompt_length(d)) for d in new]
-                        if new
-                        else None,
-                        cached.req_ids,
-                        cached.num_computed_tokens,
-                        out.num_scheduled_tokens,
-                        t,
-                        0.0,
-                        0.0,
-                        None,
-                        None,
-                        None,
-                    ]
-                )
-            except Exception as e:  # this step is lost to the accounting
-                self._pte_fault("step", e)
-            self._pte_hook_s += clock() - t
+            self._pte_inflight.append([out, t, 0.0, 0.0, None, None, None])
+            if not (self._pte_steps + 1) % TIME_EVERY_STEPS:  # the step update_from_output times
+                self._pte_hook_s += TIME_EVERY_STEPS * (clock() - t)
         return out
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
@@ -235,35 +255,31 @@ class _PteHook:
         try:
             if failpoints.points:
                 failpoint("engine_step")
-            counts = scheduler_output.num_scheduled_tokens
             inflight = self._pte_inflight  # steps complete in order: the oldest, but for a fault
             step = (
                 inflight.popleft()
-                if inflight and inflight[0][_COUNTS] is counts
-                else self._pte_completed(counts)
+                if inflight and inflight[0][_OUT] is scheduler_output
+                else self._pte_completed(scheduler_output)
             )
-            spec = scheduler_output.scheduled_spec_decode_tokens
-            if spec and step is not None:  # what vLLM rolls back is what it rejected
-                step[_DRAFTS] = {rid: len(tokens) for rid, tokens in spec.items()}
-                requests = self.requests  # type: ignore[attr-defined]
-                drafts = [
-                    (rid, r, r.num_computed_tokens) for rid in spec if (r := requests.get(rid)) is not None
-                ]
+            if scheduler_output.scheduled_spec_decode_tokens and step is not None:
+                drafts = self._pte_drafts(step, scheduler_output.scheduled_spec_decode_tokens)
         except Exception as e:
             if step is not None:  # this step is lost to the accounting
                 self._pte_lost(step)
                 step = None
             self._pte_fault("step", e)
-        t1 = clock()
+        n = self._pte_steps = self._pte_steps + 1
+        timed = not n % TIME_EVERY_STEPS
+        t1 = clock() if timed else 0.0
         outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
-        t2 = clock()
+        t2 = clock() if timed else 0.0
+        pass_s, priced = 0.0, False
         try:
             if step is not None:
                 if drafts is not None:
                     self._pte_rejected(step, drafts)
-                if rows := len(counts):
+                if rows := len(scheduler_output.num_scheduled_tokens):
                     step[_DONE] = t0
-                    step[_HOOK] = (t1 - t0) + (clock() - t2)  # for its line in the step log
                     self._pte_done.append(step)
                     self._pte_rows += rows
             finished_at = self._pte_finished_at
@@ -272,13 +288,20 @@ class _PteHook:
                 or self._pte_rows >= PRICE_EVERY_ROWS
                 or (
                     finished_at is not None
-                    and (t2 - finished_at >= PRICE_DELAY_S or not self.get_num_unfinished_requests())  # type: ignore[attr-defined]
+                    and (t0 - finished_at >= PRICE_DELAY_S or not self.get_num_unfinished_requests())  # type: ignore[attr-defined]
                 )
             ):
+                t = clock()
                 self._pte_price()
+                pass_s, priced = clock() - t, True
+                self._pte_hook_s += pass_s
         except Exception as e:
             self._pte_fault("finish", e)
-        self._pte_hook_s += (t1 - t0) + (clock() - t2)
+        if timed:
+            step_s = TIME_EVERY_STEPS * ((t1 - t0) + (clock() - t2 - pass_s))
+            self._pte_hook_s += step_s
+            if step is not None and not priced:  # not handed over yet: for its line in the step log
+                step[_HOOK] = step_s
         return outputs
 
     def finish_requests(self, *args: Any, **kwargs: Any) -> Any:
@@ -323,13 +346,12 @@ class _PteHook:
 
     # --- the hook's own work ------------------------------------------------------------
 
-    def _pte_completed(self, counts: dict[str, int]) -> list[Any] | None:
-        """The in-flight step whose outputs these are (``counts``: its scheduler output's
-        tokens per request) when it is not the oldest: the steps scheduled before it never
-        completed, and are dropped."""
+    def _pte_completed(self, out: Any) -> list[Any] | None:
+        """The in-flight step whose outputs these are (``out``: its scheduler output) when it
+        is not the oldest: the steps scheduled before it never completed, and are dropped."""
         inflight = self._pte_inflight
         for k, step in enumerate(inflight):
-            if step[_COUNTS] is counts:
+            if step[_OUT] is out:
                 for _ in range(k):
                     self._pte_lost(inflight.popleft())
                 return inflight.popleft()
@@ -338,8 +360,15 @@ class _PteHook:
     def _pte_lost(self, step: list[Any]) -> None:
         """A step the accounting will not see: the prompt lengths of the requests it started,
         which later steps do not carry (the pricing process cannot ask the scheduler)."""
-        for rid, _, prompt in step[_NEW] or ():
-            self._pte_prompts[rid] = prompt
+        for d in step[_OUT].scheduled_new_reqs:
+            self._pte_prompts[d.req_id] = compat.prompt_length(d)
+
+    def _pte_drafts(self, step: list[Any], spec: dict[str, list[int]]) -> list[tuple[str, Any, int]]:
+        """The step's draft tokens per request, and the live requests' computed tokens before
+        vLLM takes its outputs (what it rolls back is what it rejected)."""
+        step[_DRAFTS] = {rid: len(tokens) for rid, tokens in spec.items()}
+        requests = self.requests  # type: ignore[attr-defined]
+        return [(rid, r, r.num_computed_tokens) for rid in spec if (r := requests.get(rid)) is not None]
 
     def _pte_rejected(self, step: list[Any], drafts: list[tuple[str, Any, int]]) -> None:
         """A step's drafts of requests still live: vLLM rolled each one's computed tokens back
@@ -352,7 +381,7 @@ class _PteHook:
             if k > 0:
                 rejected[rid] = k
                 for later in self._pte_inflight:
-                    if rid in later[_COUNTS]:
+                    if rid in later[_OUT].num_scheduled_tokens:
                         back = later[_BACK] = later[_BACK] or {}
                         back[rid] = back.get(rid, 0) + k
 
@@ -363,11 +392,15 @@ class _PteHook:
             return
         done, self._pte_done, self._pte_rows = self._pte_done, [], 0
         pte.hook_s = self._pte_hook_s
-        if done:
+        if done:  # the pricing process's shipping thread reads them, off the engine thread
+            if not isinstance(pte, PricingProcess):
+                done = raw_steps(done, lambda e: self._pte_fault("step", e))
             pte.price_raw(done, self._pte_prompts)
             self._pte_prompts = {}
         inflight = self._pte_inflight
-        pte.flush((lambda rid: any(rid in s[_COUNTS] for s in inflight)) if inflight else None)
+        pte.flush(
+            (lambda rid: any(rid in s[_OUT].num_scheduled_tokens for s in inflight)) if inflight else None
+        )
         if not pte.finished:
             self._pte_finished_at = None
 

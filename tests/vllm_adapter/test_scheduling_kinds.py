@@ -306,6 +306,40 @@ def test_each_steps_time_is_its_run_and_all_of_it_is_charged(asynchronous):
         assert sum(s.done_at - s.scheduled_at for s in d.steps) > busy * 1.2
 
 
+def test_the_hooks_own_time_counts_each_timed_step_as_many_times_as_it_stands_for(monkeypatch, tmp_path):
+    """A clock that moves 1 µs at each reading: one request of 300 steps, priced inline. One
+    step in ``TIME_EVERY_STEPS`` is timed and counted that many times (its ``schedule()``
+    part: 1 reading apart; its ``update_from_output()`` part: 1 before vLLM's call and 1
+    after); the pass when the request finished and the request's finish are timed each
+    (1 µs). The step log shows each timed step's count, and 0 on the others."""
+    import json
+
+    from pte_instrument.vllm_adapter.scheduler import TIME_EVERY_STEPS
+
+    log = tmp_path / "steps.jsonl"
+    monkeypatch.setenv("PTE_STEP_LOG", str(log))
+    case = {**STREAMS["mixed"], "stream": [Arrival("one", tuple(range(100, 200)), 300)]}
+    s = scheduler_for(PteScheduler, False, case)
+    sent: list = []
+    s._pte = s._pte_accounting(s.vllm_config, Settings.from_env(), 0, sent.extend)
+    readings = iter(range(10**9))
+    s._pte_clock = lambda: next(readings) * 1e-6
+    d = Driver(s, async_scheduling=False)
+    d.run(case["stream"])
+    hook_s = s._pte_hook_s
+    s.shutdown()
+    assert [bool(st.rows) for st in d.steps] == [True] * 300 + [False]  # then an empty one
+    assert TIME_EVERY_STEPS == 64  # steps 64, 128, 192, 256 timed
+    assert hook_s == pytest.approx(4 * 64 * (1 + 2) * 1e-6 + 2e-6, abs=1e-12)
+    assert sent[0].engine_hook_s == pytest.approx(hook_s - 1e-6, abs=1e-12)  # but the pass that sent it
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    per_step = [x["hook_s"] for x in lines if not x.get("header")]
+    assert len(per_step) == 300
+    assert {k + 1: h for k, h in enumerate(per_step) if h} == {
+        k: pytest.approx(64 * 2e-6, abs=1e-12) for k in (64, 128, 192, 256)
+    }
+
+
 def test_the_documented_class_becomes_vllms_async_scheduler_only_under_async_scheduling(caplog):
     sync = build_scheduler(PteScheduler, MODEL, async_scheduling=False, num_blocks=64)
     asyn = build_scheduler(PteScheduler, MODEL, async_scheduling=True, num_blocks=64)
@@ -344,12 +378,19 @@ def test_a_lost_step_is_counted_and_the_rest_stays_exact(monkeypatch, asynchrono
     assert d.s._pte.live == 0
 
 
+@pytest.mark.parametrize("pricing", ["inline", "process"])
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
-def test_a_fault_while_schedule_records_its_step_never_reaches_vllm(monkeypatch, asynchronous):
-    """What the hook reads of a scheduler output it reads inside vLLM's ``schedule()``: a
-    fault there (a field of another vLLM release) loses that step, counted, and the
-    engine schedules on."""
+def test_a_step_that_cannot_be_read_is_lost_alone_and_counted(monkeypatch, tmp_path, asynchronous, pricing):
+    """The hook reads a scheduler output's rows when its step is priced, outside vLLM's
+    calls (in the pricing process's shipping thread, or at the pass when inline): a fault
+    there (a field of another vLLM release) loses that step, counted as a step fault, not
+    the others of its pass; every request is still sent and the engine schedules on."""
+    import queue
+    import uuid
+
+    from pte_instrument.transport import Receiver, address_for
     from pte_instrument.vllm_adapter import compat
+    from pte_instrument.wire import RequestTotals
 
     prompt_length, calls = compat.prompt_length, []
 
@@ -360,10 +401,34 @@ def test_a_fault_while_schedule_records_its_step_never_reaches_vllm(monkeypatch,
         return prompt_length(data)
 
     monkeypatch.setattr(compat, "prompt_length", fails_once)
-    d, sent = drive(PteScheduler, asynchronous, STREAMS["mixed"])
+    case = STREAMS["mixed"]
+    if pricing == "inline":
+        d, sent = drive(PteScheduler, asynchronous, case)
+    else:
+        base = f"ipc://{tmp_path}/pte-{uuid.uuid4().hex[:6]}"
+        monkeypatch.setenv("PTE_ENGINE_TRANSPORT", base)
+        inbox: queue.Queue = queue.Queue()
+        receiver = Receiver(address_for(base, 0), inbox.put)
+        d = Driver(scheduler_for(PteScheduler, asynchronous, case), async_scheduling=asynchronous)
+        d.run(case["stream"])
+        sent = []
+
+        def every_request_sent() -> bool:
+            while not inbox.empty():
+                sent.extend(m for m in inbox.get() if isinstance(m, RequestTotals))
+            return len(sent) >= len(d.arrivals)
+
+        assert wait(every_request_sent, timeout_s=10, interval_s=0.05)
+        d.s.shutdown()
+        assert receiver.errors == 0
     assert dict(d.s._pte_faults.counts) == {"engine_step": 1}
     assert sorted(m.request_id for m in sent) == sorted(d.arrivals)
-    assert d.s._pte.live == 0
+    # the first step is the one lost: every request it did not run is exact
+    lost = {row.rid for row in d.steps[0].rows}
+    got, full = hook_totals(sent), independent_totals(d)
+    assert calls[0] in lost and set(full) - lost
+    assert {r: t for r, t in got.items() if r not in lost} == {r: t for r, t in full.items() if r not in lost}
+    assert all(got[r]["prefill"] < full[r]["prefill"] for r in lost if r in got)
 
 
 def test_a_fault_reaches_the_api_server_without_waiting_for_more_traffic(monkeypatch, tmp_path):
