@@ -4,8 +4,9 @@ accumulator and reports each finished request once, through a transport.
 
 The hook does almost nothing per step: the adapter keeps a reference to each step's
 scheduler output and two clock readings, and reads the output's lists (a ``RawStep``) only
-when the step is priced; those become rows (``CompletedSteps``) then — every ``PRICE_EVERY_STEPS`` steps (or rows), or soon after a request finished
-(docs/cost-model.md §5c), in the hook's pricing process or on the engine thread. ``price``
+when the step is priced, as rows (``CompletedSteps``) — every ``PRICE_EVERY_STEPS`` steps
+(or rows), or soon after a request finished (docs/cost-model.md §5c), in the hook's pricing
+process or on the engine thread. ``price``
 then processes all of them in one vectorized pass: one accumulator update over the rows of
 every step, the roofline attribution, the split of each step's measured time and the
 step-log lines. At these sizes a numpy call costs about the same whatever its size, and far

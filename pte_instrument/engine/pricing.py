@@ -4,11 +4,12 @@ steps and hands them over.
 
 At each pricing pass the hook gives ``PricingProcess`` its completed steps (references to the
 scheduler outputs, with the hook's clocks) and the finished requests no running step still
-has, and returns. The engine process's shipping thread reads the steps' rows
-(``RawStep``s), encodes them as one message (msgspec, in C) into a ring in shared memory (``engine.ring``) and wakes the pricing process with one
-byte on its stdin: after a model wait has cooled the caches that takes about a hundred µs,
-which the thread spends while the engine thread waits for the model with the GIL released,
-as vLLM's engine core encodes its outputs on a thread of its own. The pricing process sleeps
+has, and returns. The engine process's shipping thread reads the steps' rows (``RawStep``s),
+encodes them as one message (msgspec, in C) into a ring in shared memory (``engine.ring``)
+and wakes the pricing process with one byte on its stdin: after a model wait has cooled the
+caches that takes about a hundred µs, which the thread spends while the engine thread waits
+for the model with the GIL released, as vLLM's engine core encodes its outputs on a thread of
+its own. The pricing process sleeps
 until woken (an idle engine costs it no CPU; woken, it never preempts the engine thread:
 SCHED_BATCH), prices the steps, writes the step log, fits the step-time model and sends each
 finished request's totals to its API server, as the hook would: the same code, off the

@@ -104,7 +104,7 @@ class _PteHook:
         self._pte_hook_s = 0.0  # the hook's own time on the engine thread (the accounting's at a pass)
         self._pte_steps = 0  # outputs taken so far: which step is timed
         self._pte_inflight: deque[list[Any]] = deque()  # scheduled, outputs not back (in order)
-        self._pte_done: list[list[Any]] = []  # outputs back, not priced yet: RawStep's fields
+        self._pte_done: list[list[Any]] = []  # outputs back, not priced yet
         self._pte_rows = 0  # their rows
         self._pte_finished_at: float | None = None  # the earliest finish not sent yet
         self._pte_prompts: dict[str, int] = {}  # prompt lengths from steps lost to the accounting
