@@ -65,6 +65,10 @@ IDLE_LOOK_S = 1.0
 # the shipping thread waits for the GIL at most a switch interval (5 ms) while the engine thread
 # holds it, and ships a pass in about 100 µs, so more than a few wait only if it is gone.
 MAX_HANDED_OVER = 64
+# Steps the shipping thread reads between releases of the GIL: a Python thread that never
+# releases it holds an engine thread back from its model wait for up to the switch interval
+# (5 ms); reading a step whose output has gone cold takes a few µs.
+READ_CHUNK_STEPS = 32
 
 
 @dataclass(frozen=True)
@@ -204,7 +208,7 @@ class PricingProcess:
 
     def _ship(self, batch: PricingBatch) -> None:
         if self._read_steps is not None and batch.steps:
-            batch.steps = self._read_steps(batch.steps, self._step_unread)
+            batch.steps = self._read(batch.steps)
         if self._ring.put(self._encoder.encode(batch)):
             # A full pipe holds unread wake-ups already; a closed one, a process that is gone
             # (its next pass finds the ring full and says so).
@@ -221,6 +225,15 @@ class PricingProcess:
                     else f"the pricing process exited ({code})"
                 )
             )
+
+    def _read(self, steps: list[Any]) -> list[RawStep]:
+        assert self._read_steps is not None
+        read: list[RawStep] = []
+        for k in range(0, len(steps), READ_CHUNK_STEPS):
+            if k:
+                time.sleep(0)  # the GIL to an engine thread back from its model wait
+            read += self._read_steps(steps[k : k + READ_CHUNK_STEPS], self._step_unread)
+        return read
 
     def _step_unread(self, e: Exception) -> None:
         lost = StepUnread(f"a step could not be read and is lost to the accounting: {e!r}")

@@ -17,10 +17,12 @@ import pytest
 
 from pte_instrument.engine.pricing import (
     MAX_HANDED_OVER,
+    READ_CHUNK_STEPS,
     RING_BYTES,
     PricingConfig,
     PricingDropped,
     PricingProcess,
+    StepUnread,
 )
 from pte_instrument.transport import Receiver, address_for
 from pte_instrument.wire import EngineCalibration, EngineFaults, EngineHello, RequestTotals
@@ -99,6 +101,54 @@ def test_what_the_engine_ships_is_priced_and_sent_to_the_api_server(api_server):
     assert (totals.request_id, totals.external_id, totals.engine) == ("a", "A", 3)
     assert (totals.prefill, totals.decode_tokens, totals.ctx) == (10, 2, (21.0,))
     assert totals.engine_hook_s == 0.25 and totals.engine_steps == 2
+
+
+def test_the_shipping_thread_reads_a_pass_in_chunks_and_loses_only_the_steps_it_cannot_read(
+    api_server, monkeypatch
+):
+    """``read_steps`` runs on the shipping thread, ``READ_CHUNK_STEPS`` steps at a time with
+    the GIL released between chunks (never a whole long pass in one hold); a step it cannot
+    read is reported at the next flush as ``StepUnread`` and the others are priced."""
+    base, inbox = api_server
+    chunks, sleeps, threads = [], [], set()
+    real_sleep = time.sleep
+
+    def sleep(seconds: float) -> None:
+        if threading.current_thread().name == "pte-pricing-shipper":
+            sleeps.append(seconds)
+        real_sleep(seconds)
+
+    monkeypatch.setattr(time, "sleep", sleep)
+
+    def read_steps(steps, lost):
+        threads.add(threading.current_thread().name)
+        chunks.append(len(steps))
+        out = []
+        for s in steps:
+            if s == "bad":
+                lost(AttributeError("num_scheduled_tokens"))
+            else:  # 0: a's 10-token prompt; k: its k-th decode step
+                out.append(step(running=[("a", 9 + s, 1)], t=0.002 * s) if s else step(new=[("a", 10, 10)]))
+        return out
+
+    config = PricingConfig(COST, engine=3, transport=base, api_servers=1, calibrate_online=False)
+    pricing = PricingProcess(config, lambda rid: (rid.upper(), None), read_steps)
+    try:
+        n = 2 * READ_CHUNK_STEPS + 5
+        pricing.price_raw([0])
+        pricing.flush()
+        pricing.price_raw([*range(1, n + 1), "bad"])  # a's decode steps 1..n, then one unreadable
+        pricing.on_finished("a", "stop", COUNTS)
+        pricing.flush()
+        got = messages(inbox, lambda m: any(isinstance(x, RequestTotals) for x in m))
+        with pytest.raises(StepUnread, match="num_scheduled_tokens"):
+            pricing.flush()
+    finally:
+        pricing.close()
+    assert threads == {"pte-pricing-shipper"}
+    assert chunks == [1, READ_CHUNK_STEPS, READ_CHUNK_STEPS, 6] and sleeps == [0, 0]
+    (totals,) = [m for m in got if isinstance(m, RequestTotals)]
+    assert (totals.prefill, totals.decode_tokens) == (10, 1 + n)
 
 
 def test_a_request_a_running_step_still_has_waits_for_that_step(api_server):
