@@ -49,6 +49,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
     requests_path = Path(args.request_log)
     steps_path = Path(args.step_log) if args.step_log else None
     for path in (requests_path, steps_path):
+        if path is not None and path.is_dir():
+            raise UsageError(f"a directory, not a log: {path}")
         if path is not None and not path.is_file():
             raise UsageError(f"no such file: {path}")
     problems: Counter[str] = Counter()

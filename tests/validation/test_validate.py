@@ -102,10 +102,12 @@ def _ids_alone(requests: Path) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize("what", ["missing", "empty", "not gzip", "torn gzip"])
+@pytest.mark.parametrize("what", ["missing", "directory", "empty", "not gzip", "torn gzip"])
 def test_a_log_that_cannot_be_validated_is_one_line_and_exit_2(tmp_path, capsys, what):
     path = tmp_path / ("requests.jsonl.gz" if "gzip" in what else "requests.jsonl")
-    if what == "empty":
+    if what == "directory":
+        path.mkdir()
+    elif what == "empty":
         path.write_text('{"request_id": "a", "finish_reason": "stop"}\nnot json\n')
     elif what == "not gzip":
         path.write_text("plain text under a .gz name\n")
@@ -114,6 +116,10 @@ def test_a_log_that_cannot_be_validated_is_one_line_and_exit_2(tmp_path, capsys,
     assert main(["validate", str(path), "--out", str(tmp_path / "out")]) == EXIT_BAD_INPUT
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("pte validate: error: ")
+    if what in ("missing", "directory"):  # says which it is
+        assert err[0].endswith(
+            f"{'a directory, not a log' if what == 'directory' else 'no such file'}: {path}"
+        )
     assert not (tmp_path / "out").exists()
 
 
