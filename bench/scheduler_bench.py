@@ -20,7 +20,9 @@ difference of the same step of the same stream, on the mean (what throughput pay
 median, with 95% bootstrap intervals —, their ratio, the hook's own account (``hook_s``
 per step) beside the measured mean, the CPU time per step of the thread that ships the hook's
 passes to its pricing process (in the engine process, while the engine thread waits for the
-model) and of the pricing process (another core's: neither is in vLLM's step).
+model) and of the pricing process (another core's: neither is in vLLM's step), and, paired,
+how much later the engine thread came back from the model wait after a step with the hook
+than after the same step without (where the shipping thread's hold of the GIL would show).
 
 Writes bench/results/scheduler-overhead-<hostname>-<YYYY-MM-DD>.json and prints a table.
 
@@ -74,6 +76,11 @@ class Case:
     hook_s_us: float  # the hook's own account per step, on the engine thread
     shipping_cpu_us: float  # the engine process's shipping thread, in the model wait
     pricing_cpu_us: float | None  # the pricing process's CPU time per step, on another core
+    # paired: how much later the engine thread came back from the model wait after the step
+    # with the hook than after the same step without (the shipping thread's hold of the GIL
+    # shows here, not in the step; None without a model wait)
+    wake_late_us: float | None
+    wake_late_ci: tuple[float, float] | None
     finished_per_step: float
 
 
@@ -85,6 +92,8 @@ class PairedRun:
     shipping_s: float  # per measured step: the shipping thread's CPU time
     pricing_s: float | None  # per measured step: the pricing process's CPU time
     finished: float  # finished requests per step
+    late_theirs_s: np.ndarray  # per measured step: how late the model wait after it ended
+    late_ours_s: np.ndarray
 
 
 def paired_run(
@@ -133,6 +142,7 @@ def paired_run(
         return arrivals[k]
 
     admitted = [0, 0]
+    late: list[list[float]] = [[], []]
     hooked = drivers[1].s
     hook = getattr(hooked, "_pte", None)
     pid = getattr(hook, "pid", None)  # the pricing process
@@ -151,7 +161,9 @@ def paired_run(
                 admitted[j] += 1
             d.step()
             if model_s:
+                t = time.perf_counter()
                 time.sleep(model_s)
+                late[j].append(time.perf_counter() - t - model_s)
     if admitted[0] != admitted[1] or len(drivers[0].schedule_s) != len(drivers[1].schedule_s):
         raise RuntimeError("the two schedulers ran different streams: the hook changed the scheduling")
     hook_s = getattr(hooked, "_pte_hook_s", 0.0) - hook_start
@@ -162,8 +174,9 @@ def paired_run(
     for d in drivers:
         d.s.shutdown()
     gc.unfreeze()
+    late_s = [np.array(x[-steps:] if x else []) for x in late]
     return PairedRun(
-        *per_step, hook_s / steps, ship_s / steps, pricing_s, (admitted[1] - finished_start) / steps
+        *per_step, hook_s / steps, ship_s / steps, pricing_s, (admitted[1] - finished_start) / steps, *late_s
     )
 
 
@@ -204,6 +217,7 @@ def measure(
     added = o - t  # the same step of the same stream
     rng = np.random.default_rng(seed)
     pricing = [r.pricing_s for r in runs]
+    late = np.concatenate([r.late_ours_s - r.late_theirs_s for r in runs])
     us = 1e6
     return Case(
         batch=batch,
@@ -219,6 +233,8 @@ def measure(
         hook_s_us=us * float(np.mean([r.hook_s for r in runs])),
         shipping_cpu_us=us * float(np.mean([r.shipping_s for r in runs])),
         pricing_cpu_us=None if None in pricing else us * float(np.mean(pricing)),
+        wake_late_us=us * float(late.mean()) if len(late) else None,
+        wake_late_ci=tuple(us * v for v in interval(late, np.mean, rng)) if len(late) else None,
         finished_per_step=float(np.mean([r.finished for r in runs])),
     )
 
@@ -306,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
             "hook_s µs",
             "shipping CPU µs",
             "pricing CPU µs",
+            "wake late µs [95%]",
             "finished/step",
         ],
         [
@@ -319,6 +336,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{c.hook_s_us:.2f}",
                 f"{c.shipping_cpu_us:.1f}",
                 "—" if c.pricing_cpu_us is None else f"{c.pricing_cpu_us:.1f}",
+                "—"
+                if c.wake_late_us is None or c.wake_late_ci is None
+                else f"{c.wake_late_us:.1f} [{c.wake_late_ci[0]:.1f}, {c.wake_late_ci[1]:.1f}]",
                 f"{c.finished_per_step:.2f}",
             ]
             for c in cases

@@ -31,7 +31,7 @@ def test_the_scheduler_bench_writes_one_case_per_kind_with_provenance(tmp_path):
         "--steps",
         "1200",
         "--model-ms",
-        "0",
+        "0.5",
         "--out",
         str(out),
     ]
@@ -53,5 +53,7 @@ def test_the_scheduler_bench_writes_one_case_per_kind_with_provenance(tmp_path):
         assert c["ratio"] == pytest.approx(c["added_mean_us"] / c["vllm_us"])
         assert 0 < c["finished_per_step"] < 1  # requests finish, and a new one takes each place
         assert c["pricing_cpu_us"] > 0 and c["shipping_cpu_us"] > 0  # shipped, then priced
+        lo, hi = c["wake_late_ci"]  # the model waits were timed, each after both classes' step
+        assert lo <= c["wake_late_us"] <= hi and math.isfinite(c["wake_late_us"])
     assert data["messages_received"] > 0  # the hook's totals went over its transport
     assert f"written: {out}" in run.stdout
