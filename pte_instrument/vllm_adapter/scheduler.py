@@ -213,8 +213,6 @@ class _PteHook:
 
     def _pte_fault(self, stage: str, e: Exception) -> None:
         """Counted, and reported now."""
-        if isinstance(e, StepUnread):  # read on the shipping thread, reported at a pass
-            stage = "step"
         if self._pte_sender is not None:
             self._pte_sender.fault(stage, e)
         else:
@@ -398,9 +396,12 @@ class _PteHook:
             pte.price_raw(done, self._pte_prompts)
             self._pte_prompts = {}
         inflight = self._pte_inflight
-        pte.flush(
-            (lambda rid: any(rid in s[_OUT].num_scheduled_tokens for s in inflight)) if inflight else None
-        )
+        try:
+            pte.flush(
+                (lambda rid: any(rid in s[_OUT].num_scheduled_tokens for s in inflight)) if inflight else None
+            )
+        except StepUnread as e:  # a step of an earlier pass, lost on the shipping thread
+            self._pte_fault("step", e)
         if not pte.finished:
             self._pte_finished_at = None
 
