@@ -17,7 +17,8 @@ before the stream is frozen, as vLLM's engine core freezes its own. Per step, ti
 nowhere else in these streams). Reported per batch size and
 kind: vLLM's µs per step (its own class), the hook's added µs per step — the paired
 difference of the same step of the same stream, on the mean (what throughput pays) and the
-median, with 95% bootstrap intervals —, their ratio, the hook's own account (``hook_s``
+median, with 95% bootstrap intervals that resample the runs and then the steps of each —,
+each run's added mean, their ratio, the hook's own account (``hook_s``
 per step) beside the measured mean, the CPU time per step of the thread that ships the hook's
 passes to its pricing process (in the engine process, while the engine thread waits for the
 model) and of the pricing process (another core's: neither is in vLLM's step), and, paired,
@@ -26,7 +27,11 @@ than after the same step without (where the shipping thread's hold of the GIL wo
 
 Writes bench/results/scheduler-overhead-<hostname>-<YYYY-MM-DD>.json and prints a table.
 
-    python -m bench.scheduler_bench [--sizes 1 8 64 256 1024] [--repeats 3] [--model-ms 2] [--out F]
+Runs differ by more than their steps do: each builds its schedulers afresh (another heap,
+another placement in the caches), and at batch 1 one run's added mean may sit µs from the
+next's. Small batches, whose runs are short, therefore run more of them.
+
+    python -m bench.scheduler_bench [--sizes 1 8 64 256 1024] [--repeats N] [--model-ms 2] [--out F]
 """
 
 from __future__ import annotations
@@ -56,8 +61,9 @@ from bench.provenance import (
 
 SIZES = [1, 8, 64, 256, 1024]
 # measured steps (after warm-up) per batch size: about the same wall time for each
-STEPS = {1: 6000, 8: 3000, 64: 1200, 256: 500, 1024: 160}
+STEPS = {1: 3000, 8: 3000, 64: 1200, 256: 500, 1024: 160}
 WARMUP = {1: 300, 8: 300, 64: 200, 256: 120, 1024: 80}
+REPEATS = {1: 8, 8: 6, 64: 3, 256: 3, 1024: 3}  # paired runs per case
 N_BOOT = 2000
 
 
@@ -65,11 +71,13 @@ N_BOOT = 2000
 class Case:
     batch: int
     kind: str  # "sync" or "async"
-    steps: int  # measured steps per run, × repeats
+    steps: int  # measured steps per run, × runs
+    runs: int
     vllm_us: float  # vLLM's own schedule + update_from_output per step (mean)
     vllm_median_us: float
     added_mean_us: float  # paired: the same step with the hook minus without
     added_mean_ci: tuple[float, float]
+    added_mean_per_run_us: list[float]
     added_median_us: float
     added_median_ci: tuple[float, float]
     ratio: float  # added mean / vLLM mean
@@ -191,50 +199,65 @@ def process_cpu_s(pid: int | None) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def interval(x: np.ndarray, stat: Any, rng: np.random.Generator) -> tuple[float, float]:
-    idx = rng.integers(0, len(x), size=(N_BOOT, len(x)))
-    values = stat(x[idx], axis=1)
+def interval(runs: list[np.ndarray], stat: Any, rng: np.random.Generator) -> tuple[float, float]:
+    """95% bootstrap interval of ``stat`` over the runs' steps pooled: each resample draws
+    as many runs as there are, with replacement, then each drawn run's steps, so that the
+    spread between runs is in the interval as well as the spread between steps."""
+    values = np.empty(N_BOOT)
+    for b in range(N_BOOT):
+        drawn = [runs[i] for i in rng.integers(0, len(runs), size=len(runs))]
+        values[b] = stat(np.concatenate([x[rng.integers(0, len(x), size=len(x))] for x in drawn]))
     lo, hi = np.percentile(values, [2.5, 97.5])
     return float(lo), float(hi)
 
 
 def measure(
-    batch: int, asynchronous: bool, repeats: int, seed: int, model_s: float, steps: int | None = None
+    batch: int,
+    asynchronous: bool,
+    repeats: int | None,
+    seed: int,
+    model_s: float,
+    steps: int | None = None,
 ) -> Case:
-    """``steps``: measured steps per run (None: ``STEPS`` of the batch size)."""
+    """``repeats``, ``steps``: paired runs, and measured steps in each (None: ``REPEATS``,
+    ``STEPS`` of the batch size)."""
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from pte_instrument.vllm_adapter.scheduler import PteScheduler
 
     theirs_cls = AsyncScheduler if asynchronous else Scheduler
-    steps, warmup = steps or STEPS[batch], WARMUP[batch]
+    steps, warmup, repeats = steps or STEPS[batch], WARMUP[batch], repeats or REPEATS[batch]
     runs = [
         paired_run(theirs_cls, PteScheduler, asynchronous, batch, steps, warmup, seed + r, model_s)
         for r in range(repeats)
     ]
-    t, o = np.concatenate([r.theirs_s for r in runs]), np.concatenate([r.ours_s for r in runs])
-    added = o - t  # the same step of the same stream
+    t = np.concatenate([r.theirs_s for r in runs])
+    per_run = [r.ours_s - r.theirs_s for r in runs]  # the same step of the same stream
+    added = np.concatenate(per_run)
     rng = np.random.default_rng(seed)
     pricing = [r.pricing_s for r in runs]
-    late = np.concatenate([r.late_ours_s - r.late_theirs_s for r in runs])
+    late_per_run = [r.late_ours_s - r.late_theirs_s for r in runs]
+    late = np.concatenate(late_per_run)
     us = 1e6
     return Case(
         batch=batch,
         kind="async" if asynchronous else "sync",
         steps=len(t),
+        runs=len(runs),
         vllm_us=us * float(t.mean()),
         vllm_median_us=us * float(np.median(t)),
         added_mean_us=us * float(added.mean()),
-        added_mean_ci=tuple(us * v for v in interval(added, np.mean, rng)),
+        added_mean_ci=tuple(us * v for v in interval(per_run, np.mean, rng)),
+        added_mean_per_run_us=[us * float(x.mean()) for x in per_run],
         added_median_us=us * float(np.median(added)),
-        added_median_ci=tuple(us * v for v in interval(added, np.median, rng)),
+        added_median_ci=tuple(us * v for v in interval(per_run, np.median, rng)),
         ratio=float(added.mean() / t.mean()),
         hook_s_us=us * float(np.mean([r.hook_s for r in runs])),
         shipping_cpu_us=us * float(np.mean([r.shipping_s for r in runs])),
         pricing_cpu_us=None if None in pricing else us * float(np.mean(pricing)),
         wake_late_us=us * float(late.mean()) if len(late) else None,
-        wake_late_ci=tuple(us * v for v in interval(late, np.mean, rng)) if len(late) else None,
+        wake_late_ci=tuple(us * v for v in interval(late_per_run, np.mean, rng)) if len(late) else None,
         finished_per_step=float(np.mean([r.finished for r in runs])),
     )
 
@@ -273,7 +296,9 @@ def _receive(address: str, stop: Any, count: Any) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = bench_parser("bench.scheduler_bench", __doc__)
     parser.add_argument("--sizes", type=int, nargs="+", default=SIZES, choices=SIZES)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="paired runs per case (default: by batch size, 3–8)"
+    )
     parser.add_argument("--kinds", nargs="+", default=["sync", "async"], choices=["sync", "async"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -310,13 +335,15 @@ def main(argv: list[str] | None = None) -> int:
     report["messages_received"] = receiver.stop()
     report["load_avg_1m_end"] = load_avg_1m()
     path = write_results(report, "scheduler-overhead", args.out)
-    print(header_line(report, f"{args.repeats} paired runs per case, model {args.model_ms:g} ms per step"))
+    print(header_line(report, f"model {args.model_ms:g} ms per step"))
     print_table(
         [
             "kind",
             "batch",
+            "runs",
             "vLLM µs/step",
             "added mean µs [95%]",
+            "run means µs",
             "added median µs [95%]",
             "ratio",
             "hook_s µs",
@@ -329,8 +356,10 @@ def main(argv: list[str] | None = None) -> int:
             [
                 c.kind,
                 c.batch,
+                c.runs,
                 f"{c.vllm_us:.1f}",
                 f"{c.added_mean_us:.2f} [{c.added_mean_ci[0]:.2f}, {c.added_mean_ci[1]:.2f}]",
+                f"{min(c.added_mean_per_run_us):.1f} to {max(c.added_mean_per_run_us):.1f}",
                 f"{c.added_median_us:.2f} [{c.added_median_ci[0]:.2f}, {c.added_median_ci[1]:.2f}]",
                 f"{100 * c.ratio:.1f}%",
                 f"{c.hook_s_us:.2f}",

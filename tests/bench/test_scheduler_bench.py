@@ -9,15 +9,29 @@ import math
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
+from bench.scheduler_bench import interval
 from tests.conftest import ROOT
 
-pytestmark = pytest.mark.skipif(
+needs_model = pytest.mark.skipif(
     not (ROOT / "models" / "tiny" / "config.json").exists(), reason="needs the tiny model (make test)"
 )
 
 
+def test_the_interval_takes_in_the_spread_between_runs():
+    """Two runs that agree within themselves and differ from each other: a quarter of the
+    resamples draw the first run twice (mean 0), a quarter the second (mean 10), so the
+    interval reaches both; resampling the pooled steps alone would give about [4.3, 5.7]."""
+    lo, hi = interval([np.zeros(100), np.full(100, 10.0)], np.mean, np.random.default_rng(0))
+    assert (lo, hi) == (0.0, 10.0)
+    one = np.arange(200, dtype=float)  # one run: the steps' bootstrap
+    lo, hi = interval([one], np.mean, np.random.default_rng(0))
+    assert 99.5 - 20 < lo < 99.5 < hi < 99.5 + 20
+
+
+@needs_model
 def test_the_scheduler_bench_writes_one_case_per_kind_with_provenance(tmp_path):
     out = tmp_path / "scheduler.json"
     args = [
@@ -47,7 +61,8 @@ def test_the_scheduler_bench_writes_one_case_per_kind_with_provenance(tmp_path):
     assert data["benchmark"] == "scheduler_overhead" and data["git_commit"] and data["machine"]["cpu_count"]
     assert [(c["kind"], c["batch"]) for c in data["cases"]] == [("sync", 1), ("async", 1)]
     for c in data["cases"]:
-        assert c["steps"] == 1200 and c["vllm_us"] > 0 and c["hook_s_us"] > 0
+        assert c["steps"] == 1200 and c["runs"] == 1 and c["vllm_us"] > 0 and c["hook_s_us"] > 0
+        assert c["added_mean_per_run_us"] == [pytest.approx(c["added_mean_us"])]
         lo, hi = c["added_mean_ci"]
         assert lo <= c["added_mean_us"] <= hi and math.isfinite(c["ratio"])
         assert c["ratio"] == pytest.approx(c["added_mean_us"] / c["vllm_us"])
