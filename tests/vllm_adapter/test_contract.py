@@ -169,7 +169,7 @@ def adapter_class(module: str, name: str) -> dict[str, ast.FunctionDef | ast.Asy
             "scheduler",
             "_PteHook",
             "vllm.v1.core.sched.scheduler:Scheduler",
-            lambda n: n.startswith("_pte") or n == "__init__",
+            lambda n: n.startswith("_pte") or n in ("__init__", "__init_subclass__"),
         ),
         (
             "stat_logger",

@@ -359,6 +359,28 @@ def test_the_documented_class_becomes_vllms_async_scheduler_only_under_async_sch
     )
 
 
+def test_a_users_scheduler_under_the_hook_is_the_one_it_wraps():
+    """A user's class that puts a scheduler of its own between the hook and vLLM's: the hook
+    calls that scheduler's methods each step, as ``super()`` would, and prices what ran."""
+    calls = {"schedule": 0, "update": 0}
+
+    class Theirs(Scheduler):
+        def schedule(self, throttle_prefills: bool = False):
+            calls["schedule"] += 1
+            return super().schedule(throttle_prefills)
+
+        def update_from_output(self, scheduler_output, model_runner_output):
+            calls["update"] += 1
+            return super().update_from_output(scheduler_output, model_runner_output)
+
+    class Mine(PteScheduler, Theirs):
+        pass
+
+    d, sent = drive(Mine, False, STREAMS["mixed"])
+    assert calls["schedule"] == calls["update"] == len(d.steps) > 0
+    assert hook_totals(sent) == independent_totals(d) and not d.s._pte_faults.counts
+
+
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
 def test_a_lost_step_is_counted_and_the_rest_stays_exact(monkeypatch, asynchronous):
     """A fault while a step is recorded loses that step, never a step in flight beside it:
