@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {
         "benchmark": "scheduler_overhead",
         **provenance(),
-        "repeats": args.repeats,
+        "repeats": args.repeats or {b: REPEATS[b] for b in args.sizes},
         "seed": args.seed,
         "model_ms": args.model_ms,
     }
