@@ -18,7 +18,7 @@ nowhere else in these streams). Reported per batch size and
 kind: vLLM's µs per step (its own class), the hook's added µs per step — the paired
 difference of the same step of the same stream, on the mean (what throughput pays) and the
 median, with 95% bootstrap intervals that resample the runs and then the steps of each —,
-each run's added mean, their ratio, the hook's own account (``hook_s``
+each run's added mean, the added mean's ratio to vLLM's, the hook's own account (``hook_s``
 per step) beside the measured mean, the CPU time per step of the thread that ships the hook's
 passes to its pricing process (in the engine process, while the engine thread waits for the
 model) and of the pricing process (another core's: neither is in vLLM's step), and, paired,
