@@ -208,7 +208,7 @@ class PricingProcess:
 
     def _ship(self, batch: PricingBatch) -> None:
         if self._read_steps is not None and batch.steps:
-            batch.steps = self._read(batch.steps)
+            batch.steps = self._read(self._read_steps, batch.steps)
         if self._ring.put(self._encoder.encode(batch)):
             # A full pipe holds unread wake-ups already; a closed one, a process that is gone
             # (its next pass finds the ring full and says so).
@@ -226,13 +226,14 @@ class PricingProcess:
                 )
             )
 
-    def _read(self, steps: list[Any]) -> list[RawStep]:
-        assert self._read_steps is not None
+    def _read(
+        self, read_steps: Callable[[list[Any], Callable[[Exception], None]], list[RawStep]], steps: list[Any]
+    ) -> list[RawStep]:
         read: list[RawStep] = []
         for k in range(0, len(steps), READ_CHUNK_STEPS):
             if k:
                 time.sleep(0)  # the GIL to an engine thread back from its model wait
-            read += self._read_steps(steps[k : k + READ_CHUNK_STEPS], self._step_unread)
+            read += read_steps(steps[k : k + READ_CHUNK_STEPS], self._step_unread)
         return read
 
     def _step_unread(self, e: Exception) -> None:

@@ -116,10 +116,9 @@ def test_a_log_that_cannot_be_validated_is_one_line_and_exit_2(tmp_path, capsys,
     assert main(["validate", str(path), "--out", str(tmp_path / "out")]) == EXIT_BAD_INPUT
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("pte validate: error: ")
-    if what in ("missing", "directory"):  # says which it is
-        assert err[0].endswith(
-            f"{'a directory, not a log' if what == 'directory' else 'no such file'}: {path}"
-        )
+    said = {"missing": "no such file", "directory": "a directory, not a log"}
+    if what in said:  # says which it is
+        assert err[0].endswith(f"{said[what]}: {path}")
     assert not (tmp_path / "out").exists()
 
 
