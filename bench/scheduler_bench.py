@@ -152,13 +152,14 @@ def paired_run(
     admitted = [0, 0]
     late: list[list[float]] = [[], []]
     hooked = drivers[1].s
-    hook = getattr(hooked, "_pte", None)
+    state = getattr(hooked, "_pte_state", None)  # the hook's (none on vLLM's class)
+    hook = getattr(state, "pte", None)
     pid = getattr(hook, "pid", None)  # the pricing process
     hook_start = ship_start = finished_start = 0.0
     cpu_start: float | None = None
     for k in range(warmup + steps):
         if k == warmup:
-            hook_start = getattr(hooked, "_pte_hook_s", 0.0)
+            hook_start = getattr(state, "hook_s", 0.0)
             ship_start = getattr(hook, "ship_s", 0.0)
             finished_start = admitted[1]
             cpu_start = process_cpu_s(pid)
@@ -174,7 +175,7 @@ def paired_run(
                 late[j].append(time.perf_counter() - t - model_s)
     if admitted[0] != admitted[1] or len(drivers[0].schedule_s) != len(drivers[1].schedule_s):
         raise RuntimeError("the two schedulers ran different streams: the hook changed the scheduling")
-    hook_s = getattr(hooked, "_pte_hook_s", 0.0) - hook_start
+    hook_s = getattr(state, "hook_s", 0.0) - hook_start
     ship_s = getattr(hook, "ship_s", 0.0) - ship_start
     cpu_end = process_cpu_s(pid)
     pricing_s = (cpu_end - cpu_start) / steps if cpu_start is not None and cpu_end is not None else None

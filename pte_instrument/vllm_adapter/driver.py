@@ -152,8 +152,8 @@ class Driver:
         self.async_scheduling = async_scheduling
         self.num_spec = scheduler.num_spec_tokens
         self.clock = clock
-        if clock is not None and hasattr(scheduler, "_pte_clock"):
-            scheduler._pte_clock = clock
+        if clock is not None and hasattr(scheduler, "_pte_state"):
+            scheduler._pte_state.clock = clock
         algo = scheduler.vllm_config.cache_config.prefix_caching_hash_algo
         hash_fn = get_hash_fn_by_name(algo)
         init_none_hash(hash_fn)

@@ -24,6 +24,7 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -60,6 +61,24 @@ _OUT, _SCHEDULED, _DONE, _HOOK, _DRAFTS, _REJECTED, _BACK = range(7)
 # The hook's per-step time is timed on one step in this many (timing a step takes as many
 # clock readings as its work takes time) and counted that many times; passes are timed each.
 TIME_EVERY_STEPS = 64
+
+
+@dataclass(slots=True)
+class HookState:
+    """What the hook reads and writes on every step, in one small object. Once the model
+    wait has cooled the caches, a step's cost follows the distinct memory it touches more
+    than the instructions it runs; the scheduler's own hundred attributes would spread these
+    over its instance dict."""
+
+    pte: EngineAccounting | PricingProcess | None = None  # None: the hook is off
+    clock: Callable[[], float] = time.perf_counter
+    inflight: deque[list[Any]] = field(default_factory=deque)  # scheduled, outputs not back (in order)
+    done: list[list[Any]] = field(default_factory=list)  # outputs back, not priced yet
+    rows: int = 0  # their rows
+    countdown: int = TIME_EVERY_STEPS  # outputs to take until the one that is timed
+    failpoint: bool = False  # the ``engine_step`` failpoint is armed
+    finished_at: float | None = None  # the earliest finish not sent yet
+    hook_s: float = 0.0  # the hook's own time on the engine thread (the accounting's at a pass)
 
 
 def raw_steps(steps: list[list[Any]], lost: Callable[[Exception], None]) -> list[RawStep]:
@@ -108,20 +127,12 @@ class _PteHook:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         install_log_handler()
-        self._pte: EngineAccounting | PricingProcess | None = None
+        # The failpoint is read once: looking in another module's dict on every step costs
+        # about 2 µs at batch 1 (median, measured).
+        self._pte_state = HookState(failpoint="engine_step" in failpoints.points)
         self._pte_faults = FaultTracker()
         self._pte_sender: EngineSender | None = None
-        self._pte_clock = time.perf_counter
-        self._pte_hook_s = 0.0  # the hook's own time on the engine thread (the accounting's at a pass)
-        self._pte_steps = 0  # outputs taken so far: which step is timed
-        self._pte_inflight: deque[list[Any]] = deque()  # scheduled, outputs not back (in order)
-        self._pte_done: list[list[Any]] = []  # outputs back, not priced yet
-        self._pte_rows = 0  # their rows
-        self._pte_finished_at: float | None = None  # the earliest finish not sent yet
         self._pte_prompts: dict[str, int] = {}  # prompt lengths from steps lost to the accounting
-        # Read once: looking in another module's dict on every step costs about 2 µs at batch 1
-        # (median, measured), the model wait having cooled the caches it sits in.
-        self._pte_failpoint = "engine_step" in failpoints.points
         try:
             settings = Settings.from_env()
             cfg = self.vllm_config  # type: ignore[attr-defined]
@@ -135,8 +146,7 @@ class _PteHook:
                 return
             engine = compat.engine_index(cfg)
             self._pte_sender = EngineSender(Sender(address), engine, self._pte_faults)
-            self._pte = self._pte_pricing(cfg, settings, engine, address)
-            pte = self._pte
+            pte = self._pte_state.pte = self._pte_pricing(cfg, settings, engine, address)
             log.info(
                 "pte-instrument engine hook active (engine %d, %s scheduling, %s, totals to %s)",
                 engine,
@@ -220,8 +230,9 @@ class _PteHook:
         return request.num_prompt_tokens if request is not None else 0
 
     def _pte_send(self, totals: list[RequestTotals]) -> None:
+        pte = self._pte_state.pte
         if self._pte_sender is not None and not self._pte_sender.deliver(
-            totals, self._pte.calibration() if isinstance(self._pte, EngineAccounting) else None
+            totals, pte.calibration() if isinstance(pte, EngineAccounting) else None
         ):
             self._pte_switch_off_if_failing()
 
@@ -234,11 +245,12 @@ class _PteHook:
         self._pte_switch_off_if_failing()
 
     def _pte_switch_off_if_failing(self) -> None:
-        if sum(self._pte_faults.counts.values()) >= MAX_FAULTS and self._pte is not None:
+        state = self._pte_state
+        if sum(self._pte_faults.counts.values()) >= MAX_FAULTS and state.pte is not None:
             log.error("pte-instrument engine hook switched off after %d faults", MAX_FAULTS)
-            pte, self._pte = self._pte, None
-            self._pte_inflight.clear()
-            self._pte_done.clear()
+            pte, state.pte = state.pte, None
+            state.inflight.clear()
+            state.done.clear()
             if isinstance(pte, PricingProcess):
                 with contextlib.suppress(Exception):
                     pte.close()
@@ -249,55 +261,58 @@ class _PteHook:
     # the hook's own work per step (scripts/vllm_contract.py checks them against each release).
     def schedule(self, throttle_prefills: bool = False) -> Any:
         out = self._pte_vllm_schedule(throttle_prefills)
-        if self._pte is not None:
-            clock = self._pte_clock
+        state = self._pte_state
+        if state.pte is not None:
+            clock = state.clock
             t = clock()
-            self._pte_inflight.append([out, t, 0.0, 0.0, None, None, None])
-            if not (self._pte_steps + 1) % TIME_EVERY_STEPS:  # the step update_from_output times
-                self._pte_hook_s += TIME_EVERY_STEPS * (clock() - t)
+            state.inflight.append([out, t, 0.0, 0.0, None, None, None])
+            if state.countdown == 1:  # the step update_from_output times
+                state.hook_s += TIME_EVERY_STEPS * (clock() - t)
         return out
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
-        pte = self._pte
-        if pte is None:
+        state = self._pte_state
+        if state.pte is None:
             return self._pte_vllm_update(scheduler_output, model_runner_output)
-        clock = self._pte_clock
+        clock = state.clock
         t0 = clock()
         step, drafts = None, None
         try:
-            if self._pte_failpoint:
+            if state.failpoint:
                 failpoint("engine_step")
-            inflight = self._pte_inflight  # steps complete in order: the oldest, but for a fault
+            inflight = state.inflight  # steps complete in order: the oldest, but for a fault
             step = (
                 inflight.popleft()
                 if inflight and inflight[0][_OUT] is scheduler_output
                 else self._pte_completed(scheduler_output)
             )
-            if scheduler_output.scheduled_spec_decode_tokens and step is not None:
-                drafts = self._pte_drafts(step, scheduler_output.scheduled_spec_decode_tokens)
+            if step is not None:
+                if scheduler_output.scheduled_spec_decode_tokens:
+                    drafts = self._pte_drafts(step, scheduler_output.scheduled_spec_decode_tokens)
+                if rows := len(scheduler_output.num_scheduled_tokens):
+                    # Kept before vLLM takes the outputs, with the rest of the hook's memory
+                    # warm; its rejected drafts are added below, before it can be priced.
+                    step[_DONE] = t0
+                    state.rows += rows
+                    state.done.append(step)
         except Exception as e:
             if step is not None:  # this step is lost to the accounting
                 self._pte_lost(step)
-                step = None
+                step, drafts = None, None
             self._pte_fault("step", e)
-        n = self._pte_steps = self._pte_steps + 1
-        timed = not n % TIME_EVERY_STEPS
+        state.countdown -= 1
+        timed = not state.countdown
         t1 = clock() if timed else 0.0
         outputs = self._pte_vllm_update(scheduler_output, model_runner_output)
         t2 = clock() if timed else 0.0
         pass_s, priced = 0.0, False
         try:
-            if step is not None:
-                if drafts is not None:
-                    self._pte_rejected(step, drafts)
-                if rows := len(scheduler_output.num_scheduled_tokens):
-                    step[_DONE] = t0
-                    self._pte_done.append(step)
-                    self._pte_rows += rows
-            finished_at = self._pte_finished_at
+            if drafts is not None and step is not None:
+                self._pte_rejected(step, drafts)
+            finished_at = state.finished_at
             if (
-                len(self._pte_done) >= PRICE_EVERY_STEPS
-                or self._pte_rows >= PRICE_EVERY_ROWS
+                len(state.done) >= PRICE_EVERY_STEPS
+                or state.rows >= PRICE_EVERY_ROWS
                 or (
                     finished_at is not None
                     and (t0 - finished_at >= PRICE_DELAY_S or not self.get_num_unfinished_requests())  # type: ignore[attr-defined]
@@ -306,52 +321,56 @@ class _PteHook:
                 t = clock()
                 self._pte_price()
                 pass_s, priced = clock() - t, True
-                self._pte_hook_s += pass_s
+                state.hook_s += pass_s
         except Exception as e:
             self._pte_fault("finish", e)
         if timed:
+            state.countdown = TIME_EVERY_STEPS
             step_s = TIME_EVERY_STEPS * ((t1 - t0) + (clock() - t2 - pass_s))
-            self._pte_hook_s += step_s
+            state.hook_s += step_s
             if step is not None and not priced:  # not handed over yet: for its line in the step log
                 step[_HOOK] = step_s
         return outputs
 
     def finish_requests(self, *args: Any, **kwargs: Any) -> Any:
         result = super().finish_requests(*args, **kwargs)  # type: ignore[misc]
-        if self._pte is not None and self._pte_finished_at is not None:
-            t = self._pte_clock()
+        state = self._pte_state
+        if state.pte is not None and state.finished_at is not None:
+            t = state.clock()
             try:  # aborts arrive here, outside update_from_output; an idle engine steps no more
                 if not self.get_num_unfinished_requests():  # type: ignore[attr-defined]
                     self._pte_price()
             except Exception as e:
                 self._pte_fault("finish", e)
-            self._pte_hook_s += self._pte_clock() - t
+            state.hook_s += state.clock() - t
         return result
 
     def _free_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
-        if self._pte is not None:
-            t = self._pte_clock()
+        state = self._pte_state
+        if state.pte is not None:
+            t = state.clock()
             try:
                 reason = str(request.get_finished_reason())
-                self._pte.on_finished(request.request_id, reason, compat.finished_counts(request))
-                if self._pte_finished_at is None:
-                    self._pte_finished_at = t
+                state.pte.on_finished(request.request_id, reason, compat.finished_counts(request))
+                if state.finished_at is None:
+                    state.finished_at = t
             except Exception as e:
                 self._pte_fault("finish", e)
-            self._pte_hook_s += self._pte_clock() - t
+            state.hook_s += state.clock() - t
         return super()._free_request(request, *args, **kwargs)  # type: ignore[misc]
 
     def shutdown(self) -> None:
-        if self._pte is not None:
+        state = self._pte_state
+        if state.pte is not None:
             try:
-                self._pte_done += self._pte_inflight  # never to complete: as they are
-                self._pte_inflight.clear()
+                state.done += state.inflight  # never to complete: as they are
+                state.inflight.clear()
                 self._pte_price()
             except Exception as e:
                 self._pte_fault("finish", e)
-            if self._pte is not None:
-                self._pte.hook_s = self._pte_hook_s
-                self._pte.close()
+            if state.pte is not None:
+                state.pte.hook_s = state.hook_s
+                state.pte.close()
         if self._pte_sender is not None:
             self._pte_sender.close()
         super().shutdown()  # type: ignore[misc]
@@ -361,7 +380,7 @@ class _PteHook:
     def _pte_completed(self, out: Any) -> list[Any] | None:
         """The in-flight step whose outputs these are (``out``: its scheduler output) when it
         is not the oldest: the steps scheduled before it never completed, and are dropped."""
-        inflight = self._pte_inflight
+        inflight = self._pte_state.inflight
         for k, step in enumerate(inflight):
             if step[_OUT] is out:
                 for _ in range(k):
@@ -392,24 +411,25 @@ class _PteHook:
             k = before - request.num_computed_tokens
             if k > 0:
                 rejected[rid] = k
-                for later in self._pte_inflight:
+                for later in self._pte_state.inflight:
                     if rid in later[_OUT].num_scheduled_tokens:
                         back = later[_BACK] = later[_BACK] or {}
                         back[rid] = back.get(rid, 0) + k
 
     def _pte_price(self) -> None:
         """Price the completed steps, then send the finished requests no running step has."""
-        pte = self._pte
+        state = self._pte_state
+        pte = state.pte
         if pte is None:
             return
-        done, self._pte_done, self._pte_rows = self._pte_done, [], 0
-        pte.hook_s = self._pte_hook_s
+        done, state.done, state.rows = state.done, [], 0
+        pte.hook_s = state.hook_s
         if done:  # the pricing process's shipping thread reads them, off the engine thread
             if not isinstance(pte, PricingProcess):
                 done = raw_steps(done, lambda e: self._pte_fault("step", e))
             pte.price_raw(done, self._pte_prompts)
             self._pte_prompts = {}
-        inflight = self._pte_inflight
+        inflight = state.inflight
         try:
             pte.flush(
                 (lambda rid: any(rid in s[_OUT].num_scheduled_tokens for s in inflight)) if inflight else None
@@ -417,7 +437,7 @@ class _PteHook:
         except StepUnread as e:  # a step of an earlier pass, lost on the shipping thread
             self._pte_fault("step", e)
         if not pte.finished:
-            self._pte_finished_at = None
+            state.finished_at = None
 
 
 class PteScheduler(_PteHook, Scheduler):

@@ -83,7 +83,7 @@ def drive(kind: type, asynchronous: bool, case: dict, clock: StepClock | None = 
     s = scheduler_for(kind, asynchronous, case)
     sent: list = []
     if isinstance(s, PteScheduler):  # the hook's own accounting, totals into a list
-        s._pte = s._pte_accounting(s.vllm_config, Settings.from_env(), 0, sent.extend)
+        s._pte_state.pte = s._pte_accounting(s.vllm_config, Settings.from_env(), 0, sent.extend)
     d = Driver(s, async_scheduling=asynchronous, clock=clock)
     d.run(case["stream"])
     return d, sent
@@ -170,7 +170,7 @@ def test_the_hooks_totals_are_an_independent_count_of_what_ran(runs, name, async
     assert hook_totals(sent) == expected
     never = {m.request_id for m in sent if not m.scheduled}
     assert never == set(d.arrivals) - set(expected)
-    assert d.s._pte.live == 0 and d.s._pte.acc.in_use == 0
+    assert d.s._pte_state.pte.live == 0 and d.s._pte_state.pte.acc.in_use == 0
     if name == "preemption":
         assert sum(t["recompute"] for t in expected.values()) > 0
     if name == "speculative":
@@ -197,8 +197,8 @@ def test_the_pricing_process_sends_the_same_exact_totals(runs, name, asynchronou
     receiver = Receiver(address_for(base, 0), inbox.put)
     case = STREAMS[name]
     s = scheduler_for(PteScheduler, asynchronous, case)
-    assert isinstance(s._pte, PricingProcess)
-    pricing = s._pte._proc
+    assert isinstance(s._pte_state.pte, PricingProcess)
+    pricing = s._pte_state.pte._proc
     d = Driver(s, async_scheduling=asynchronous)
     d.run(case["stream"])
     s.shutdown()
@@ -248,7 +248,7 @@ def test_a_pricing_process_that_cannot_start_leaves_pricing_on_the_engine_thread
         s = build_scheduler(PteScheduler, MODEL, async_scheduling=False)
     finally:
         log.removeHandler(handler)
-    assert isinstance(s._pte, EngineAccounting)
+    assert isinstance(s._pte_state.pte, EngineAccounting)
     assert s._pte_faults.counts == {"engine_setup": 1}
     assert (
         "pte-instrument: the pricing process did not start within 60 s; pricing on the engine thread"
@@ -298,7 +298,7 @@ def test_each_steps_time_is_its_run_and_all_of_it_is_charged(asynchronous):
     clock = StepClock(run_s)
     d, sent = drive(PteScheduler, asynchronous, STREAMS["mixed"], clock)
     busy = sum(run_s(s.scheduled) for s in d.steps if any(r.n for r in s.rows))
-    timing = d.s._pte.timing
+    timing = d.s._pte_state.pte.timing
     assert timing.busy_s == pytest.approx(busy, rel=1e-9)
     charged = sum(m.gpu_prefill_s + m.gpu_kv_s + m.gpu_weights_s + m.gpu_overhead_s for m in sent)
     assert charged + timing.unattributed_s == pytest.approx(busy, rel=1e-9)
@@ -321,12 +321,12 @@ def test_the_hooks_own_time_counts_each_timed_step_as_many_times_as_it_stands_fo
     case = {**STREAMS["mixed"], "stream": [Arrival("one", tuple(range(100, 200)), 300)]}
     s = scheduler_for(PteScheduler, False, case)
     sent: list = []
-    s._pte = s._pte_accounting(s.vllm_config, Settings.from_env(), 0, sent.extend)
+    s._pte_state.pte = s._pte_accounting(s.vllm_config, Settings.from_env(), 0, sent.extend)
     readings = iter(range(10**9))
-    s._pte_clock = lambda: next(readings) * 1e-6
+    s._pte_state.clock = lambda: next(readings) * 1e-6
     d = Driver(s, async_scheduling=False)
     d.run(case["stream"])
-    hook_s = s._pte_hook_s
+    hook_s = s._pte_state.hook_s
     s.shutdown()
     assert [bool(st.rows) for st in d.steps] == [True] * 300 + [False]  # then an empty one
     assert TIME_EVERY_STEPS == 64  # steps 64, 128, 192, 256 timed
@@ -397,7 +397,7 @@ def test_a_lost_step_is_counted_and_the_rest_stays_exact(monkeypatch, asynchrono
     assert sum(t["prefill"] + t["decode"] for t in got.values()) < sum(
         t["prefill"] + t["decode"] for t in full.values()
     )
-    assert d.s._pte.live == 0
+    assert d.s._pte_state.pte.live == 0
 
 
 @pytest.mark.parametrize("pricing", ["inline", "process"])
@@ -478,7 +478,7 @@ def test_a_fault_reaches_the_api_server_without_waiting_for_more_traffic(monkeyp
         max_num_batched_tokens=256,
     )
     s._pte_sender = EngineSender(Sender(base), 0, s._pte_faults)
-    s._pte = s._pte_accounting(s.vllm_config, Settings.from_env(), 0, s._pte_send)
+    s._pte_state.pte = s._pte_accounting(s.vllm_config, Settings.from_env(), 0, s._pte_send)
     Driver(s, async_scheduling=False).run(case["stream"])
     lost = s._pte_faults.counts["engine_transport"]
     assert lost > 0
