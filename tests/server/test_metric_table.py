@@ -65,11 +65,12 @@ BY_TYPE_AND_LABELS: dict[tuple[str, tuple[str, ...]], tuple[str, ...]] = {
 GAUGE_MODES = {
     **dict.fromkeys(
         ("pte_gamma", "pte_hardware_operational_intensity_flops_per_byte", "pte_active_parameters",
-         "pte_kv_cache_bytes_per_token", "pte_engine_busy_seconds", "pte_gpu_seconds_unattributed",
+         "pte_kv_cache_bytes_per_token", "pte_gpu_seconds_unattributed",
          "pte_step_model_coefficient", "pte_gamma_measured", "pte_step_model_r2",
          "pte_step_model_mape_ratio", "pte_step_model_speed_ratio"),
         "mostrecent",
     ),
+    "pte_engine_busy_seconds": "max",  # only grows: the engine's latest report
     "pte_engine_estimate_gap_pte": "sum",  # a running sum that may go negative
     "pte_sessions_live": "mostrecent",  # every API server reads the host's one store
     "pte_exporter_enabled": "min",  # 0 when any API server has suspended the exporter
@@ -258,3 +259,35 @@ def test_cost_appears_only_once_a_request_is_priced():
         if line.startswith("pte_cost_usd_total")
     ]
     assert len(priced) == 1 and float(priced[0].rsplit(" ", 1)[1]) == pytest.approx(0.002)
+
+
+# One API-server process: publishes one engine report (busy s, attributed s) into the
+# multiprocess directory its environment names, as every API server of a vLLM with several does.
+_PUBLISH_ONE_REPORT = """
+import sys
+from prometheus_client import CollectorRegistry
+from pte_instrument.server.exporters.prometheus import PrometheusExporter, PteMetrics
+PrometheusExporter("m", 0, PteMetrics(CollectorRegistry())).publish_engine_time(
+    float(sys.argv[1]), float(sys.argv[2])
+)
+"""
+
+
+def test_engine_busy_time_never_goes_back_when_an_older_report_is_published_last(tmp_path):
+    """The engine sends its busy time with each request's totals to the API server that owns
+    the request; a server that publishes an older report after another published a newer one
+    must not take the gauge back (a busy time that drops reads as a reset to ``rate()``)."""
+    import os
+    import subprocess
+    import sys
+
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    for busy, attributed in ((2.0, 1.5), (1.0, 0.8)):  # the newer report is published first
+        subprocess.run(
+            [sys.executable, "-c", _PUBLISH_ONE_REPORT, str(busy), str(attributed)], env=env, check=True
+        )
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=str(tmp_path))
+    assert registry.get_sample_value("pte_engine_busy_seconds", {"model_name": "m", "engine": "0"}) == 2.0

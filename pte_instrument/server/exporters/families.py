@@ -162,8 +162,10 @@ FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("cost_usd", "pte_cost_usd", "counter",
                "Cost of finished requests in USD: GPU seconds × GPUs per engine × PTE_GPU_HOURLY_PRICE.",
                ATTRIBUTED),
+    # Only grows: the largest any API server published is the engine's latest report, whichever
+    # server published last (a report reaches only the server that owns its request).
     FamilySpec("engine_busy", "pte_engine_busy_seconds", "gauge",
-               "Σ measured step durations of the engine so far.", REQ, multiprocess_mode="mostrecent"),
+               "Σ measured step durations of the engine so far.", REQ, multiprocess_mode="max"),
     FamilySpec("busy_gap", "pte_gpu_seconds_unattributed", "gauge",
                "Engine busy time not (yet) charged to a finished request: in flight, or of requests that "
                "finished mid-step, as the engine reported it with its latest totals (to any API server).",
