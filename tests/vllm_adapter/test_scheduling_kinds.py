@@ -400,6 +400,48 @@ def test_a_lost_step_is_counted_and_the_rest_stays_exact(monkeypatch, asynchrono
     assert d.s._pte_state.pte.live == 0
 
 
+class FailingDriver(Driver):
+    """Fails one request inside vLLM's ``update_from_output`` of the given update, as vLLM
+    fails a request whose grammar did not compile: its ``finish_requests`` runs there."""
+
+    def __init__(self, *args, fail: tuple[int, str], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.fail = fail
+        self.updates = 0
+
+    def _update(self) -> None:
+        if self.updates == self.fail[0]:
+            self.s.grammar_compile_error_reqs.add(self.fail[1])
+        self.updates += 1
+        super()._update()
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_a_request_failed_inside_vllms_update_is_charged_its_last_step_as_it_ran(asynchronous):
+    """The last live request fails inside vLLM's update of a step in which some of its drafts
+    were rejected: the finish that vLLM makes there leaves no request unfinished, and the hook
+    must not price that step before it has read what vLLM rejected (nor send the request's
+    totals without it)."""
+    case = {**STREAMS["speculative"], "stream": [Arrival("x", tuple(range(100, 180)), 60)]}
+    plain = Driver(
+        scheduler_for(AsyncScheduler if asynchronous else Scheduler, asynchronous, case),
+        async_scheduling=asynchronous,
+    )
+    plain.run(case["stream"])
+    update = next(
+        k for k, st in enumerate(sorted(plain.steps, key=lambda st: st.delivered)) if st.rejected.get("x")
+    )
+    s = scheduler_for(PteScheduler, asynchronous, case)
+    sent: list = []
+    s._pte_state.pte = s._pte_accounting(s.vllm_config, Settings.from_env(), 0, sent.extend)
+    d = FailingDriver(s, async_scheduling=asynchronous, fail=(update, "x"))
+    d.run(case["stream"])
+    assert [m.finish_reason for m in sent] == ["error"]
+    assert not d.s._pte_faults.counts
+    assert hook_totals(sent) == independent_totals(d)
+    assert independent_totals(d)["x"]["rejected"] > 0
+
+
 @pytest.mark.parametrize("pricing", ["inline", "process"])
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
 def test_a_step_that_cannot_be_read_is_lost_alone_and_counted(monkeypatch, tmp_path, asynchronous, pricing):
