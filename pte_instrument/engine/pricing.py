@@ -104,6 +104,10 @@ class PricingDropped(RuntimeError):
     """A pricing pass the pricing process's queue had no room for."""
 
 
+# Reads the hook's steps into the accounting's rows; tells ``lost`` of a step it cannot read.
+ReadSteps = Callable[[list[Any], Callable[[Exception], None]], list[RawStep]]
+
+
 class StepUnread(RuntimeError):
     """A step the shipping thread could not read (``read_steps``): lost to the accounting."""
 
@@ -119,7 +123,7 @@ class PricingProcess:
         self,
         config: PricingConfig,
         external_id: Callable[[str], tuple[str, int | None]],
-        read_steps: Callable[[list[Any], Callable[[Exception], None]], list[RawStep]] | None = None,
+        read_steps: ReadSteps | None = None,
         start_timeout_s: float = START_TIMEOUT_S,
     ) -> None:
         self.backend = config.backend
@@ -226,9 +230,7 @@ class PricingProcess:
                 )
             )
 
-    def _read(
-        self, read_steps: Callable[[list[Any], Callable[[Exception], None]], list[RawStep]], steps: list[Any]
-    ) -> list[RawStep]:
+    def _read(self, read_steps: ReadSteps, steps: list[Any]) -> list[RawStep]:
         read: list[RawStep] = []
         for k in range(0, len(steps), READ_CHUNK_STEPS):
             if k:

@@ -5,10 +5,14 @@ exporter binds its label children once and still exposes a series only once it h
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import typing
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from pte_instrument.server.exporters.families import FAMILIES, FamilySpec
 from pte_instrument.server.exporters.prometheus import PrometheusExporter, PteMetrics
@@ -277,12 +281,6 @@ def test_engine_busy_time_never_goes_back_when_an_older_report_is_published_last
     """The engine sends its busy time with each request's totals to the API server that owns
     the request; a server that publishes an older report after another published a newer one
     must not take the gauge back (a busy time that drops reads as a reset to ``rate()``)."""
-    import os
-    import subprocess
-    import sys
-
-    from prometheus_client.multiprocess import MultiProcessCollector
-
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
     for busy, attributed in ((2.0, 1.5), (1.0, 0.8)):  # the newer report is published first
         subprocess.run(
