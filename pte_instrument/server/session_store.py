@@ -289,15 +289,16 @@ class BatchWriter:
                 next_expiry = time.monotonic() + _EXPIRE_EVERY_S
             items = [item for item in batch if item[0] not in ("expire", "flush", "stop", "beat")]
             self.commit(conn, items, expire)
-            for item in batch:
-                if item[0] == "flush":
-                    item[1].set()
-            if any(item[0] == "stop" for item in batch):
+            flushed = [item[1] for item in batch if item[0] == "flush"]
+            stop = any(item[0] == "stop" for item in batch)
+            # Let the committed batch go before saying so, and before waiting for the next:
+            # held, it is up to a batch of records kept alive between bursts and past a flush.
+            del first, batch, items
+            for done in flushed:
+                done.set()
+            if stop:
                 self._release(conn)
                 return
-            # Let the committed batch go before waiting for the next: held, it is up to a
-            # batch of records kept alive between bursts.
-            del first, batch, items
 
     def _error(self, e: Exception) -> None:
         with contextlib.suppress(Exception):  # the fault counter must not raise either

@@ -2,6 +2,7 @@
 
 import gc
 import multiprocessing
+import sys
 import threading
 import tracemalloc
 import weakref
@@ -18,6 +19,7 @@ from pte_instrument.cost.model import CostModel
 from pte_instrument.server.live_efficiency import LiveEfficiency
 from pte_instrument.server.records import FinishedRequest, price_request
 from pte_instrument.server.request_tags import PendingTags, RequestTag, validate_session_id
+from pte_instrument.server.session_store import BatchWriter
 from pte_instrument.server.sessions import SessionLedger, StoreError
 from pte_instrument.wire import RequestTotals
 from tests.cost.test_architecture import FIX
@@ -279,6 +281,44 @@ def test_hundred_thousand_session_ids_stay_bounded(ledgers):
     assert len(ledger) == cap and len(pending) == cap
     assert ledger.stats.sessions_evicted == 21_001 - cap and pending.dropped == 100_000 - cap
     assert (now - base) / 2**20 < 2, f"grew {(now - base) / 2**20:.2f} MiB"
+
+
+class _Record:
+    """A queued record that can be watched (``weakref``)."""
+
+
+class _HeldWriter(BatchWriter):
+    def _connection(self, conn):
+        return None
+
+
+def test_a_flush_returns_once_the_writer_holds_nothing_it_committed():
+    """What a flush waited for is let go before the flush returns: a writer that signalled
+    first and dropped its batch after kept a whole batch alive past the flush (on a busy
+    host, the bounded-memory measurement above read 2 MiB of records already committed)."""
+    release = threading.Event()
+    writer = _HeldWriter(lambda conn, items, expire: release.wait(), lambda e: None, "s", 10_000)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # the flushing thread takes the GIL back as soon as it can
+    try:
+        held = 0
+        for _ in range(30):
+            release.clear()
+            writer.put(("beat",))  # the writer takes it alone and waits in the commit
+            refs = []
+            for _ in range(1000):  # the next batch: the flush comes last in it
+                record = _Record()
+                refs.append(weakref.ref(record))
+                writer.put(("turn", record))
+                del record
+            threading.Timer(0.005, release.set).start()
+            assert writer.flush()
+            held += any(r() is not None for r in refs)
+    finally:
+        sys.setswitchinterval(interval)
+        release.set()
+        writer.stop_writer()
+    assert held == 0, f"{held} of 30 flushes returned with committed records still held"
 
 
 def test_a_full_write_queue_loses_records_counted(ledgers, monkeypatch):
