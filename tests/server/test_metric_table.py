@@ -289,3 +289,18 @@ def test_engine_busy_time_never_goes_back_when_an_older_report_is_published_last
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=str(tmp_path))
     assert registry.get_sample_value("pte_engine_busy_seconds", {"model_name": "m", "engine": "0"}) == 2.0
+
+
+def test_unattributed_time_is_the_newest_reports_when_an_older_one_is_published_last(tmp_path):
+    """Busy minus attributed time is not monotone, so it cannot merge as the largest: with
+    several API servers it must be the newest engine report's (the one with the most busy
+    time), not that of whichever server published last."""
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    for busy, attributed in ((2.0, 1.5), (1.0, 0.8)):  # the newer report is published first
+        subprocess.run(
+            [sys.executable, "-c", _PUBLISH_ONE_REPORT, str(busy), str(attributed)], env=env, check=True
+        )
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=str(tmp_path))
+    labels = {"model_name": "m", "engine": "0"}
+    assert registry.get_sample_value("pte_gpu_seconds_unattributed", labels) == 0.5

@@ -166,8 +166,8 @@ FAMILIES: tuple[FamilySpec, ...] = (
     # server published last (a report reaches only the server that owns its request).
     FamilySpec("engine_busy", "pte_engine_busy_seconds", "gauge",
                "Σ measured step durations of the engine so far.", REQ, multiprocess_mode="max"),
-    # Not monotone, so "mostrecent": with several API servers, an older report published last
-    # shows until the next report.
+    # Not monotone, so "mostrecent", stamped with the report's busy time (the newest report
+    # has the most), not with when an API server published it.
     FamilySpec("busy_gap", "pte_gpu_seconds_unattributed", "gauge",
                "Engine busy time not (yet) charged to a finished request: in flight, or of requests that "
                "finished mid-step, as the engine reported it with its latest totals (to any API server).",

@@ -353,7 +353,11 @@ class PrometheusExporter:
         as it reported them with its latest totals (to whichever API server)."""
         lab = self.labels
         self.m.engine_busy.labels(*lab).set(busy_s)
-        self.m.busy_gap.labels(*lab).set(busy_s - attributed_s)
+        # The gap merges across API server processes as "mostrecent", by the time each one
+        # last set it; the engine's newest report is the one with the most busy time, so that
+        # is its time (prometheus_client's Gauge.set would stamp the wall clock; a stamp of 0
+        # never wins the merge).
+        self.m.busy_gap.labels(*lab)._value.set(busy_s - attributed_s, timestamp=max(busy_s, 1e-9))
 
     def publish_calibration(self, c: EngineCalibration) -> None:
         m, lab = self.m, self.labels
