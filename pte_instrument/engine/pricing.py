@@ -17,9 +17,9 @@ engine thread and its GIL.
 
 Passes are shipped and read in the order they were handed over, so a request's steps are
 priced before its totals are read. A pass the ring has no room for (the pricing process is
-gone or far behind), or that finds ``MAX_HANDED_OVER`` passes still waiting for the shipping
-thread, is dropped and counted as a fault at the engine thread's next pass; the engine never
-waits. The pricing process ends when the hook shuts down, or when the engine process is gone
+far behind), shipped to a pricing process that has exited, or that finds ``MAX_HANDED_OVER``
+passes still waiting for the shipping thread, is dropped and counted as a fault at the engine
+thread's next pass; the engine never waits. The pricing process ends when the hook shuts down, or when the engine process is gone
 (its stdin closes); a SIGINT or SIGTERM to the server's process group does not end it before
 the engine's last pass.
 
@@ -213,12 +213,15 @@ class PricingProcess:
     def _ship(self, batch: PricingBatch) -> None:
         if self._read_steps is not None and batch.steps:
             batch.steps = self._read(self._read_steps, batch.steps)
-        if self._ring.put(self._encoder.encode(batch)):
-            # A full pipe holds unread wake-ups already; a closed one, a process that is gone
-            # (its next pass finds the ring full and says so).
-            with contextlib.suppress(BlockingIOError, BrokenPipeError):
+        put = self._ring.put(self._encoder.encode(batch))
+        if put:
+            try:
                 os.write(self._proc.stdin.fileno(), b"\0")  # type: ignore[union-attr]
-        else:
+            except BlockingIOError:  # a full pipe holds unread wake-ups already
+                pass
+            except BrokenPipeError:  # the process is gone, and with it what the ring holds
+                put = False
+        if not put:
             code = self._proc.poll()
             raise PricingDropped(
                 f"a pricing pass of {len(batch.steps)} steps and {len(batch.finished)} finished "
@@ -244,13 +247,15 @@ class PricingProcess:
         self._ship_errors.append(lost)
 
     def close(self) -> None:
-        """The last pass, then wait for the process to send what is left."""
+        """The last pass, then wait for the process to price what the ring holds and send it:
+        what went wrong on the shipping thread since the last ``flush`` is said, and costs
+        none of the passes behind it."""
         try:
             self._hand_over(PricingBatch([], {}, [], self.hook_s, last=True))
             self._hand_over(None)
             self._shipper.join(STOP_TIMEOUT_S)
-            if self._ship_errors:
-                raise self._ship_errors.popleft()
+            while self._ship_errors:
+                log.error("pte-instrument: %s", self._ship_errors.popleft())
             self._proc.wait(STOP_TIMEOUT_S)
         except Exception as e:  # shutting down: say it, end the process
             log.error("pte-instrument: the pricing process did not finish cleanly (%s)", e)

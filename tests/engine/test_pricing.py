@@ -220,6 +220,61 @@ def test_a_pass_with_no_room_is_dropped_and_said_the_engine_never_waits(api_serv
     pricing.close()
 
 
+def test_a_pricing_process_that_died_is_said_at_the_next_pass_not_when_the_ring_is_full(api_server):
+    """Its passes would fill the ring for thousands of requests first, each one's totals lost
+    unsaid while its API server waits for them."""
+    pricing = start(api_server[0])
+    pricing._proc.kill()
+    pricing._proc.wait()
+    said = []
+    try:
+        for i in range(20):  # a few hundred bytes each: the ring never fills
+            pricing.price_raw([step(new=[(f"r{i}", 10, 10)])])
+            pricing.on_finished(f"r{i}", "stop", COUNTS)
+            try:
+                pricing.flush()
+            except PricingDropped as e:
+                said.append(str(e))
+            wait(lambda: pricing._handed_over.qsize() == 0)
+    finally:
+        pricing.close()
+    assert said and "the pricing process exited (-9)" in said[0], said
+    assert len(said) >= 18  # each pass after it, at the engine's next
+
+
+def test_closing_prices_every_pass_in_the_ring_though_a_step_could_not_be_read(api_server):
+    """A step lost on the shipping thread is said; the passes the pricing process has not read
+    yet (it is behind) are still priced and sent before it ends, the shutdown's among them."""
+    base, inbox = api_server
+
+    def read_steps(steps, lost):
+        for s in steps:
+            if s == "unreadable":
+                lost(AttributeError("a field of another vLLM release"))
+        return [s for s in steps if s != "unreadable"]
+
+    config = PricingConfig(COST, engine=3, transport=base, api_servers=1, calibrate_online=False)
+    pricing = PricingProcess(config, lambda rid: (rid, None), read_steps)
+    messages(inbox, lambda m: any(isinstance(x, EngineHello) for x in m))
+    os.kill(pricing.pid, signal.SIGSTOP)  # behind: the passes wait in the ring
+    try:
+        for i in range(30):
+            pricing.price_raw([step(new=[(f"r{i}", 10, 10)])])
+            pricing.on_finished(f"r{i}", "stop", COUNTS)
+            pricing.flush()
+        pricing.price_raw(["unreadable"])  # the shutdown's pass
+        pricing.flush()
+        assert wait(lambda: pricing._ship_errors)  # read on the shipping thread: said at close
+    finally:
+        os.kill(pricing.pid, signal.SIGCONT)
+        pricing.close()
+    got = messages(inbox, lambda m: sum(isinstance(x, RequestTotals) for x in m) >= 30, timeout_s=5)
+    assert sorted(m.request_id for m in got if isinstance(m, RequestTotals)) == sorted(
+        f"r{i}" for i in range(30)
+    )
+    assert pricing._proc.returncode == 0
+
+
 def test_passes_the_shipping_thread_has_not_shipped_are_bounded(api_server):
     """A shipping thread that cannot keep up holds at most ``MAX_HANDED_OVER`` passes: the
     next one is dropped and said, and the engine thread never waits for it."""
