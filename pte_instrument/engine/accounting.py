@@ -26,6 +26,7 @@ pass derives each row's H from the state and the slot's earlier rows.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import time
 from collections import deque
@@ -42,6 +43,7 @@ from pte_instrument.cost.step_time import OnlineStepFit, StepTimeModel, finite_o
 from pte_instrument.engine.accumulator import StepAccumulator
 from pte_instrument.engine.kernels import reference as ref
 from pte_instrument.engine.timing import TimeAttribution
+from pte_instrument.faults import log
 from pte_instrument.wire import EngineCalibration, RequestTotals, StepLogHeader, StepLogLine, encode_step_log
 
 # Per-slot host state, one int64 array row each (slot-indexed, so a batch is vectorized).
@@ -180,6 +182,10 @@ def split_held(
     return done, waiting
 
 
+class StepLogFailed(RuntimeError):
+    """The step log could not be written (a full disk): it is off; the accounting goes on."""
+
+
 @dataclass
 class EngineAccounting:
     cost_model: CostModel
@@ -207,6 +213,7 @@ class EngineAccounting:
     # API server prices them
     attributed_s: float = field(default=0.0, init=False)
     step_log_error: OSError | None = field(default=None, init=False)  # why the step log is off
+    _step_log_failed: StepLogFailed | None = field(default=None, init=False)  # not said yet
 
     def __post_init__(self) -> None:
         # validate=False: the batches are built here, and the check would cost more than the step
@@ -443,7 +450,12 @@ class EngineAccounting:
             durations,
         )
         if self._log is not None:
-            self._log_steps(contrib, offsets, batch, first_step, step_tokens, memory, predicted, durations)
+            try:
+                self._log_steps(
+                    contrib, offsets, batch, first_step, step_tokens, memory, predicted, durations
+                )
+            except OSError as e:
+                self._step_log_off(e)
 
     def _log_steps(
         self,
@@ -500,7 +512,14 @@ class EngineAccounting:
     def flush(self, hold: Callable[[str], bool] | None = None) -> None:
         """Send the finished requests' totals (one read of their rows), free their slots;
         those for which ``hold`` is true (a step still running has them) wait. Price the
-        steps they ran first."""
+        steps they ran first. Then raises ``StepLogFailed`` if the step log could not be
+        written since the last call (it is off: said once)."""
+        self._send_finished(hold)
+        if (failed := self._step_log_failed) is not None:
+            self._step_log_failed = None
+            raise failed
+
+    def _send_finished(self, hold: Callable[[str], bool] | None) -> None:
         done, self.finished = split_held(self.finished, hold)
         if not done:
             return
@@ -567,11 +586,22 @@ class EngineAccounting:
         self.roofline[slots] = 0.0
         self.rejected_pte[slots] = 0.0
         self.acc.release(slots)
-        try:
-            if self._log is not None:  # a request's step lines are in the file when its totals leave
+        if self._log is not None:  # a request's step lines are in the file when its totals leave
+            try:
                 self._log.flush()
-        finally:
-            self.send(messages)  # a step log that fails loses no totals
+            except OSError as e:
+                self._step_log_off(e)
+        self.send(messages)
+
+    def _step_log_off(self, e: OSError) -> None:
+        """A step log that cannot be written (a full disk) goes off, and is said at the end of
+        the next ``flush``: once, and at no cost to the accounting."""
+        step_log, self._log = self._log, None
+        with contextlib.suppress(OSError):  # what it still buffers is lost with it
+            step_log.close()  # type: ignore[union-attr]
+        self._step_log_failed = StepLogFailed(
+            f"the step log {self.step_log!r} could not be written ({e}); the step log is off"
+        )
 
     def calibration(self) -> EngineCalibration:
         """The step-time model in use, for the API servers' metrics."""
@@ -598,6 +628,11 @@ class EngineAccounting:
         return self.acc.conservation()
 
     def close(self) -> None:
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+        """Closes the step log: lines it could not write are said, never raised (the engine is
+        shutting down)."""
+        step_log, self._log = self._log, None
+        if step_log is not None:
+            try:
+                step_log.close()
+            except OSError as e:
+                log.error("pte-instrument: the step log's last lines could not be written (%s)", e)

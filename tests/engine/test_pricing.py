@@ -275,6 +275,31 @@ def test_closing_prices_every_pass_in_the_ring_though_a_step_could_not_be_read(a
     assert pricing._proc.returncode == 0
 
 
+def test_a_step_log_on_a_full_disk_costs_the_pricing_process_none_of_its_totals(api_server):
+    """The step log's lines fail to reach the disk: said once, and the pricing process still
+    sends every total and ends cleanly."""
+    base, inbox = api_server
+    config = PricingConfig(
+        COST, engine=0, transport=base, api_servers=1, calibrate_online=False, step_log="/dev/full"
+    )  # engine 0's step log is the path itself, which opens; every write that reaches it fails
+    pricing = PricingProcess(config, lambda rid: (rid, None))
+    try:
+        for i in range(40):
+            pricing.price_raw([step(new=[(f"r{i}", 10, 10)])] * 50)
+            pricing.on_finished(f"r{i}", "stop", COUNTS)
+            pricing.flush()
+    finally:
+        pricing.close()
+    got = messages(inbox, lambda m: sum(isinstance(x, RequestTotals) for x in m) >= 40)
+    assert pricing._proc.returncode == 0
+    faults: dict[str, int] = {}
+    for m in got:
+        if isinstance(m, EngineFaults):  # each report: the faults since the one before
+            for stage, n in m.counts.items():
+                faults[stage] = faults.get(stage, 0) + n
+    assert faults == {"engine_finish": 1}
+
+
 def test_passes_the_shipping_thread_has_not_shipped_are_bounded(api_server):
     """A shipping thread that cannot keep up holds at most ``MAX_HANDED_OVER`` passes: the
     next one is dropped and said, and the engine thread never waits for it."""

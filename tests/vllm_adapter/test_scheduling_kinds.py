@@ -537,3 +537,14 @@ def test_a_fault_reaches_the_api_server_without_waiting_for_more_traffic(monkeyp
     assert wait(take, timeout_s=10), (reported, lost)
     s._pte_sender.close()
     assert receiver.errors == 0
+
+
+def test_a_step_log_on_a_full_disk_is_said_once_and_never_raised_into_vllm(monkeypatch):
+    """Its buffered lines fail to reach the disk mid-run and again at shutdown: the step log
+    goes off, said once, and the accounting and vLLM's own shutdown go on."""
+    monkeypatch.setenv("PTE_STEP_LOG", "/dev/full")  # opens; every write that reaches it fails
+    case = {**STREAMS["mixed"], "stream": mixed_stream(5, n=120)}
+    d, sent = drive(PteScheduler, False, case)
+    d.s.shutdown()
+    assert dict(d.s._pte_faults.counts) == {"engine_finish": 1}
+    assert hook_totals(sent) == independent_totals(d)
