@@ -204,6 +204,12 @@ CONTRACT: tuple[Item, ...] = (
         ),
     ),
     Item(
+        ("vllm.v1.outputs:ModelRunnerOutput",),
+        "class",
+        "scheduler.py _pte_drafts (the drafts the model rejected)",
+        fields=("req_id_to_index", "sampled_token_ids"),
+    ),
+    Item(
         ("vllm.v1.core.sched.output:NewRequestData",),
         "class",
         "scheduler.py _completed_steps, compat.py prompt_length",

@@ -118,7 +118,11 @@ class StepRecord:
     rows: list[Row]
     scheduled: int  # when schedule() returned it, on the driver's count of calls
     delivered: int = -1  # when update_from_output() took its outputs (-1: never), same count
-    rejected: dict[str, int] = field(default_factory=dict)  # drafts vLLM rolled back, per request
+    # per request live when its outputs came back: the drafts the model rejected, and what
+    # vLLM took back of its computed tokens for them (none for an output a preemption made stale)
+    rejected: dict[str, int] = field(default_factory=dict)
+    rolled_back: dict[str, int] = field(default_factory=dict)
+    sampled_rejected: dict[str, int] = field(default_factory=dict)  # the model's, for every row
     scheduled_at: float = 0.0  # the driver's clock
     done_at: float = 0.0
 
@@ -204,16 +208,18 @@ class Driver:
             row.n = out.num_scheduled_tokens[row.rid]
             row.drafts = len(spec.get(row.rid, ()))
         ids = list(out.num_scheduled_tokens)
-        sampled = []
+        sampled, rejected = [], {}
         for rid in ids:  # a prefill chunk samples nothing; a finished row's tokens are dropped by vLLM
             req = requests.get(rid)
             if req is None or req.is_prefill_chunk:
                 sampled.append([])
                 continue
             k, d = self.generated[rid], len(spec.get(rid, ()))
-            sampled.append([self.token(rid, k + i) for i in range(self.accepted(rid, k, d) + 1)])
+            accepted = self.accepted(rid, k, d)
+            sampled.append([self.token(rid, k + i) for i in range(accepted + 1)])
             self.generated[rid] = k + len(sampled[-1])
-        record = StepRecord(rows, self._calls)
+            rejected[rid] = d - accepted
+        record = StepRecord(rows, self._calls, sampled_rejected=rejected)
         self._calls += 1
         return ModelRunnerOutput(
             req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled
@@ -256,9 +262,11 @@ class Driver:
             req = requests.get(row.rid)
             if row.rid not in self.finished_in and (req is None or req.is_finished()):
                 self.finished_in[row.rid] = record.scheduled
-        for rid, (req, c) in before.items():  # vLLM rolls back what it rejected
-            if c - req.num_computed_tokens > 0:
-                record.rejected[rid] = c - req.num_computed_tokens
+        for rid, (req, c) in before.items():
+            if record.sampled_rejected.get(rid, 0) > 0:
+                record.rejected[rid] = record.sampled_rejected[rid]
+            if c - req.num_computed_tokens > 0:  # vLLM rolls back what it rejected
+                record.rolled_back[rid] = c - req.num_computed_tokens
         if self.num_spec and not self.async_scheduling:  # the proposer drafts for every sampled request
             ids = [
                 rid

@@ -288,7 +288,9 @@ class _PteHook:
             )
             if step is not None:
                 if scheduler_output.scheduled_spec_decode_tokens:
-                    drafts = self._pte_drafts(step, scheduler_output.scheduled_spec_decode_tokens)
+                    drafts = self._pte_drafts(
+                        step, scheduler_output.scheduled_spec_decode_tokens, model_runner_output
+                    )
                 if rows := len(scheduler_output.num_scheduled_tokens):
                     # Kept before vLLM takes the outputs, with the rest of the hook's memory
                     # warm; its rejected drafts are added below, before it can be priced.
@@ -402,27 +404,41 @@ class _PteHook:
         for d in step[_OUT].scheduled_new_reqs:
             self._pte_prompts[d.req_id] = compat.prompt_length(d)
 
-    def _pte_drafts(self, step: list[Any], spec: dict[str, list[int]]) -> list[tuple[str, Any, int]]:
-        """The step's draft tokens per request, and the live requests' computed tokens before
-        vLLM takes its outputs (what it rolls back is what it rejected)."""
-        step[_DRAFTS] = {rid: len(tokens) for rid, tokens in spec.items()}
+    def _pte_drafts(
+        self, step: list[Any], spec: dict[str, list[int]], output: Any
+    ) -> list[tuple[str, Any, int, int]]:
+        """Before vLLM takes the step's outputs (it cuts a finished request's tokens short in
+        place): the step's draft tokens per request and, per live request, its computed tokens
+        and the drafts the model rejected (its drafts less the tokens it accepted beyond the
+        one it samples, as vLLM counts them)."""
+        counts = step[_DRAFTS] = {rid: len(tokens) for rid, tokens in spec.items()}
         requests = self.requests  # type: ignore[attr-defined]
-        return [(rid, r, r.num_computed_tokens) for rid in spec if (r := requests.get(rid)) is not None]
+        index, sampled = output.req_id_to_index, output.sampled_token_ids
+        drafts = []
+        for rid in spec:
+            if (r := requests.get(rid)) is not None:
+                generated = sampled[index[rid]] if sampled else ()
+                drafts.append(
+                    (rid, r, r.num_computed_tokens, counts[rid] + 1 - len(generated) if generated else 0)
+                )
+        return drafts
 
-    def _pte_rejected(self, step: list[Any], drafts: list[tuple[str, Any, int]]) -> None:
-        """A step's drafts of requests still live: vLLM rolled each one's computed tokens back
-        by the drafts it rejected. A step scheduled before these outputs were back (async
-        scheduling) started its positions that many too far: they are taken back when it is
-        priced."""
+    def _pte_rejected(self, step: list[Any], drafts: list[tuple[str, Any, int, int]]) -> None:
+        """A step's rejected drafts of requests live when its outputs came back, and what vLLM
+        rolled back of each one's computed tokens for them: as many, unless a preemption while
+        the step ran made its output stale (the count was reset instead). A step scheduled
+        before these outputs were back (async scheduling) started its positions as many too
+        far as vLLM rolled back: they are taken back when it is priced."""
         rejected = step[_REJECTED] = {}
-        for rid, request, before in drafts:
-            k = before - request.num_computed_tokens
+        for rid, request, before, k in drafts:
             if k > 0:
                 rejected[rid] = k
+            rolled_back = before - request.num_computed_tokens
+            if rolled_back > 0:
                 for later in self._pte_state.inflight:
                     if rid in later[_OUT].num_scheduled_tokens:
                         back = later[_BACK] = later[_BACK] or {}
-                        back[rid] = back.get(rid, 0) + k
+                        back[rid] = back.get(rid, 0) + rolled_back
 
     def _pte_price(self) -> None:
         """Price the completed steps, then send the finished requests no running step has."""
