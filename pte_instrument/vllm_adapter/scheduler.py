@@ -15,12 +15,13 @@ the engine runs out of requests: by default handed to the hook's pricing process
 (``EngineAccounting``) off the engine thread; with ``PTE_ENGINE_PRICING=inline``, priced
 here. A finished request's exact totals then go to the API server through the transport,
 once no step still running has it. A fault inside the hook is counted and logged, never
-raised into vLLM; a hook that keeps failing switches itself off.
+raised into vLLM; a hook that keeps failing (``MAX_FAULTS`` within ``FAULT_WINDOW_S``)
+switches itself off.
 """
 
 from __future__ import annotations
 
-import contextlib
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -42,7 +43,10 @@ from pte_instrument.transport import ADDRESS_ENV, Sender
 from pte_instrument.vllm_adapter import compat
 from pte_instrument.wire import RequestTotals
 
-MAX_FAULTS = 100  # then the hook turns itself off, with one log line
+# This many faults within FAULT_WINDOW_S, and the hook turns itself off, with one log line;
+# faults scattered over a long-running server's life never add up to it.
+MAX_FAULTS = 100
+FAULT_WINDOW_S = 60.0
 # A pricing pass costs about a millisecond whatever its size (dozens of numpy calls), so it
 # waits for as many steps as it may: completed steps and their rows held at most before
 # they are priced (memory, and the length of one pass), and how long a finished request's
@@ -131,6 +135,7 @@ class _PteHook:
         # about 2 µs at batch 1 (median, measured).
         self._pte_state = HookState(failpoint="engine_step" in failpoints.points)
         self._pte_faults = FaultTracker()
+        self._pte_fault_times: deque[float] = deque(maxlen=MAX_FAULTS)
         self._pte_sender: EngineSender | None = None
         self._pte_prompts: dict[str, int] = {}  # prompt lengths from steps lost to the accounting
         try:
@@ -246,14 +251,21 @@ class _PteHook:
 
     def _pte_switch_off_if_failing(self) -> None:
         state = self._pte_state
-        if sum(self._pte_faults.counts.values()) >= MAX_FAULTS and state.pte is not None:
-            log.error("pte-instrument engine hook switched off after %d faults", MAX_FAULTS)
+        times = self._pte_fault_times
+        times.append(state.clock())
+        if len(times) == MAX_FAULTS and times[-1] - times[0] < FAULT_WINDOW_S and state.pte is not None:
+            log.error(
+                "pte-instrument engine hook switched off after %d faults in %.0f s",
+                MAX_FAULTS,
+                times[-1] - times[0],
+            )
             pte, state.pte = state.pte, None
             state.inflight.clear()
             state.done.clear()
-            if isinstance(pte, PricingProcess):
-                with contextlib.suppress(Exception):
-                    pte.close()
+            if isinstance(
+                pte, PricingProcess
+            ):  # it may wait seconds for its process: not on the engine thread
+                threading.Thread(target=pte.close, name="pte-pricing-close", daemon=True).start()
 
     # --- vLLM's scheduler interface -------------------------------------------------------
 

@@ -559,3 +559,17 @@ def test_a_step_log_on_a_full_disk_is_said_once_and_never_raised_into_vllm(monke
     d.s.shutdown()
     assert dict(d.s._pte_faults.counts) == {"engine_finish": 1}
     assert hook_totals(sent) == independent_totals(d)
+
+
+@pytest.mark.parametrize("step_s, stays_on", [(1.0, True), (0.001, False)], ids=["scattered", "at-once"])
+def test_the_hook_switches_itself_off_only_when_faults_come_fast(monkeypatch, step_s, stays_on):
+    """A fault on every step: with steps of a second, a hundred faults take longer than a
+    minute, and a server that has run long enough to meet them hook on; with steps of a
+    millisecond, a hundred come at once, and the hook switches itself off."""
+    from pte_instrument import failpoints
+
+    monkeypatch.setitem(failpoints.points, "engine_step", 1.0)
+    case = {**STREAMS["mixed"], "stream": mixed_stream(6, n=160)}
+    d, _ = drive(PteScheduler, False, case, clock=StepClock(lambda _: step_s))
+    assert sum(d.s._pte_faults.counts.values()) >= (150 if stays_on else 100)
+    assert (d.s._pte_state.pte is not None) is stays_on
