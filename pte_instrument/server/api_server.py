@@ -229,7 +229,7 @@ class ApiServer:
         pricer = pricing.pricers.get(request.engine)
         if pricer is None:  # an engine index vLLM did not announce
             self.fault("adapter", KeyError(f"unknown engine {request.engine}"))
-            self.runtime.sessions.gave_up(request.request_id)
+            self.runtime.sessions.gave_up(request)
             return
         pricer.on_finished(request)
         totals = request.engine_totals

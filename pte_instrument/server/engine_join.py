@@ -21,7 +21,7 @@ import msgspec
 
 from pte_instrument.faults import FaultTracker
 from pte_instrument.server.bounded import BoundedDict
-from pte_instrument.server.records import FinishedRequest
+from pte_instrument.server.records import FinishedRequest, child_request_id
 from pte_instrument.wire import EngineCalibration, EngineFaults, EngineHello, EngineMessage, RequestTotals
 
 MAX_ENGINE_RESULTS = 20_000  # request ids with totals waiting for their finish
@@ -177,12 +177,6 @@ class EngineInbox:
             "hook_seconds": {str(k): v[1] for k, v in self.cost.items()},
             "step_model": {str(k): msgspec.structs.asdict(c) for k, c in self.calibration.items()},
         }
-
-
-def child_request_id(external_id: str, child_index: int | None) -> str:
-    """The log's id of a request: its own, or for a parallel-sampling child vLLM's
-    ``<index>_<parent id>``, so that every child has a unique entry."""
-    return external_id if child_index is None else f"{child_index}_{external_id}"
 
 
 def with_engine_totals(request: FinishedRequest, totals: RequestTotals) -> FinishedRequest:

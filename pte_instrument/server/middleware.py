@@ -8,7 +8,9 @@ the route's GenAI operation and the caller's W3C ``traceparent``; makes sure the
 carries an ``X-Request-Id`` (vLLM names its request after it), and remembers request → tag
 until the request finishes: the tag goes a grace period after the HTTP exchange ends
 (``PendingTags.settle``), so every engine request of one HTTP request (``n > 1``, a list of
-prompts) carries it."""
+prompts) carries it. An ``X-Request-Id`` longer than ``MAX_REQUEST_ID_LEN`` bytes, on any
+POST, goes on as its digest (``bounded_request_id``): the request log and the session store
+keep vLLM's name for each request, and a client's id would otherwise be of any length."""
 
 from __future__ import annotations
 
@@ -22,8 +24,16 @@ from opentelemetry.semconv._incubating.attributes.gen_ai_attributes import (
 )
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pte_instrument.faults import log
 from pte_instrument.prompt_digest import request_digests
-from pte_instrument.server.request_tags import UNTAGGED, RequestTag, parse_traceparent, validate_session_id
+from pte_instrument.server.request_tags import (
+    MAX_REQUEST_ID_LEN,
+    UNTAGGED,
+    RequestTag,
+    bounded_request_id,
+    parse_traceparent,
+    validate_session_id,
+)
 from pte_instrument.server.routes import authorized
 from pte_instrument.server.runtime import Runtime
 from pte_instrument.settings import BENCHMARK_HEADER
@@ -61,6 +71,7 @@ class TaggingMiddleware:
         self.header = self.runtime.settings.session_header.lower().encode("ascii")
         self.benchmark_header = BENCHMARK_HEADER.lower().encode("ascii")
         self._keys_read = False
+        self._said_long_id = False
         settings = self.runtime.settings
         # the digest joins an evaluation harness's samples to the request log: wanted only with one
         self.digests = settings.prompt_digest and settings.request_log is not None
@@ -80,9 +91,11 @@ class TaggingMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         key = None
-        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"].endswith(GENERATION_PATHS):
+        if scope["type"] == "http" and scope["method"] == "POST":
             try:
-                key, receive = await self._tag(scope, receive)
+                self._bound_request_id(scope)  # every route that reaches the engine
+                if scope["path"].endswith(GENERATION_PATHS):
+                    key, receive = await self._tag(scope, receive)
             except Exception as e:  # never fail the request for the plugin's sake
                 self.runtime.faults.record("middleware", e)
         if key is None:
@@ -92,6 +105,20 @@ class TaggingMiddleware:
             await self.app(scope, receive, send)
         finally:  # answered, rejected or cut off: what the engine did, it reports within the grace
             self.runtime.pending.settle(key)
+
+    def _bound_request_id(self, scope: Scope) -> None:
+        """An over-long ``X-Request-Id`` replaced by its digest, before vLLM reads it."""
+        headers: list[tuple[bytes, bytes]] = scope["headers"]
+        if not any(k == b"x-request-id" and len(v) > MAX_REQUEST_ID_LEN for k, v in headers):
+            return
+        scope["headers"] = [(k, bounded_request_id(v) if k == b"x-request-id" else v) for k, v in headers]
+        if not self._said_long_id:
+            self._said_long_id = True
+            log.warning(
+                "pte-instrument: an X-Request-Id longer than %d bytes reaches vLLM as its SHA-256 in "
+                'hex (printf %%s "$ID" | sha256sum), this one and every later one; said once',
+                MAX_REQUEST_ID_LEN,
+            )
 
     async def _tag(self, scope: Scope, receive: Receive) -> tuple[str | None, Receive]:
         """The request key its tag is kept under (None: nothing to tag), and the receive

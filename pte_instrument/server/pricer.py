@@ -17,7 +17,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Protocol
+from typing import Protocol
 
 from pte_instrument.cost.model import CostModel
 from pte_instrument.faults import FaultTracker, log
@@ -81,14 +81,9 @@ class RequestPricer:
 
     def on_finished(self, request: FinishedRequest) -> RequestRecord | None:
         now = self.clock()
+        request = self._in_session(request, now)
         try:
-            context: dict[str, Any] = {}
-            if request.session_id is not None and self.sessions is not None:
-                ctx = self.sessions.context_for(
-                    request.session_id, request.arrived_at or now - request.e2e_s, request.prompt_tokens
-                )
-                context = asdict(ctx)
-            request = replace(request, replica=self.replica, **context)
+            request = replace(request, replica=self.replica)
             if self.new_trace_id is not None:
                 request = replace(request, trace_id=trace_of(request.traceparent) or self.new_trace_id())
             record = price_request(
@@ -97,7 +92,7 @@ class RequestPricer:
         except Exception as e:
             self.faults.record("accounting", e)
             if self.sessions is not None:
-                self.sessions.gave_up(request.request_id)
+                self.sessions.gave_up(request)
             return None
         if self.sessions is not None:
             try:
@@ -107,6 +102,20 @@ class RequestPricer:
         for stage, exporter in self.exporters:
             self._export(stage, exporter, record)
         return record
+
+    def _in_session(self, request: FinishedRequest, now: float) -> FinishedRequest:
+        """The request with its session's context (turn, reusable prefix, pause); a session
+        store that cannot give it is a sessions fault, and the request is priced without it."""
+        if request.session_id is None or self.sessions is None:
+            return request
+        try:
+            ctx = self.sessions.context_for(
+                request.session_id, request.arrived_at or now - request.e2e_s, request.prompt_tokens
+            )
+        except Exception as e:
+            self.faults.record("sessions", e)
+            return request
+        return replace(request, **asdict(ctx))
 
     def _export(self, stage: str, exporter: Exporter, record: RequestRecord) -> None:
         suspension = self._suspended.get(stage)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any
+import math
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, get_args, get_type_hints
 
 from pte_instrument.cost.model import CostModel, TurnTokens, price_turn
 from pte_instrument.wire import RequestTotals
@@ -142,6 +143,41 @@ class RequestRecord:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _stand_ins() -> dict[str, float | None]:
+    """What stands in each field of a record for a number that is not finite: None where the
+    field may be unknown, else 0."""
+    hints = get_type_hints(RequestRecord)
+    return {f.name: None if type(None) in get_args(hints[f.name]) else 0.0 for f in fields(RequestRecord)}
+
+
+_STAND_INS = _stand_ins()
+
+
+def with_finite_numbers(r: RequestRecord) -> tuple[RequestRecord, list[str]]:
+    """``r`` with each number that is not finite (NaN, ±inf) replaced by its field's stand-in
+    (``_STAND_INS``), and the names of those fields. The session stores sum records, and a
+    NaN or an infinity would fail the write (SQLite stores NaN as NULL, Redis refuses it as a
+    float) or stay in every sum it reaches."""
+    bad = {
+        name: stand_in
+        for name, stand_in in _STAND_INS.items()
+        if isinstance(value := getattr(r, name), float) and not math.isfinite(value)
+    }
+    return (replace(r, **bad) if bad else r), list(bad)
+
+
+def child_request_id(external_id: str, child_index: int | None) -> str:
+    """The log's id of a request: its own, or for a parallel-sampling child vLLM's
+    ``<index>_<parent id>``, so that every child has a unique entry."""
+    return external_id if child_index is None else f"{child_index}_{external_id}"
+
+
+def reported_request_id(request_id: str, child_index: int | None) -> str:
+    """The id vLLM reported the request finished under (``child_request_id`` undone): a
+    parallel-sampling child's finish is reported under its parent's id, once per child."""
+    return request_id if child_index is None else request_id.removeprefix(f"{child_index}_")
 
 
 def price_request(

@@ -12,6 +12,9 @@ process's latest turns; then it is tried again. The turns and feedback-window ob
 a failed batch, and those made meanwhile, are kept (as many of each as the writer's queue
 holds, the oldest lost first, counted) and sent again with the next batch: each turn, and each
 batch's observations, is applied once, so what a first try did write is not counted twice.
+Sessions due to close are closed a few hundred per script, so that none holds Redis for long
+however many are due at once; a script's sessions are held for its writer until it says it
+read them, so that a lost reply loses none of them (they are told closed once).
 One Redis server (or a primary), not a cluster: the scripts touch keys they do not declare."""
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import time
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -47,6 +51,14 @@ from pte_instrument.settings import Settings
 TIMEOUT_S = Settings.session_store_timeout_s  # the setting's default: a longer command has failed
 FIRST_BACKOFF_S, MAX_BACKOFF_S = 1.0, 30.0
 SEEN_TTL_S = 600  # how long a request id is remembered, so that it is applied once
+# Sessions one close script closes at most: a few ms of Redis's time, however many are due.
+CLOSE_CHUNK = 256
+# How long one batch of the writer goes on closing chunks; the rest close with the next batch,
+# so that the turns queued meanwhile are written.
+CLOSE_BUDGET_S = 0.5
+# How long a close call's sessions are held for the writer that has not read its reply:
+# past the longest back-off, so that its next call finds them.
+CLOSED_HELD_S = 300
 PREFIX = "pte:"
 
 # KEYS: none (standalone Redis). ARGV: prefix, now, max_turns, seen_ttl, the turn (JSON).
@@ -98,11 +110,18 @@ if seq == 1 then redis.call('HINCRBY', p .. 'counters', 'sessions_opened', 1) en
 return {seq, seq == 1 and 1 or 0, dropped}
 """
 
-# ARGV: prefix, idle cut-off (last seen before it), max live sessions. Returns the closed
-# sessions: {id, reason, {field, value, …}} each.
+# ARGV: prefix, idle cut-off (last seen before it), max live sessions, chunk, the writer's id,
+# this call's id, the id of the writer's latest call whose reply it read, held_ttl. Closes at
+# most ``chunk`` sessions, so that no call holds Redis for long. What a call closed is held
+# under closing:<writer> until the writer's next call says it read that reply; one that does
+# not gets it again, in the chunk. Returns {more to close (0/1), live count, the closed
+# sessions as JSON: [id, reason, [field, value, …]] each}; JSON is much quicker to read.
 _CLOSE = """
-local p, cutoff, max_live = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local p, cutoff, max_live, chunk = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local held = p .. 'closing:' .. ARGV[5]
 local closed = {}
+local before = redis.call('HMGET', held, 'call', 'closed')
+if before[1] and before[1] ~= ARGV[7] then closed = cjson.decode(before[2]) end
 local function close(sid, reason)
   local s = p .. 's:' .. sid
   local fields = redis.call('HGETALL', s)
@@ -112,12 +131,26 @@ local function close(sid, reason)
   redis.call('HINCRBY', p .. 'counters', reason == 'idle' and 'sessions_expired' or 'sessions_evicted', 1)
   table.insert(closed, {sid, reason, fields})
 end
-for _, sid in ipairs(redis.call('ZRANGEBYSCORE', p .. 'seen', '-inf', '(' .. cutoff)) do close(sid, 'idle') end
-local over = redis.call('ZCARD', p .. 'live') - max_live
-if over > 0 then
-  for _, sid in ipairs(redis.call('ZRANGE', p .. 'live', 0, over - 1)) do close(sid, 'evicted') end
+if chunk > #closed then
+  local idle = redis.call('ZRANGEBYSCORE', p .. 'seen', '-inf', '(' .. cutoff, 'LIMIT', 0, chunk - #closed)
+  for _, sid in ipairs(idle) do close(sid, 'idle') end
 end
-return closed
+local over = redis.call('ZCARD', p .. 'live') - max_live
+if over > 0 and chunk > #closed then
+  for _, sid in ipairs(redis.call('ZRANGE', p .. 'live', 0, math.min(over, chunk - #closed) - 1)) do
+    close(sid, 'evicted')
+  end
+end
+local json = '[]'
+redis.call('DEL', held)
+if #closed > 0 then
+  json = cjson.encode(closed)
+  redis.call('HSET', held, 'call', ARGV[6], 'closed', json)
+  redis.call('EXPIRE', held, ARGV[8])
+end
+local live = redis.call('ZCARD', p .. 'live')
+local more = live > max_live or redis.call('ZCOUNT', p .. 'seen', '-inf', '(' .. cutoff) > 0
+return {more and 1 or 0, live, json}
 """
 
 # ARGV: prefix, window, seen_ttl, the group's id, then (request id, session id or '', model,
@@ -255,6 +288,9 @@ class RedisStore(BatchWriter):
             for name, src in (("add", _ADD), ("close", _CLOSE), ("observe", _OBSERVE), ("label", _LABEL))
         }
         self._errors = (redis.RedisError, OSError)
+        # The id of the latest close call whose reply the writer read: its sessions were told
+        # closed, and the store need not send them again.
+        self.closing_read = ""
         self._lock = threading.Lock()
         self._down_until = 0.0
         self._backoff = 0.0
@@ -360,14 +396,13 @@ class RedisStore(BatchWriter):
         idle_before: float,
         limits: tuple[int, int, int],
         watermark: float,
-    ) -> tuple[list[list[int]], list[tuple[dict[str, Any], str]], int]:
+    ) -> tuple[list[list[int]], Closing]:
         """The batch's turns (each with its session's tail), groups of finished requests for
-        the feedback window (each group applied once, by its id), then the sessions to close
-        (last seen before ``idle_before``, and the least recently active past ``max_live``),
-        in one round trip. ``limits``: max turns
-        per session, the feedback window, max live sessions; ``watermark``: this writer's, as of
-        the batch (``turn_order``). Returns each turn's (number,
-        opened, rows dropped), the closed sessions, and the live count."""
+        the feedback window (each group applied once, by its id), then a first chunk of the
+        sessions to close (``close_chunk``), in one round trip. ``limits``: max turns per
+        session, the feedback window, max live sessions; ``watermark``: this writer's, as of
+        the batch (``turn_order``). Returns each turn's (number, opened, rows dropped), and
+        the chunk."""
         max_turns, window, max_live = limits
         with self.reading() as r:
             pipe = r.pipeline(transaction=False)
@@ -379,18 +414,26 @@ class RedisStore(BatchWriter):
                 for rid, sid, model, benchmark, tokens, truncated in requests:
                     args += [rid, sid or "", model, benchmark, tokens, truncated]
                 self.scripts["observe"](args=args, client=pipe)
-            self.scripts["close"](args=[self.prefix, idle_before, max_live], client=pipe)
+            call, args = self._close_args(idle_before, max_live)
+            self.scripts["close"](args=args, client=pipe)
             pipe.zadd(self.prefix + "servers", {self.server_id: time.time()})
             self._publish(pipe, watermark)
-            pipe.zcard(self.prefix + "live")
             results = pipe.execute()
-        self._peers_published(results[-2])
-        closed = results[-5]
-        summaries = [
-            (session_summary(sid, dict(zip(f[::2], f[1::2], strict=True))), reason)
-            for sid, reason, f in closed
-        ]
-        return results[: len(adds)], summaries, int(results[-1])
+        self._peers_published(results[-1])
+        return results[: len(adds)], _closing(call, results[-4])
+
+    def close_chunk(self, idle_before: float, max_live: int) -> Closing:
+        """Close at most ``CLOSE_CHUNK`` sessions: those last seen before ``idle_before``, then
+        the least recently active past ``max_live``. The sessions of the writer's latest call,
+        if its reply was not read (``closing_read``), come again, first."""
+        call, args = self._close_args(idle_before, max_live)
+        with self.reading() as r:
+            return _closing(call, self.scripts["close"](args=args, client=r))
+
+    def _close_args(self, idle_before: float, max_live: int) -> tuple[str, list[Any]]:
+        call = uuid.uuid4().hex
+        args = [self.prefix, idle_before, max_live, CLOSE_CHUNK, self.writer_id, call, self.closing_read]
+        return call, [*args, CLOSED_HELD_S]
 
     def label(self, correct: bool, request_ids: list[str], session_id: str | None) -> Any:
         with self.reading() as r:
@@ -467,6 +510,27 @@ class RedisStore(BatchWriter):
             return int(r.zcard(self.prefix + "live"))
 
 
+@dataclass(frozen=True)
+class Closing:
+    """What one close call did: the sessions it closed (summary, reason), the live count after
+    it, and whether more are due."""
+
+    call: str  # its id: once its reply is read (``RedisStore.closing_read``), it is not sent again
+    closed: list[tuple[dict[str, Any], str]]
+    live: int
+    more: bool
+
+
+def _closing(call: str, reply: list[Any]) -> Closing:
+    more, live, closed = reply
+    summaries = [
+        # an empty list of fields comes back from Lua as {}
+        (session_summary(sid, dict(zip(f[::2], f[1::2], strict=True)) if f else {}), reason)
+        for sid, reason, f in json.loads(closed)
+    ]
+    return Closing(call, summaries, int(live), bool(more))
+
+
 _TAIL = ("n_turns", "last_prompt", "last_output", "last_finished_at", "last_replica")
 
 
@@ -540,6 +604,7 @@ class RedisSessionLedger(SessionLedger):
         # failed, or is left alone), oldest first.
         self._kept: deque[tuple[Any, ...]] = deque()
         self._kept_observed: deque[tuple[str, list[tuple[Any, ...]]]] = deque()
+        self._more_to_close = False  # sessions were still due when the last batch stopped closing
         return RedisStore(
             str(path), self._commit, self._error, self.server_id, max_queued, timeout_s=self._timeout_s
         )
@@ -593,6 +658,7 @@ class RedisSessionLedger(SessionLedger):
             observed.append((uuid.uuid4().hex, new))
         limits = (self.max_turns, self.feedback_window, self.max_sessions)
         watermark = self.unlanded.watermark(turn_ids(adds))
+        expire = expire or self._more_to_close
         if not adds and not observed and not expire:
             if store.available:
                 with contextlib.suppress(StoreError):  # the next batch says what is wrong
@@ -601,12 +667,13 @@ class RedisSessionLedger(SessionLedger):
         if (adds or observed) and not store.available:  # left alone: kept, with no attempt
             self._keep(adds, observed)
             return
+        idle_before = now - self.idle_ttl_s if expire else 0.0
         try:
-            turns, closed, live = store.commit_batch(
+            turns, closing = store.commit_batch(
                 [(record, tail) for _, record, tail in adds],
                 observed,
                 now,
-                now - self.idle_ttl_s if expire else 0.0,
+                idle_before,
                 limits,
                 watermark,
             )
@@ -616,7 +683,6 @@ class RedisSessionLedger(SessionLedger):
             if adds or observed:
                 self._error(StoreError(f"session store {self.path}: a batch kept for its return ({e})"))
             return
-        self._set_live(live)
         for _, record, tail in adds:
             if tail is not None:
                 self._recent[record.session_id] = tail
@@ -626,13 +692,30 @@ class RedisSessionLedger(SessionLedger):
         for _, opened, dropped in turns:
             self.stats.sessions_opened += opened
             self.stats.turns_dropped += dropped
-        for _, reason in closed:
+        self._settle(adds)
+        self._closed(closing)
+        # The rest of a mass closing, a chunk per call, for a while; then the next batch goes on.
+        deadline = time.monotonic() + CLOSE_BUDGET_S
+        while closing.more and time.monotonic() < deadline:
+            try:
+                closing = store.close_chunk(idle_before, self.max_sessions)
+                failpoint("session_store")
+            except Exception:  # the next batch's call hands over this chunk's sessions
+                break
+            self._closed(closing)
+        self._more_to_close = closing.more
+
+    def _closed(self, closing: Closing) -> None:
+        """A close call's reply, read: its sessions are counted and told closed, and the store
+        told not to send them again."""
+        self.store.closing_read = closing.call
+        self._set_live(closing.live)
+        for _, reason in closing.closed:
             if reason == "idle":
                 self.stats.sessions_expired += 1
             else:
                 self.stats.sessions_evicted += 1
-        self._settle(adds)
-        self._notify(closed)
+        self._notify(closing.closed)
 
     def _keep(self, adds: list[tuple[Any, ...]], observed: list[tuple[str, list[tuple[Any, ...]]]]) -> None:
         """Turns and observations the store did not take, for the next batch; past the writer

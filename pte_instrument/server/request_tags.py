@@ -4,6 +4,7 @@ caller's trace) until the server reports it finished. Both bounded."""
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from collections.abc import Callable
@@ -12,6 +13,9 @@ from dataclasses import dataclass
 from pte_instrument.server.bounded import BoundedDict
 
 MAX_SESSION_ID_LEN = 128
+# Bytes of an X-Request-Id passed to vLLM as sent: vLLM names its request after it, and the
+# request log and the session store keep that name, so a longer one goes as its digest.
+MAX_REQUEST_ID_LEN = 128
 MAX_ECHO_LEN = 128
 MAX_TRACEPARENT_LEN = 256  # W3C: 55 characters in version 00; later versions may append fields
 # How long a tag stays after its HTTP exchange ends: longer than the longest wait before such
@@ -42,6 +46,13 @@ def validate_session_id(raw: bytes | str) -> tuple[str | None, str | None]:
     if any(b < 0x21 or b > 0x7E for b in raw):  # visible ASCII only
         return None, "invalid_chars"
     return raw.decode("ascii"), None
+
+
+def bounded_request_id(raw: bytes) -> bytes:
+    """An ``X-Request-Id`` as vLLM is to see it: as sent, up to ``MAX_REQUEST_ID_LEN`` bytes;
+    a longer one as its SHA-256 in hex (64 characters, ``printf %s "$ID" | sha256sum``):
+    the same id each time it is sent, and one a client can compute."""
+    return raw if len(raw) <= MAX_REQUEST_ID_LEN else hashlib.sha256(raw).hexdigest().encode("ascii")
 
 
 def parse_traceparent(raw: bytes | str) -> str | None:

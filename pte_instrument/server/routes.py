@@ -1,8 +1,9 @@
 """The ``/pte/*`` HTTP routes: the summary, sessions, feedback and the metrics with exemplars.
 
 Every answer carries ``X-PTE-API-Server`` (which process answered), every route checks
-vLLM's API keys before it reads anything of the request, and a route that fails answers 500
-and counts a fault: the server goes on."""
+vLLM's API keys before it reads anything of the request, a route whose session store cannot
+be read answers 503 (the store's fault, counted; the client may try again), and a route that
+fails otherwise answers 500 and counts a fault: the server goes on."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from pte_instrument.server.exporters.exposition import exposition
 from pte_instrument.server.live_efficiency import FeedbackError
 from pte_instrument.server.request_tags import quoted, validate_session_id
 from pte_instrument.server.runtime import Runtime
+from pte_instrument.server.session_store import StoreError
 
 MAX_PAGE = 1000
 MAX_BODY_BYTES = 64 * 1024  # a feedback body is a few ids: anything larger is refused unread
@@ -148,6 +150,9 @@ def build_router(runtime: Runtime) -> APIRouter:
             return _error(400, str(e))
         except ClientDisconnect:  # nobody to answer
             return _error(400, "client disconnected")
+        except StoreError as e:  # down, or backing off: the details (its URL) stay in the log
+            runtime.faults.record("sessions", e)
+            return _error(503, "the session store is unavailable; try again shortly")
         except Exception as e:
             runtime.faults.record("routes", e)
             return _error(500, "pte-instrument route failed; see the server log")

@@ -295,7 +295,7 @@ class Runtime:
             if self.request_log is None
             else {**self.request_log.stats(), "lost": self.records_lost["request_log"]},
             "records_lost": dict(self.records_lost),
-            "efficiency": self.efficiency.snapshot(),
+            "efficiency": self._host("efficiency", self.efficiency.snapshot, None),
             "faults": dict(self.faults.counts),
         }
 

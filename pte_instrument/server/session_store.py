@@ -337,13 +337,17 @@ class Store(BatchWriter):
 
     @contextlib.contextmanager
     def reading(self) -> Iterator[sqlite3.Connection]:
-        """The readers' connection, on the file the writer uses; one reader at a time."""
+        """The readers' connection, on the file the writer uses; one reader at a time. A read
+        that fails is a :class:`StoreError` naming the file, as the Redis store's are."""
         with self._reader_lock:
             if self._reader_id != self._store_id:
                 with contextlib.suppress(sqlite3.Error):
                     self._reader_db.close()
                 self._reader_db, self._reader_id = connect(self.path), self._store_id
-            yield self._reader_db
+            try:
+                yield self._reader_db
+            except sqlite3.Error as e:
+                raise StoreError(f"session store {self.path}: {type(e).__name__}: {e}") from None
 
     def close(self) -> None:
         """Commit what is queued, stop the writer and close the store."""

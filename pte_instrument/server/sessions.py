@@ -32,7 +32,12 @@ import msgspec
 from pte_instrument.cost.model import reusable_prefix
 from pte_instrument.failpoints import failpoint
 from pte_instrument.server import feedback_window, totals
-from pte_instrument.server.records import RequestRecord
+from pte_instrument.server.records import (
+    FinishedRequest,
+    RequestRecord,
+    reported_request_id,
+    with_finite_numbers,
+)
 from pte_instrument.server.session_store import (
     COUNTED,
     MAX_QUEUED,
@@ -150,12 +155,13 @@ class SessionLedger:
         self.store.start()
 
     def told_finished(self, request_id: str, session_id: str) -> None:
-        """A turn of ``session_id`` finished: it is priced, then lands in the store, later."""
+        """A turn of ``session_id`` finished, under the id vLLM reported (a parallel-sampling
+        request's, once per sample): it is priced, then lands in the store, later."""
         self.unlanded.told(request_id, session_id)
 
-    def gave_up(self, request_id: str) -> None:
+    def gave_up(self, request: FinishedRequest) -> None:
         """A turn told finished that will not be priced (its pricing failed)."""
-        self.unlanded.landed([request_id])
+        self.unlanded.landed([reported_request_id(request.request_id, request.child_index)])
 
     def others_caught_up_to(self) -> float:
         """A time before which every turn the other writers were told finished is in the store
@@ -177,7 +183,16 @@ class SessionLedger:
 
     def add(self, record: RequestRecord) -> None:
         """Queue a priced request (its model's totals; a turn, if it has a session) for the
-        writer; never blocks."""
+        writer; never blocks. A number in it that is not finite is stored as unknown (or 0),
+        counted as a fault: it would cost the whole batch otherwise."""
+        record, not_finite = with_finite_numbers(record)
+        if not_finite:
+            self._error(
+                ValueError(
+                    f"priced request {record.request_id!r}: {', '.join(not_finite)} not a finite number; "
+                    "stored as unknown (0 where the field must have a number)"
+                )
+            )
         if record.session_id is None:
             self._queue_record(("add", record, None))
             return
@@ -189,7 +204,7 @@ class SessionLedger:
         tail = Tail(record.turn or 1, prompt, output, record.finished_at, record.replica)
         with self._overlay_lock:  # before the writer can see it, so that its commit settles it
             self._overlay[record.session_id] = tail
-        self.unlanded.priced(record.request_id)
+        self.unlanded.priced(reported_request_id(record.request_id, record.child_index))
         if not self._queue_record(("add", record, tail)):
             self._settle([("add", record, tail)])
 
@@ -283,7 +298,13 @@ class SessionLedger:
         return tail if tail is not None else self._stored_tail(session_id)
 
     def _stored_tail(self, session_id: str) -> Tail | None:
-        found = self.store.tail(session_id)
+        """The store's latest turn of the session; None (said, counted) when the store cannot
+        be read: the turn is priced as the first the store holds of it, and still lands."""
+        try:
+            found = self.store.tail(session_id)
+        except StoreError as e:
+            self._error(e)
+            return None
         return None if found is None else Tail(*found)
 
     def _queue_record(self, item: tuple[Any, ...]) -> bool:
@@ -377,8 +398,9 @@ class SessionLedger:
 
 
 def turn_ids(adds: Iterable[tuple[Any, ...]]) -> list[str]:
-    """The request ids of a batch's session turns (``("add", record, tail)`` items)."""
-    return [record.request_id for _, record, tail in adds if tail is not None]
+    """The ids a batch's session turns (``("add", record, tail)`` items) were told finished
+    under: a parallel-sampling sample's is its parent's (``told_finished``)."""
+    return [reported_request_id(r.request_id, r.child_index) for _, r, tail in adds if tail is not None]
 
 
 def turn_row(r: RequestRecord, seq: int | None) -> dict[str, Any]:

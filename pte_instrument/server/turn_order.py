@@ -20,7 +20,9 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from pte_instrument.server.bounded import BoundedDict
 
@@ -36,46 +38,77 @@ class Unlanded:
     """This process's session turns told finished (``told``) and not yet in the store: priced
     (``priced``: then this process's own context reads see them), then committed, or given
     up (``landed``: the commit failed, or the pricing did). Kept in the order told, so that
-    the earliest is the first; the unpriced ones also by session."""
+    the earliest is the first; the unpriced ones also by session.
+
+    An id is counted each time it is told: vLLM reports every sample of a parallel-sampling
+    request (n > 1) finished under the parent's id, and the parent is on its way until each
+    sample is priced and landed (the samples are priced and filed under ids of their own:
+    ``records.reported_request_id`` gives the parent's back)."""
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self.clock = clock
         self._lock = threading.Lock()
-        self._unlanded: BoundedDict[str, float] = BoundedDict(MAX_UNLANDED)  # id → told at
-        self._unpriced: BoundedDict[str, tuple[str, float]] = BoundedDict(MAX_UNLANDED)  # id → (session, at)
+        # id → [first told at, times told and not yet landed]
+        self._unlanded: BoundedDict[str, list[float]] = BoundedDict(MAX_UNLANDED)
+        # id → [session, first told at, times told and not yet priced]
+        self._unpriced: BoundedDict[str, list[Any]] = BoundedDict(MAX_UNLANDED)
         self._by_session: dict[str, dict[str, float]] = {}  # session → its unpriced turns, id → at
 
     def told(self, request_id: str, session_id: str) -> None:
         with self._lock:  # the time is read under the lock ``watermark`` reads it under
             at = self.clock()
-            self._unlanded.put(request_id, at)
-            self._unprice(request_id)  # a client may reuse an id
-            for dropped, (session, _) in self._unpriced.put(request_id, (session_id, at)):
+            landing = self._unlanded.get(request_id)
+            if landing is None:
+                self._unlanded.put(request_id, [at, 1])
+            else:  # counted where it was first told: the earliest still holds the watermark
+                landing[1] += 1
+            pricing = self._unpriced.get(request_id)
+            if pricing is not None and pricing[0] == session_id:
+                pricing[2] += 1
+                return
+            self._unprice(request_id)  # a client may reuse an id, for another session
+            for dropped, (session, *_) in self._unpriced.put(request_id, [session_id, at, 1]):
                 self._unlink(dropped, session)
             self._by_session.setdefault(session_id, {})[request_id] = at
 
     def priced(self, request_id: str) -> None:
         with self._lock:
-            self._unprice(request_id)
+            pricing = self._unpriced.get(request_id)
+            if pricing is not None:
+                pricing[2] -= 1
+                if pricing[2] <= 0:
+                    self._unprice(request_id)
 
     def landed(self, request_ids: Iterable[str]) -> None:
         with self._lock:
             for rid in request_ids:
-                self._unlanded.pop(rid)
-                self._unprice(rid)
+                landing = self._unlanded.get(rid)
+                left = 0
+                if landing is not None:
+                    landing[1] -= 1
+                    left = int(landing[1])
+                    if left <= 0:
+                        self._unlanded.pop(rid)
+                # A turn lands after it is priced, so no more of an id are unpriced than
+                # unlanded: one that lands unpriced was given up (its pricing failed).
+                pricing = self._unpriced.get(rid)
+                if pricing is not None and pricing[2] > left:
+                    pricing[2] = left
+                    if left <= 0:
+                        self._unprice(rid)
 
     def watermark(self, landing: Iterable[str] = ()) -> float:
         """A time before which every turn told finished has landed, or lands with ``landing``
         (the batch being committed)."""
-        landing = set(landing)
+        landing = Counter(landing)
         with self._lock:
             now = self.clock()
             cutoff = now - UNLANDED_FOR_S  # a turn that never landed holds nothing back
-            while (old := self._unlanded.oldest()) is not None and old[1] < cutoff:
+            while (old := self._unlanded.oldest()) is not None and old[1][0] < cutoff:
                 self._unlanded.pop_oldest()
             while (unpriced := self._unpriced.oldest()) is not None and unpriced[1][1] < cutoff:
                 self._unprice(unpriced[0])
-            return next((at for rid, at in self._unlanded.items() if rid not in landing), now)
+            return next((at for rid, (at, n) in self._unlanded.items() if landing[rid] < n), now)
 
     def unpriced_since(self, session_id: str) -> float:
         """When the earliest turn of ``session_id`` not yet priced was told finished (inf: none)."""

@@ -262,6 +262,33 @@ def test_a_turn_waits_for_the_turn_before_it_on_the_same_api_server(runtime):
     assert [(r.request_id, r.turn) for r, _ in runtime.probe.records] == [("cmpl-t1", 1), ("cmpl-t2", 2)]
 
 
+def test_the_turn_after_a_parallel_sampling_turn_is_not_held_once_its_samples_are_priced(runtime):
+    """Turn 1 asked for two samples (n = 2): vLLM reports each finished under the parent's id,
+    the engine sends each one's totals, and each is priced as a record of its own. Once both
+    are, nothing of turn 1 is on its way, and the session's next turn is priced in the next
+    pass (the samples were the session's turns 1 and 2: it is turn 3)."""
+    server = ApiServer(runtime, threaded=False)
+    server.configure(served(), request_keys)
+    runtime.inbox.on_messages([EngineHello(0)])
+    turn_1 = session_turn(runtime, "cmpl-p", 100, arrived=time.time() - 1)
+    runtime.inbox.on_messages(
+        [
+            RequestTotals(f"{i}_cmpl-p-0123abcd", "cmpl-p", 0, "stop", child_index=i, output_tokens=3 + i)
+            for i in (0, 1)
+        ]
+    )
+    server.finished([turn_1, replace(turn_1, output_tokens=4)])  # sample 0 (3 tokens), sample 1 (4)
+    server.tick()
+    assert [(r.request_id, r.turn) for r, _ in runtime.probe.records] == [("0_cmpl-p", 1), ("1_cmpl-p", 2)]
+    assert runtime.sessions.flush() and len(runtime.sessions.unlanded) == 0
+    time.sleep(0.01)
+    runtime.inbox.on_messages([RequestTotals("cmpl-t2-0123abcd", "cmpl-t2", 0, "stop", scheduled=True)])
+    server.finished([session_turn(runtime, "cmpl-t2", 160, arrived=time.time())])
+    server.tick()
+    assert [(r.request_id, r.turn) for r, _ in runtime.probe.records[2:]] == [("cmpl-t2", 3)]
+    assert runtime.faults.counts == {}
+
+
 def test_a_turn_does_not_wait_for_another_sessions_turn_on_the_same_api_server(runtime):
     server = ApiServer(runtime, threaded=False)
     server.configure(served(), request_keys)

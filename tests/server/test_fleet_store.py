@@ -96,7 +96,16 @@ class HoldingProxy:
 def flush(server: RedisServer) -> None:
     import redis
 
-    redis.Redis.from_url(server.url).flushall()
+    client = redis.Redis.from_url(server.url)
+    deadline = time.monotonic() + 30
+    while True:
+        try:  # a server just restarted answers "loading" until it has read its append-only file
+            client.flushall()
+            return
+        except redis.BusyLoadingError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -304,6 +313,87 @@ def test_a_batch_whose_reply_was_lost_is_sent_again_and_applied_once(fleet, monk
     assert a.outcomes()[("m", "gsm8k")]["output_tokens"] == 10
 
 
+def test_sessions_expiring_together_are_each_told_closed_once_and_no_close_holds_redis(fleet, redis_server):
+    """20,000 sessions idle past the TTL at once: each is closed and told closed once (its
+    summary feeds the session histograms), no close script holds Redis for the other replicas
+    long enough to time out a client, and the store is never left alone for it."""
+    import redis
+
+    r = redis.Redis.from_url(redis_server.url)
+    clock = Clock()
+    closed: list[tuple[str, str]] = []
+    faults: list[Exception] = []
+    a = fleet(
+        "a",
+        clock=clock,
+        idle_ttl_s=60,
+        max_sessions=10**6,
+        on_close=lambda s, reason: closed.append((s["session_id"], reason)),
+        on_error=faults.append,
+    )
+    n = 20_000
+    one = FinishedRequest("r", "m", 100, 0, 10, "stop", session_id="s", turn=1, replica="a")
+    priced = price_request(COST, one, 1000.0)
+    for i in range(n):
+        a.add(replace(priced, request_id=f"r{i}", session_id=f"s{i}"))
+        if i % 5000 == 4999:  # within the writer's queue
+            assert a.flush(60)
+    assert a.flush(60) and len(a) == n
+    slower_than = r.config_get("slowlog-log-slower-than")["slowlog-log-slower-than"]
+    r.config_set("slowlog-log-slower-than", 50_000)  # µs: a script holding Redis for 50 ms
+    r.slowlog_reset()
+    try:
+        clock.t += 61
+        a.expire()
+        assert wait_for(lambda: len(closed) >= n, timeout_s=30)
+        assert a.flush(5)
+        held = [e for e in r.slowlog_get(128) if a.store.scripts["close"].sha.encode() in e["command"]]
+    finally:
+        r.config_set("slowlog-log-slower-than", slower_than)
+    assert sorted(closed) == sorted((f"s{i}", "idle") for i in range(n))  # each once
+    assert held == []
+    assert a.store.available and faults == []
+    assert a.stats.sessions_expired == n and len(a) == 0
+    assert a.host_stats() == {
+        "live": 0,
+        "sessions_opened": n,
+        "sessions_expired": n,
+        "sessions_evicted": 0,
+        "turns_dropped": 0,
+    }
+
+
+def test_sessions_closed_by_a_call_whose_reply_was_lost_are_told_closed_by_the_next(fleet, monkeypatch):
+    """The store closed idle sessions but its reply never came (a timeout after the script
+    ran): the writer's next close call hands them over, and each is told closed once, with
+    its summary as the store held it."""
+    from pte_instrument import failpoints
+
+    clock = Clock()
+    closed: list[tuple[dict, str]] = []
+    a = fleet("a", clock=clock, idle_ttl_s=60, on_close=lambda s, reason: closed.append((s, reason)))
+    serve(a, "a", "s0", 10, 2, 0, 1000.0)
+    serve(a, "a", "s0", 20, 2, 0, 1001.0)
+    serve(a, "a", "s1", 10, 2, 0, 1000.0)
+    assert a.flush()
+    before = {sid: {k: v for k, v in a.get(sid).items() if k != "turn_rows"} for sid in ("s0", "s1")}
+    assert (before["s0"]["turns"], before["s1"]["turns"]) == (2, 1)
+    clock.t += 61
+    monkeypatch.setitem(failpoints.points, "session_store", 1.0)  # every reply "lost"
+    a.expire()
+    assert a.flush(5)
+    assert a.get("s0") is None and a.get("s1") is None and closed == []  # closed in Redis, untold
+    monkeypatch.delitem(failpoints.points, "session_store")
+    assert wait_for(lambda: a.flush(5) and len(closed) >= 2, timeout_s=10)
+    a.expire()  # a later call hands over nothing again
+    assert a.flush(5)
+    assert sorted(closed, key=lambda c: c[0]["session_id"]) == [
+        (before["s0"], "idle"),
+        (before["s1"], "idle"),
+    ]
+    assert a.stats.sessions_expired == 2 and a.host_stats()["sessions_expired"] == 2
+
+
 def test_observations_made_while_the_store_is_down_are_counted_once_it_is_back(fleet, redis_server):
     a = fleet("a")
     a.observe("r0", None, "m", "none", 5, False)
@@ -506,3 +596,21 @@ def test_each_writer_publishes_where_its_turns_stand_and_one_that_closed_is_not_
         a.close()
         assert b.others_caught_up_to() == math.inf
         assert b.flush() and b.store.heartbeat_s > turn_order.HEARTBEAT_S  # alone again
+
+
+def test_a_number_that_is_not_finite_costs_its_record_that_number_not_the_turn(fleet):
+    """A record whose GPU seconds are NaN (Redis's float increments refuse it): its turn lands,
+    its GPU seconds unknown, with one sessions fault naming the field; the turn beside it too."""
+    errors: list[Exception] = []
+    a = fleet("a", on_error=errors.append)
+    bad = price_request(
+        COST, FinishedRequest("bad", "m", 100, 0, 10, "stop", session_id="bad", turn=1), 1000.0
+    )
+    a.add(replace(bad, gpu_seconds=math.nan))
+    serve(a, "a", "ok", 100, 10, 0, 1000.0)
+    assert a.flush()
+    assert len(errors) == 1 and "gpu_seconds" in str(errors[0]) and "not a finite number" in str(errors[0])
+    assert sorted(s["session_id"] for s in a.top()[1]) == ["bad", "ok"]
+    [row] = a.get("bad")["turn_rows"]
+    assert row["gpu_seconds"] is None and row["request_id"] == "bad"
+    assert a.model_totals()["m"]["requests"] == 2 and a.stats.records_lost == 0

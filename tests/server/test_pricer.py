@@ -1,6 +1,7 @@
 """A failing exporter is counted and isolated; the others still get every record."""
 
 import json
+import sqlite3
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -13,6 +14,7 @@ from pte_instrument.server.exporters.prometheus import PrometheusExporter, metri
 from pte_instrument.server.exporters.request_log import RequestLogWriter
 from pte_instrument.server.pricer import FIRST_RETRY_S, MAX_CONSECUTIVE_FAULTS, MAX_RETRY_S, RequestPricer
 from pte_instrument.server.records import FinishedRequest
+from pte_instrument.server.sessions import SessionLedger
 from tests.cost.test_architecture import FIX
 
 
@@ -21,14 +23,17 @@ class Boom:
         raise RuntimeError("exporter down")
 
 
-def make(tmp_path, extra=()):
+def make(tmp_path, extra=(), sessions=None):
     registry = CollectorRegistry()
     metrics = metrics_for(registry)
     faults = FaultTracker(on_fault=lambda s: metrics.faults.labels(s).inc())
     cost = CostModel(parse_shape(load_config(FIX / "dense_mha.json")), PROFILES["h200"])
     log = RequestLogWriter(tmp_path / "log.jsonl")
     acc = RequestPricer(
-        cost, [*extra, ("prometheus", PrometheusExporter("m", 0, metrics)), ("request_log", log)], faults
+        cost,
+        [*extra, ("prometheus", PrometheusExporter("m", 0, metrics)), ("request_log", log)],
+        faults,
+        sessions,
     )
     return acc, registry, tmp_path / "log.jsonl"
 
@@ -65,6 +70,36 @@ def test_accounting_fault_is_counted(tmp_path):
     assert acc.on_finished(req(0, recomputed_tokens=-5)) is None  # impossible counts
     assert registry.get_sample_value("pte_plugin_faults_total", {"stage": "accounting"}) == 1
     assert not log.exists()
+
+
+def refuse_session_reads(action: int, table: str | None, *_: object) -> int:
+    """A SQLite authorizer under which the session store's ``sessions`` table cannot be read."""
+    return sqlite3.SQLITE_DENY if action == sqlite3.SQLITE_READ and table == "sessions" else sqlite3.SQLITE_OK
+
+
+def test_a_session_store_read_fault_costs_the_turn_its_context_not_its_record(tmp_path):
+    """The session's latest turn cannot be read from the store (SQLite refuses this process's
+    reads of it): one sessions fault, and the request is still priced, as a session the store
+    holds nothing of (turn 1, no pause), delivered to every exporter and in the host's totals."""
+    ledger = SessionLedger(tmp_path / "sessions.sqlite3")
+    try:
+        acc, registry, log = make(tmp_path, sessions=ledger)
+        ledger.on_error = lambda e: acc.faults.record("sessions", e)  # as the runtime wires it
+        with ledger.store.reading() as db:
+            db.set_authorizer(refuse_session_reads)
+        record = acc.on_finished(req(0, session_id="s", finished_at=1000.0))
+        assert record is not None and (record.turn, record.pause_s) == (1, None)
+        assert acc.faults.counts == {"sessions": 1}
+        assert acc.delivered == {"prometheus": 1, "request_log": 1}
+        assert len(log.read_text().splitlines()) == 1
+        labels = {"model_name": "m", "engine": "0", "tenant": "", "lora_name": "", "finish_reason": "length"}
+        assert registry.get_sample_value("pte_requests_total", labels) == 1
+        assert ledger.model_totals()["m"]["requests"] == 1
+        with ledger.store.reading() as db:
+            db.set_authorizer(None)
+        assert ledger.get("s")["turns"] == 1  # the turn landed too
+    finally:
+        ledger.close()
 
 
 def test_request_log_recovers_after_a_failing_path(tmp_path):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
+from collections.abc import Iterator
 from urllib.parse import quote
 
 import pytest
@@ -12,6 +14,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
+from pte_instrument.devtools.serving import free_port
 from pte_instrument.server.middleware import TaggingMiddleware
 from pte_instrument.server.request_tags import PendingTags, RequestTag
 from pte_instrument.server.routes import build_router
@@ -169,6 +172,52 @@ def test_echoed_ids_are_cut_short(client, runtime):
     for params in ({"sort": "s" * 20_000}, {"limit": "9" * 20_000}, {"offset": "o" * 20_000}):
         r = client.get("/pte/sessions", params=params, headers=AUTH)
         assert r.status_code == 400 and len(r.content) < 400, (list(params), len(r.content))
+
+
+# --- the session store down: the routes degrade, they do not fail -----------------------
+
+
+@pytest.fixture(params=["redis", "sqlite"])
+def store_down(request, tmp_path) -> Iterator[Runtime]:
+    """A runtime whose session store cannot be read: a Redis server that cannot be reached
+    (nothing listens at its port), or a SQLite file that refuses this process's reads."""
+    if request.param == "redis":
+        pytest.importorskip("redis")
+        store = f"redis://127.0.0.1:{free_port()}/0"
+    else:
+        store = str(tmp_path / "sessions.sqlite3")
+    rt = Runtime(Settings(session_store=store), registry=CollectorRegistry())
+    if request.param == "sqlite":
+        with rt.sessions.store.reading() as db:
+            db.set_authorizer(lambda *_: sqlite3.SQLITE_DENY)
+    yield rt
+    rt.sessions.close()
+
+
+def test_with_the_session_store_down_the_summary_answers_with_its_sections_unknown(store_down):
+    client = TestClient(feedback_app(store_down), raise_server_exceptions=False)
+    r = client.get("/pte/summary")
+    assert r.status_code == 200, r.text[:200]
+    body = r.json()
+    assert body["efficiency"] is None and body["models"] == {} and body["sessions"]["live"] is None
+    assert body["api_server"]["index"] == 0  # what the process knows itself is there
+    assert store_down.faults.counts["routes"] == 0 and store_down.faults.counts["sessions"] > 0
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("GET", "/pte/sessions", None),
+        ("GET", "/pte/sessions/agent-7", None),
+        ("POST", "/pte/feedback", {"request_id": "r", "correct": True}),
+    ],
+)
+def test_with_the_session_store_down_its_routes_answer_503_saying_so(store_down, method, path, body):
+    client = TestClient(feedback_app(store_down), raise_server_exceptions=False)
+    r = client.request(method, path, json=body)
+    assert r.status_code == 503, r.text[:200]
+    assert r.json() == {"error": "the session store is unavailable; try again shortly"}
+    assert store_down.faults.counts["routes"] == 0 and store_down.faults.counts["sessions"] > 0
 
 
 # --- GET /pte/sessions/{id}: every tracked id is reachable --------------------------------

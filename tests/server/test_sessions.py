@@ -1,6 +1,7 @@
 """The session ledger and session-id handling: bounded, ordered, nothing lost silently."""
 
 import gc
+import math
 import multiprocessing
 import sys
 import threading
@@ -16,8 +17,9 @@ from pte_instrument import failpoints
 from pte_instrument.cost.architecture import load_config, parse_shape
 from pte_instrument.cost.devices import PROFILES
 from pte_instrument.cost.model import CostModel
+from pte_instrument.server.engine_join import with_engine_totals
 from pte_instrument.server.live_efficiency import LiveEfficiency
-from pte_instrument.server.records import FinishedRequest, price_request
+from pte_instrument.server.records import FinishedRequest, RequestRecord, price_request
 from pte_instrument.server.request_tags import PendingTags, RequestTag, validate_session_id
 from pte_instrument.server.session_store import BatchWriter
 from pte_instrument.server.sessions import SessionLedger, StoreError
@@ -160,6 +162,30 @@ def test_two_processes_on_one_store_number_one_session(ledgers, tmp_path):
     assert r3.pte_eviction_tax == 0  # 184 computed → 176 reusable, all cached
     assert a.get("s") == b.get("s") and [t["turn"] for t in a.get("s")["turn_rows"]] == [1, 2, 3]
     assert a.host_stats()["sessions_opened"] == 1 == b.host_stats()["sessions_opened"]
+
+
+def parallel_sample(parent: str, index: int, output: int) -> RequestRecord:
+    """Sample ``index`` of the parallel-sampling (n > 1) turn ``parent`` of session "s",
+    joined with its engine totals and priced as the pricer prices it."""
+    req = FinishedRequest(parent, "m", 100, 0, output, "stop", session_id="s", turn=1)
+    totals = RequestTotals(f"{index}_{parent}-0123abcd", parent, 0, "stop", child_index=index, scheduled=True)
+    return price_request(COST, with_engine_totals(req, totals), 1000.0)
+
+
+def test_a_parallel_sampling_turn_is_on_its_way_until_every_sample_is_in_the_store(ledgers):
+    """vLLM reports each sample of an n > 1 request finished under the parent's id, and each is
+    priced and filed under its own (``<index>_<parent>``): the session's turn stays on its way
+    (unpriced, not landed) until both samples are in the store, then nothing of it is left."""
+    ledger = ledgers()
+    ledger.told_finished("chatcmpl-x", "s")  # sample 0 finished
+    ledger.told_finished("chatcmpl-x", "s")  # sample 1 finished
+    ledger.add(parallel_sample("chatcmpl-x", 0, 10))
+    assert ledger.flush()
+    assert len(ledger.unlanded) == 1 and ledger.unpriced_since("s") < math.inf  # sample 1 is not
+    ledger.add(parallel_sample("chatcmpl-x", 1, 12))
+    assert ledger.flush()
+    assert len(ledger.unlanded) == 0 and ledger.unpriced_since("s") == math.inf
+    assert [r["request_id"] for r in ledger.get("s")["turn_rows"]] == ["0_chatcmpl-x", "1_chatcmpl-x"]
 
 
 def test_the_store_outlives_the_process(tmp_path):
@@ -356,6 +382,42 @@ def test_a_failed_batch_is_lost_whole_and_counted(ledgers, monkeypatch):
     assert ledger.stats.records_lost == 2 and "injected fault" in str(errors[-1])
     assert ledger.get("lost") is None and ledger.get("kept")["turns"] == 1  # nothing half-written
     assert ledger.host_stats()["sessions_opened"] == 1
+
+
+def test_a_number_that_is_not_finite_costs_its_record_that_number_and_no_record_is_lost(ledgers, monkeypatch):
+    """One record of a batch has a NaN (its GPU seconds) and an infinity (its served PTE): the
+    store takes the whole batch, that record's GPU seconds as unknown and its served PTE as 0,
+    with one sessions fault naming both; the other records land as they are."""
+    errors: list[Exception] = []
+    ledger = ledgers(on_error=errors.append)
+    busy, release = threading.Event(), threading.Event()
+    commit = ledger.store.commit
+
+    def stalled(*args):  # the writer waits while the records queue: they are its next batch
+        busy.set()
+        release.wait(60)
+        return commit(*args)
+
+    monkeypatch.setattr(ledger.store, "commit", stalled)
+    ledger.expire()
+    assert busy.wait(10)
+    good = [turn(ledger, f"ok-{i}", 100, 10, 0, 1000.0) for i in range(3)]
+    bad = price_request(
+        COST, FinishedRequest("bad", "m", 100, 0, 10, "stop", session_id="bad", turn=1), 1000.0
+    )
+    ledger.add(replace(bad, gpu_seconds=math.nan, pte_served=math.inf))
+    release.set()
+    assert ledger.flush(timeout=60)
+    assert ledger.stats.records_lost == 0
+    assert [e for e in errors if "not a finite number" in str(e)] == errors and len(errors) == 1
+    assert "gpu_seconds" in str(errors[0]) and "pte_served" in str(errors[0])
+    [row] = ledger.get("bad")["turn_rows"]
+    assert row["gpu_seconds"] is None and row["pte_served"] == 0.0
+    assert ledger.get("bad")["pte_served"] == 0.0
+    assert [ledger.get(f"ok-{i}")["pte_served"] for i in range(3)] == [r.pte_served for r in good]
+    m = ledger.model_totals()["m"]
+    assert m["requests"] == 4 and m["requests_timed"] == 0
+    assert m["pte_served"] == pytest.approx(3 * good[0].pte_served)
 
 
 @pytest.mark.parametrize(

@@ -56,4 +56,26 @@ def test_a_session_waits_only_for_its_own_unpriced_turns():
     unlanded.told("x-1", "z")  # a client reused the id, for another session
     assert unlanded.unpriced_since("x") == math.inf and unlanded.unpriced_since("z") == 1002.0
     unlanded.priced("y-1")
-    assert unlanded.unpriced_since("y") == math.inf and unlanded.watermark() == 1001.0  # priced, not landed
+    assert unlanded.unpriced_since("y") == math.inf
+    assert unlanded.watermark() == 1000.0  # both requests under "x-1" are on their way
+    assert unlanded.watermark(landing=["x-1", "x-1"]) == 1001.0  # y-1: priced, not landed
+
+
+def test_an_id_told_once_per_parallel_sample_is_on_its_way_until_every_sample_lands():
+    """vLLM reports each sample of an n > 1 request finished under the parent's id: the id
+    holds the watermark from its first sample until the last lands, and its session waits
+    until the last is priced."""
+    clock = Clock()
+    unlanded = Unlanded(clock)
+    unlanded.told("p", "s")
+    clock.t = 1001.0
+    unlanded.told("p", "s")
+    clock.t = 1002.0
+    unlanded.priced("p")
+    assert unlanded.unpriced_since("s") == 1000.0 and unlanded.watermark(landing=["p"]) == 1000.0
+    unlanded.priced("p")
+    assert unlanded.unpriced_since("s") == math.inf and unlanded.watermark(landing=["p", "p"]) == 1002.0
+    unlanded.landed(["p"])
+    assert unlanded.watermark() == 1000.0 and len(unlanded) == 1
+    unlanded.landed(["p"])
+    assert unlanded.watermark() == 1002.0 and len(unlanded) == 0
