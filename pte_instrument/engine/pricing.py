@@ -19,7 +19,9 @@ Passes are shipped and read in the order they were handed over, so a request's s
 priced before its totals are read. A pass the ring has no room for (the pricing process is
 far behind), shipped to a pricing process that has exited, or that finds ``MAX_HANDED_OVER``
 passes still waiting for the shipping thread, is dropped and counted as a fault at the engine
-thread's next pass; the engine never waits. The pricing process ends when the hook shuts down, or when the engine process is gone
+thread's next pass; the engine never waits. A pass whose message would take over a quarter of
+the ring (request ids are the client's choice, and may be long) goes in parts, which the
+shipping thread waits a little for room to put. The pricing process ends when the hook shuts down, or when the engine process is gone
 (its stdin closes); a SIGINT or SIGTERM to the server's process group does not end it before
 the engine's last pass.
 
@@ -69,6 +71,10 @@ MAX_HANDED_OVER = 64
 # releases it holds an engine thread back from its model wait for up to the switch interval
 # (5 ms); reading a step whose output has gone cold takes a few µs.
 READ_CHUNK_STEPS = 32
+# The largest message one pass is shipped in (a quarter of the ring): a larger pass goes in
+# parts, each of which waits up to ROOM_WAIT_S for the pricing process to make room.
+MAX_MESSAGE_BYTES = RING_BYTES // 4
+ROOM_WAIT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -213,7 +219,41 @@ class PricingProcess:
     def _ship(self, batch: PricingBatch) -> None:
         if self._read_steps is not None and batch.steps:
             batch.steps = self._read(self._read_steps, batch.steps)
-        put = self._ring.put(self._encoder.encode(batch))
+        parts = self._parts(batch)
+        for k, data in enumerate(parts):
+            # the parts of a pass too large for one message: the pricing process reads the
+            # ring as they come, so each waits a little for room before it is said dropped
+            self._put(data, batch, ROOM_WAIT_S if len(parts) > 1 else 0.0)
+            if k:
+                time.sleep(0)  # the GIL to an engine thread back from its model wait
+
+    def _parts(self, batch: PricingBatch) -> list[bytes]:
+        """The pass as messages of at most ``MAX_MESSAGE_BYTES``, the finished requests in the
+        last: request ids are the client's choice, and a pass of long ones would not fit in
+        the ring. A step too large on its own is lost (said), its prompt lengths kept."""
+        data = self._encoder.encode(batch)
+        if len(data) <= MAX_MESSAGE_BYTES:
+            return [data]
+        steps, finished = batch.steps, batch.finished
+        if len(steps) > 1 or (not steps and len(finished) > 1):
+            cut_steps, cut_finished = (len(steps) // 2, 0) if steps else (0, len(finished) // 2)
+            head = PricingBatch(steps[:cut_steps], batch.prompts, finished[:cut_finished], batch.hook_s)
+            tail = PricingBatch(steps[cut_steps:], {}, finished[cut_finished:], batch.hook_s, batch.last)
+            return self._parts(head) + self._parts(tail)
+        if steps:
+            self._step_unread(
+                ValueError(f"it takes {len(data)} bytes, over the {MAX_MESSAGE_BYTES} a message may")
+            )
+            prompts = {**batch.prompts, **{rid: prompt for rid, _, prompt in steps[0][0] or ()}}
+            return self._parts(PricingBatch([], prompts, finished, batch.hook_s, batch.last))
+        return [data]  # one finished request: the ring has room for it or says not
+
+    def _put(self, data: bytes, batch: PricingBatch, wait_s: float) -> None:
+        put = self._ring.put(data)
+        until = time.monotonic() + wait_s
+        while not put and time.monotonic() < until and self._proc.poll() is None:
+            time.sleep(0.001)
+            put = self._ring.put(data)
         if put:
             try:
                 os.write(self._proc.stdin.fileno(), b"\0")  # type: ignore[union-attr]

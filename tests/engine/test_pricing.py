@@ -300,6 +300,51 @@ def test_a_step_log_on_a_full_disk_costs_the_pricing_process_none_of_its_totals(
     assert faults == {"engine_finish": 1}
 
 
+def test_a_pass_larger_than_the_ring_goes_in_parts_and_every_total_is_exact(api_server):
+    """Request ids are the client's choice and may be long: a pass whose message would not fit
+    in the ring (600 steps of a 9,000-character id, twice a step: 10.8 MB) goes in parts, its
+    steps in order and its finished request with the last; its totals are what one pass gives."""
+    base, inbox = api_server
+    pricing = start(base)
+    rid = "x" * 9000
+    # a 10-token prompt, then 599 decode steps: prefill 10, decode 1 + 599,
+    # Σctx 10 + Σ_{k=1..599} (10 + k) = 10 + 5,990 + 179,700
+    steps = [step(new=[(rid, 10, 10)])]
+    steps += [step(running=[(rid, 9 + k, 1)], t=0.002 * k) for k in range(1, 600)]
+    try:
+        pricing.price_raw(steps)
+        pricing.on_finished(rid, "length", COUNTS)
+        pricing.flush()
+        got = messages(inbox, lambda m: any(isinstance(x, RequestTotals) for x in m))
+        pricing.flush()  # nothing was dropped: nothing to say
+    finally:
+        pricing.close()
+    (totals,) = [m for m in got if isinstance(m, RequestTotals)]
+    assert (totals.prefill, totals.decode_tokens, totals.ctx) == (10, 600, (185_700.0,))
+    assert totals.engine_steps == 600
+
+
+def test_a_step_too_large_for_any_message_is_lost_alone_and_said(api_server):
+    """A step whose own message would be over a quarter of the ring (a 700,000-character id,
+    twice) is lost, said at the next flush; the pass's other steps and its finished request
+    still go."""
+    base, inbox = api_server
+    pricing = start(base)
+    rid = "y" * 700_000
+    try:
+        pricing.price_raw([step(new=[(rid, 10, 10)]), step(running=[("z", 5, 1)])])
+        pricing.on_finished(rid, "length", COUNTS)
+        pricing.flush()
+        assert wait(lambda: pricing._handed_over.qsize() == 0 and pricing._ship_errors)
+        with pytest.raises(StepUnread, match="over the"):
+            pricing.flush()
+        got = messages(inbox, lambda m: any(isinstance(x, RequestTotals) for x in m))
+    finally:
+        pricing.close()
+    (totals,) = [m for m in got if isinstance(m, RequestTotals)]
+    assert totals.request_id == rid and not totals.scheduled  # its only step was the one lost
+
+
 def test_passes_the_shipping_thread_has_not_shipped_are_bounded(api_server):
     """A shipping thread that cannot keep up holds at most ``MAX_HANDED_OVER`` passes: the
     next one is dropped and said, and the engine thread never waits for it."""
