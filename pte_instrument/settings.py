@@ -602,7 +602,7 @@ TABLE: tuple[Setting, ...] = (
         None,
         _text,
         accepted="file path",
-        help="engine-side step log (JSONL: a header, then one line per scheduler step) for validation and γ calibration; engine *i* > 0 writes `<path>.engine<i>` (fields: [cost-model.md §5](cost-model.md#5-roofline-attribution)); the lines of a request's steps are in the file before its totals reach the API server. A path that cannot be opened turns off the step log only, with one log line per engine, counted in `pte_plugin_faults_total{stage=\"engine_step_log\"}`; one that cannot be written later (a full disk) goes off too, said once and counted in `pte_plugin_faults_total{stage=\"engine_finish\"}`, its buffered lines lost; the hook's accounting goes on",
+        help='engine-side step log (JSONL: a header, then one line per scheduler step) for validation and γ calibration; engine *i* > 0 writes `<path>.engine<i>` (fields: [cost-model.md §5](cost-model.md#5-roofline-attribution)); the lines of a request\'s steps are in the file before its totals reach the API server. A path that cannot be opened turns off the step log only, with one log line per engine, counted in `pte_plugin_faults_total{stage="engine_step_log"}`; one that cannot be written later (a full disk) goes off too, said once and counted in `pte_plugin_faults_total{stage="engine_finish"}`, its buffered lines lost; the hook\'s accounting goes on',
         summary="engine-side step log (JSONL), for validation and γ calibration",
     ),
     Setting(
