@@ -81,6 +81,8 @@ class HookState:
     countdown: int = TIME_EVERY_STEPS  # outputs to take until the one that is timed
     failpoint: bool = False  # the ``engine_step`` failpoint is armed
     finished_at: float | None = None  # the earliest finish not sent yet
+    last_t0: float = 0.0  # when the latest step's outputs came back
+    next_at: float = 0.0  # when the next step's are due, if it takes as long as the latest
     updating: bool = False  # inside vLLM's update_from_output (which may finish requests)
     hook_s: float = 0.0  # the hook's own time on the engine thread (the accounting's at a pass)
 
@@ -329,13 +331,19 @@ class _PteHook:
         try:
             if drafts is not None and step is not None:
                 self._pte_rejected(step, drafts)
+            # A finish waits for company until the next step's outputs would come later than
+            # PRICE_DELAY_S after it.
             finished_at = state.finished_at
+            next_at = state.next_at = 2 * t0 - state.last_t0
+            state.last_t0 = t0
             if (
                 len(state.done) >= PRICE_EVERY_STEPS
                 or state.rows >= PRICE_EVERY_ROWS
                 or (
                     finished_at is not None
-                    and (t0 - finished_at >= PRICE_DELAY_S or not self.get_num_unfinished_requests())  # type: ignore[attr-defined]
+                    and (
+                        next_at - finished_at >= PRICE_DELAY_S or not self.get_num_unfinished_requests()  # type: ignore[attr-defined]
+                    )
                 )
             ):
                 t = clock()
@@ -354,13 +362,17 @@ class _PteHook:
     def finish_requests(self, *args: Any, **kwargs: Any) -> Any:
         result = super().finish_requests(*args, **kwargs)  # type: ignore[misc]
         state = self._pte_state
-        # Aborts arrive here, outside update_from_output; an idle engine steps no more. Requests
-        # vLLM fails inside update_from_output arrive here too: that step's pass comes after it,
-        # once the step's rejected drafts are read.
+        # Aborts arrive here, outside update_from_output: priced now where the engine is idle
+        # (it steps no more) or the next step's outputs are due too late. Requests vLLM fails
+        # inside update_from_output arrive here too: that step's pass comes after it, once the
+        # step's rejected drafts are read.
         if state.pte is not None and state.finished_at is not None and not state.updating:
             t = state.clock()
             try:
-                if not self.get_num_unfinished_requests():  # type: ignore[attr-defined]
+                if (
+                    state.next_at - state.finished_at >= PRICE_DELAY_S
+                    or not self.get_num_unfinished_requests()  # type: ignore[attr-defined]
+                ):
                     self._pte_price()
             except Exception as e:
                 self._pte_fault("finish", e)

@@ -573,3 +573,35 @@ def test_the_hook_switches_itself_off_only_when_faults_come_fast(monkeypatch, st
     d, _ = drive(PteScheduler, False, case, clock=StepClock(lambda _: step_s))
     assert sum(d.s._pte_faults.counts.values()) >= (150 if stays_on else 100)
     assert (d.s._pte_state.pte is not None) is stays_on
+
+
+class FreeTimes(PteScheduler):
+    """The hook, with the hook's clock when vLLM freed each request."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.freed_at: dict[str, float] = {}
+
+    def _free_request(self, request, *args, **kwargs):
+        self.freed_at[request.request_id] = self._pte_state.clock()
+        return super()._free_request(request, *args, **kwargs)
+
+
+@pytest.mark.parametrize("step_s", [0.002, 0.1], ids=["2ms-steps", "100ms-steps"])
+def test_a_finished_requests_totals_leave_within_50_ms_however_long_the_steps(step_s):
+    """Steps of 100 ms (a CPU build, or long prefills on a GPU): a request that finishes while
+    others run is not held until the next step's outputs, 100 ms later."""
+    clock = StepClock(lambda _: step_s)
+    case = STREAMS["mixed"]
+    s = scheduler_for(FreeTimes, False, case)
+    sent_at: dict[str, float] = {}
+
+    def send(totals: list) -> None:
+        sent_at.update((m.request_id, clock.now) for m in totals)
+
+    s._pte_state.pte = s._pte_accounting(s.vllm_config, Settings.from_env(), 0, send)
+    d = Driver(s, async_scheduling=False, clock=clock)
+    d.run(case["stream"])
+    late = {rid: sent_at[rid] - at for rid, at in s.freed_at.items()}
+    assert set(late) == set(d.arrivals)
+    assert max(late.values()) <= 0.05, sorted(late.values())[-3:]
