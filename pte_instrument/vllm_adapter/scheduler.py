@@ -264,9 +264,8 @@ class _PteHook:
             pte, state.pte = state.pte, None
             state.inflight.clear()
             state.done.clear()
-            if isinstance(
-                pte, PricingProcess
-            ):  # it may wait seconds for its process: not on the engine thread
+            # Closing may wait seconds for its process: not on the engine thread.
+            if isinstance(pte, PricingProcess):
                 threading.Thread(target=pte.close, name="pte-pricing-close", daemon=True).start()
 
     # --- vLLM's scheduler interface -------------------------------------------------------

@@ -277,30 +277,36 @@ PrometheusExporter("m", 0, PteMetrics(CollectorRegistry())).publish_engine_time(
 """
 
 
-def test_engine_busy_time_never_goes_back_when_an_older_report_is_published_last(tmp_path):
+@pytest.fixture
+def newer_report_published_first(tmp_path) -> CollectorRegistry:
+    """Two API server processes in one ``PROMETHEUS_MULTIPROC_DIR``: the first publishes the
+    engine's newer report (busy 2.0 s, 1.5 s of it attributed), the second an older one (1.0,
+    0.8) after it; the merge of their files, as ``/metrics`` serves it."""
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    for busy, attributed in ((2.0, 1.5), (1.0, 0.8)):
+        subprocess.run(
+            [sys.executable, "-c", _PUBLISH_ONE_REPORT, str(busy), str(attributed)], env=env, check=True
+        )
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=str(tmp_path))
+    return registry
+
+
+def test_engine_busy_time_never_goes_back_when_an_older_report_is_published_last(
+    newer_report_published_first,
+):
     """The engine sends its busy time with each request's totals to the API server that owns
     the request; a server that publishes an older report after another published a newer one
     must not take the gauge back (a busy time that drops reads as a reset to ``rate()``)."""
-    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
-    for busy, attributed in ((2.0, 1.5), (1.0, 0.8)):  # the newer report is published first
-        subprocess.run(
-            [sys.executable, "-c", _PUBLISH_ONE_REPORT, str(busy), str(attributed)], env=env, check=True
-        )
-    registry = CollectorRegistry()
-    MultiProcessCollector(registry, path=str(tmp_path))
-    assert registry.get_sample_value("pte_engine_busy_seconds", {"model_name": "m", "engine": "0"}) == 2.0
+    labels = {"model_name": "m", "engine": "0"}
+    assert newer_report_published_first.get_sample_value("pte_engine_busy_seconds", labels) == 2.0
 
 
-def test_unattributed_time_is_the_newest_reports_when_an_older_one_is_published_last(tmp_path):
+def test_unattributed_time_is_the_newest_reports_when_an_older_one_is_published_last(
+    newer_report_published_first,
+):
     """Busy minus attributed time is not monotone, so it cannot merge as the largest: with
     several API servers it must be the newest engine report's (the one with the most busy
     time), not that of whichever server published last."""
-    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
-    for busy, attributed in ((2.0, 1.5), (1.0, 0.8)):  # the newer report is published first
-        subprocess.run(
-            [sys.executable, "-c", _PUBLISH_ONE_REPORT, str(busy), str(attributed)], env=env, check=True
-        )
-    registry = CollectorRegistry()
-    MultiProcessCollector(registry, path=str(tmp_path))
     labels = {"model_name": "m", "engine": "0"}
-    assert registry.get_sample_value("pte_gpu_seconds_unattributed", labels) == 0.5
+    assert newer_report_published_first.get_sample_value("pte_gpu_seconds_unattributed", labels) == 0.5
