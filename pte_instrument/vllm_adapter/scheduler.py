@@ -21,6 +21,7 @@ switches itself off.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
@@ -423,9 +424,11 @@ class _PteHook:
 
     def _pte_lost(self, step: list[Any]) -> None:
         """A step the accounting will not see: the prompt lengths of the requests it started,
-        which later steps do not carry (the pricing process cannot ask the scheduler)."""
-        for d in step[_OUT].scheduled_new_reqs:
-            self._pte_prompts[d.req_id] = compat.prompt_length(d)
+        which later steps do not carry (the pricing process cannot ask the scheduler). Those it
+        cannot read are left out: it runs where a fault was met, and must not raise into vLLM."""
+        with contextlib.suppress(Exception):
+            for d in step[_OUT].scheduled_new_reqs:
+                self._pte_prompts[d.req_id] = compat.prompt_length(d)
 
     def _pte_drafts(
         self, step: list[Any], spec: dict[str, list[int]], output: Any

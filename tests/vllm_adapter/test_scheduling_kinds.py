@@ -605,3 +605,20 @@ def test_a_finished_requests_totals_leave_within_50_ms_however_long_the_steps(st
     late = {rid: sent_at[rid] - at for rid, at in s.freed_at.items()}
     assert set(late) == set(d.arrivals)
     assert max(late.values()) <= 0.05, sorted(late.values())[-3:]
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_a_lost_step_whose_prompts_cannot_be_read_either_is_not_raised_into_vllm(monkeypatch, asynchronous):
+    """A step is lost to a fault after it was taken off the in-flight list (its drafts cannot
+    be read), and the prompt lengths it would keep cannot be read either (fields of another
+    vLLM release): both are counted, and vLLM's update goes on."""
+    from pte_instrument.vllm_adapter import compat
+
+    def unreadable(*args):
+        raise AttributeError("a field of another vLLM release")
+
+    monkeypatch.setattr(PteScheduler, "_pte_drafts", unreadable)
+    monkeypatch.setattr(compat, "prompt_length", unreadable)
+    d, _ = drive(PteScheduler, asynchronous, STREAMS["speculative"])
+    assert set(d.s._pte_faults.counts) <= {"engine_step"} and d.s._pte_faults.counts["engine_step"] > 0
+    assert d.s.get_num_unfinished_requests() == 0  # every request ran to its end
