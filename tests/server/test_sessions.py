@@ -291,8 +291,12 @@ def test_hundred_thousand_session_ids_stay_bounded(ledgers):
         recent.observe(f"warm-req-{i}", f"warm-{i}", "m", "none", 2, "stop")
     # Both measurements once both writers have caught up: what is still queued is not what
     # the stores keep (measured with the queue full, the base hid 1.5 MiB of growth, and
-    # a busy host moved the result by as much).
+    # a busy host moved the result by as much). And after a full collection, which also
+    # empties the interpreter's free lists (up to 2,000 tuples of each size, counted as
+    # allocated): what they hold depends on how the writers' batches fell, not on what the
+    # stores keep (0.7 MiB on a quiet host, over 2 MiB on a busy one).
     assert ledger.flush() and recent.store.flush()
+    gc.collect()
     base, _ = tracemalloc.get_traced_memory()
     template = turn(ledger, "template", 50, 2, 0, 1000.0)
     for i in range(100_000):
@@ -302,11 +306,12 @@ def test_hundred_thousand_session_ids_stay_bounded(ledgers):
             ledger.add(replace(template, session_id=f"sid-{i}"))
         if i % 5000 == 4999:  # the writer keeps pace, as with requests that take time to run
             assert ledger.flush(timeout=120) and recent.store.flush(timeout=120)
+    gc.collect()
     now, _ = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert len(ledger) == cap and len(pending) == cap
     assert ledger.stats.sessions_evicted == 21_001 - cap and pending.dropped == 100_000 - cap
-    assert (now - base) / 2**20 < 2, f"grew {(now - base) / 2**20:.2f} MiB"
+    assert (now - base) / 2**20 < 1, f"grew {(now - base) / 2**20:.2f} MiB"
 
 
 class _Record:
