@@ -1,5 +1,6 @@
 """Live outcome-layer statistics from finished requests and posted labels (hand-computed)."""
 
+import gc
 import tracemalloc
 
 import pytest
@@ -46,11 +47,13 @@ def test_one_long_session_stays_bounded_by_the_window():
     for i in range(window):
         e.observe(f"warm-{i:07d}", "agent", "m", "none", 2, "stop")
     assert e.store.flush()
+    gc.collect()  # and the interpreter's free lists, which hold what the writer's batches left
     base, _ = tracemalloc.get_traced_memory()
     for i in range(40_000):  # one session, far more turns than the window holds
         e.observe(f"request-{i:07d}", "agent", "m", "none", 2, "stop")
         if i % 5000 == 4999:  # the writer keeps pace, as with requests that take time to run
             assert e.store.flush(timeout=120)
+    gc.collect()
     now, _ = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert (now - base) / 2**20 < 0.5, f"grew {(now - base) / 2**20:.2f} MiB"
