@@ -21,9 +21,9 @@ far behind), shipped to a pricing process that has exited, or that finds ``MAX_H
 passes still waiting for the shipping thread, is dropped and counted as a fault at the engine
 thread's next pass; the engine never waits. A pass whose message would take over a quarter of
 the ring (request ids are the client's choice, and may be long) goes in parts, which the
-shipping thread waits a little for room to put. The pricing process ends when the hook shuts down, or when the engine process is gone
-(its stdin closes); a SIGINT or SIGTERM to the server's process group does not end it before
-the engine's last pass.
+shipping thread waits a little for room to put. The pricing process ends when the hook shuts
+down, or when the engine process is gone (its stdin closes); a SIGINT or SIGTERM to the
+server's process group does not end it before the engine's last pass.
 
     python -m pte_instrument.engine.pricing   (started by the hook; its config on stdin)
 """

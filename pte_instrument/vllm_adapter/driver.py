@@ -122,7 +122,6 @@ class StepRecord:
     # vLLM took back of its computed tokens for them (none for an output a preemption made stale)
     rejected: dict[str, int] = field(default_factory=dict)
     rolled_back: dict[str, int] = field(default_factory=dict)
-    sampled_rejected: dict[str, int] = field(default_factory=dict)  # the model's, for every row
     scheduled_at: float = 0.0  # the driver's clock
     done_at: float = 0.0
 
@@ -168,7 +167,8 @@ class Driver:
         # abort: the count when it came)
         self.finished_in: dict[str, int] = {}
         self.steps: list[StepRecord] = []
-        self.queue: deque[tuple[Any, ModelRunnerOutput, StepRecord]] = deque()
+        # scheduled steps whose outputs are not taken yet, with the drafts the model rejects
+        self.queue: deque[tuple[Any, ModelRunnerOutput, StepRecord, dict[str, int]]] = deque()
         self.schedule_s: list[float] = []  # per step: schedule() + update_from_output(), host seconds
         self._pending_s = 0.0
         self._calls = 0  # schedule() and update_from_output() calls so far
@@ -196,7 +196,7 @@ class Driver:
     def accepted(self, rid: str, k: int, drafts: int) -> int:
         return zlib.crc32(f"{rid}/{k}".encode()) % (drafts + 1) if drafts else 0
 
-    def _outputs(self, out: Any) -> tuple[ModelRunnerOutput, StepRecord]:
+    def _outputs(self, out: Any) -> tuple[ModelRunnerOutput, StepRecord, dict[str, int]]:
         requests = self.s.requests
         spec = out.scheduled_spec_decode_tokens
         new = [Row(d.req_id, d.num_computed_tokens, 0, 0) for d in out.scheduled_new_reqs]
@@ -218,12 +218,17 @@ class Driver:
             accepted = self.accepted(rid, k, d)
             sampled.append([self.token(rid, k + i) for i in range(accepted + 1)])
             self.generated[rid] = k + len(sampled[-1])
-            rejected[rid] = d - accepted
-        record = StepRecord(rows, self._calls, sampled_rejected=rejected)
+            if d > accepted:
+                rejected[rid] = d - accepted
+        record = StepRecord(rows, self._calls)
         self._calls += 1
-        return ModelRunnerOutput(
-            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled
-        ), record
+        return (
+            ModelRunnerOutput(
+                req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled
+            ),
+            record,
+            rejected,
+        )
 
     # --- the engine's order -------------------------------------------------------------
 
@@ -236,15 +241,15 @@ class Driver:
         t = time.perf_counter()
         out = self.s.schedule()
         self._pending_s += time.perf_counter() - t
-        mro, record = self._outputs(out)
+        mro, record, rejected = self._outputs(out)
         if self.clock is not None:
             record.scheduled_at = self.clock.now
             record.done_at = self.clock.finish_time(self.clock.now, record.scheduled)
-        self.queue.append((out, mro, record))
+        self.queue.append((out, mro, record, rejected))
         self.steps.append(record)
 
     def _update(self) -> None:
-        out, mro, record = self.queue.popleft()
+        out, mro, record, rejected = self.queue.popleft()
         if self.clock is not None:
             self.clock.now = max(self.clock.now + 1e-3, record.done_at)
         requests = self.s.requests
@@ -262,9 +267,8 @@ class Driver:
             req = requests.get(row.rid)
             if row.rid not in self.finished_in and (req is None or req.is_finished()):
                 self.finished_in[row.rid] = record.scheduled
+        record.rejected = {rid: k for rid, k in rejected.items() if rid in before}
         for rid, (req, c) in before.items():
-            if record.sampled_rejected.get(rid, 0) > 0:
-                record.rejected[rid] = record.sampled_rejected[rid]
             if c - req.num_computed_tokens > 0:  # vLLM rolls back what it rejected
                 record.rolled_back[rid] = c - req.num_computed_tokens
         if self.num_spec and not self.async_scheduling:  # the proposer drafts for every sampled request
