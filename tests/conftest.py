@@ -5,6 +5,7 @@ server is shared by every test that does not need its own configuration."""
 from __future__ import annotations
 
 import http.server
+import json
 import os
 import threading
 import time
@@ -133,7 +134,11 @@ class OtlpReceiver:
         from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
         from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-        spans, logs, points = self.spans, self.logs, self.points = [], [], []
+        spans, logs = self.spans, self.logs = [], []
+        # Metric points by series, the latest only: the server exports every 300 ms for the
+        # whole test session, and cumulative temporality puts every observation in the latest.
+        points: dict[str, dict[str, Any]] = {}
+        self.points = points
 
         def take_spans(body: bytes) -> None:
             request = ExportTraceServiceRequest.FromString(body)
@@ -149,7 +154,11 @@ class OtlpReceiver:
         def take_metrics(body: bytes) -> None:
             request = ExportMetricsServiceRequest.FromString(body)
             for resource, m in _items(request.resource_metrics, "scope_metrics", "metrics"):
-                points.extend(_metric_points(m, resource))
+                for point in _metric_points(m, resource):
+                    series = json.dumps(
+                        [point["name"], point["resource"], point["attributes"]], sort_keys=True
+                    )
+                    points[series] = point
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self) -> None:
@@ -186,7 +195,7 @@ class OtlpReceiver:
         (cumulative temporality: it holds every observation so far)."""
         found = [
             p
-            for p in list(self.points)
+            for p in self.points.copy().values()
             if p["name"] == name and all(p["attributes"].get(k) == v for k, v in attributes.items())
         ]
         return max(found, key=lambda p: p["time"], default=None)

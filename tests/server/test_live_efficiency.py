@@ -1,11 +1,11 @@
 """Live outcome-layer statistics from finished requests and posted labels (hand-computed)."""
 
-import gc
 import tracemalloc
 
 import pytest
 
 from pte_instrument.server.live_efficiency import FeedbackError, LiveEfficiency
+from tests.helpers import heap_now, in_fresh_process
 
 
 def test_rates_labels_and_sessions():
@@ -40,28 +40,35 @@ def test_label_errors():
     assert err.value.status == 409
 
 
-def test_one_long_session_stays_bounded_by_the_window():
-    window = 1000
+def _one_long_session(window: int) -> tuple[float, dict, int]:
+    """Run in a fresh process: one session of 40,000 requests through a window of ``window``;
+    (MiB the heap grew, the session's label, requests the store keeps)."""
     e = LiveEfficiency(window=window)
     tracemalloc.start()
     for i in range(window):
         e.observe(f"warm-{i:07d}", "agent", "m", "none", 2, "stop")
     assert e.store.flush()
-    gc.collect()  # and the interpreter's free lists, which hold what the writer's batches left
-    base, _ = tracemalloc.get_traced_memory()
+    base = heap_now()
     for i in range(40_000):  # one session, far more turns than the window holds
         e.observe(f"request-{i:07d}", "agent", "m", "none", 2, "stop")
         if i % 5000 == 4999:  # the writer keeps pace, as with requests that take time to run
             assert e.store.flush(timeout=120)
-    gc.collect()
-    now, _ = tracemalloc.get_traced_memory()
+    grown = (heap_now() - base) / 2**20
     tracemalloc.stop()
-    assert (now - base) / 2**20 < 0.5, f"grew {(now - base) / 2**20:.2f} MiB"
+    label = e.label(True, session_id="agent")
+    with e.store.store.reading() as db:
+        kept = db.execute("SELECT COUNT(*) FROM recent").fetchone()[0]
+    e.close()
+    return grown, label, kept
+
+
+def test_one_long_session_stays_bounded_by_the_window():
+    window = 1000
+    grown, label, kept = in_fresh_process(_one_long_session, window)
+    assert grown < 0.5, f"grew {grown:.2f} MiB"
     # the label covers the session's turns still in the window, as before
-    out = e.label(True, session_id="agent")
-    assert out["requests"] == window and out["output_tokens"] == 2 * window
-    with e.store.store.reading() as db:  # the window is the store's bound too
-        assert db.execute("SELECT COUNT(*) FROM recent").fetchone()[0] == window
+    assert label["requests"] == window and label["output_tokens"] == 2 * window
+    assert kept == window  # the window is the store's bound too
 
 
 def test_a_label_reaches_a_request_another_api_server_observed(tmp_path):

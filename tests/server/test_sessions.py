@@ -25,6 +25,7 @@ from pte_instrument.server.session_store import BatchWriter
 from pte_instrument.server.sessions import SessionLedger, StoreError
 from pte_instrument.wire import RequestTotals
 from tests.cost.test_architecture import FIX
+from tests.helpers import heap_now, in_fresh_process
 
 COST = CostModel(parse_shape(load_config(FIX / "dense_mha.json")), PROFILES["h200"])
 
@@ -280,9 +281,11 @@ def test_top_sessions_sorted_and_paginated(ledgers):
     assert [r["session_id"] for r in ledger.top(limit=2, offset=2)[1]] == ["small"]
 
 
-def test_hundred_thousand_session_ids_stay_bounded(ledgers):
-    cap = 1000
-    ledger = ledgers(max_sessions=cap, max_turns=4)
+def _grow_a_hundred_thousand_ids(cap: int) -> tuple[float, int, int, int, int]:
+    """Run in a fresh process: a hundred thousand session and request ids through stores of
+    ``cap`` entries; (MiB the heap grew, sessions and tags held, sessions evicted, tags
+    dropped)."""
+    ledger = SessionLedger(max_sessions=cap, max_turns=4)
     pending = PendingTags(capacity=cap)
     recent = LiveEfficiency(window=cap)  # the feedback window: the other per-request store
     tracemalloc.start()
@@ -291,13 +294,9 @@ def test_hundred_thousand_session_ids_stay_bounded(ledgers):
         recent.observe(f"warm-req-{i}", f"warm-{i}", "m", "none", 2, "stop")
     # Both measurements once both writers have caught up: what is still queued is not what
     # the stores keep (measured with the queue full, the base hid 1.5 MiB of growth, and
-    # a busy host moved the result by as much). And after a full collection, which also
-    # empties the interpreter's free lists (up to 2,000 tuples of each size, counted as
-    # allocated): what they hold depends on how the writers' batches fell, not on what the
-    # stores keep (0.7 MiB on a quiet host, over 2 MiB on a busy one).
+    # a busy host moved the result by as much).
     assert ledger.flush() and recent.store.flush()
-    gc.collect()
-    base, _ = tracemalloc.get_traced_memory()
+    base = heap_now()
     template = turn(ledger, "template", 50, 2, 0, 1000.0)
     for i in range(100_000):
         pending.put(f"req-{i}", RequestTag(f"sid-{i}", "none"))
@@ -306,12 +305,19 @@ def test_hundred_thousand_session_ids_stay_bounded(ledgers):
             ledger.add(replace(template, session_id=f"sid-{i}"))
         if i % 5000 == 4999:  # the writer keeps pace, as with requests that take time to run
             assert ledger.flush(timeout=120) and recent.store.flush(timeout=120)
-    gc.collect()
-    now, _ = tracemalloc.get_traced_memory()
+    grown = (heap_now() - base) / 2**20
     tracemalloc.stop()
-    assert len(ledger) == cap and len(pending) == cap
-    assert ledger.stats.sessions_evicted == 21_001 - cap and pending.dropped == 100_000 - cap
-    assert (now - base) / 2**20 < 1, f"grew {(now - base) / 2**20:.2f} MiB"
+    ledger.close()
+    recent.close()
+    return grown, len(ledger), len(pending), ledger.stats.sessions_evicted, pending.dropped
+
+
+def test_hundred_thousand_session_ids_stay_bounded():
+    cap = 1000
+    grown, sessions, tags, evicted, dropped = in_fresh_process(_grow_a_hundred_thousand_ids, cap)
+    assert sessions == cap and tags == cap
+    assert evicted == 21_001 - cap and dropped == 100_000 - cap
+    assert grown < 1, f"grew {grown:.2f} MiB"
 
 
 class _Record:
