@@ -9,14 +9,15 @@ carries an ``X-Request-Id`` (vLLM names its request after it), and remembers req
 until the request finishes: the tag goes a grace period after the HTTP exchange ends
 (``PendingTags.settle``), so every engine request of one HTTP request (``n > 1``, a list of
 prompts) carries it. An ``X-Request-Id`` longer than ``MAX_REQUEST_ID_LEN`` bytes, on any
-POST, goes on as its digest (``bounded_request_id``): the request log and the session store
+POST, goes on as its digest (``bounded_request_id``), and so does the body's ``request_id``
+(vLLM's name for a request sent without the header): the request log and the session store
 keep vLLM's name for each request, and a client's id would otherwise be of any length."""
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Container
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 from opentelemetry.semconv._incubating.attributes.gen_ai_attributes import (
@@ -47,6 +48,7 @@ OPERATIONS = {
     "/v1/responses": Operation.CHAT.value,
 }
 GENERATION_PATHS = tuple(OPERATIONS)
+PLUGIN_ROUTES = "/pte/"
 MAX_MODEL_NAME_LEN = 256  # a longer "model" is kept for no adapter (accounted to the base model)
 
 
@@ -54,8 +56,9 @@ class TaggingMiddleware:
     """Tags generation requests with their session and benchmark label, and with their
     route's operation and the caller's trace context when OpenTelemetry takes them, and with
     their prompt's digest when the request log takes it. Pure ASGI (no per-request task; the
-    body is copied only for a field of it a tag needs: the ``user`` field, the model of a LoRA
-    server, the prompt for the request log's digest)."""
+    body is copied only for a field of it wanted: ``request_id`` when no ``X-Request-Id`` is
+    sent, the ``user`` field, the model of a LoRA server, the prompt for the request log's
+    digest)."""
 
     def __init__(
         self,
@@ -93,9 +96,21 @@ class TaggingMiddleware:
         key = None
         if scope["type"] == "http" and scope["method"] == "POST":
             try:
-                self._bound_request_id(scope)  # every route that reaches the engine
+                # every route that reaches the engine: vLLM names the request after the
+                # X-Request-Id, else after the body's request_id
+                name = self._bound_request_id(scope)
+                # vLLM refuses a request without the API key before it reads the body, and the
+                # plugin's routes bound theirs: neither is read here
+                if (
+                    name is None
+                    and _json_body(scope)
+                    and PLUGIN_ROUTES not in scope["path"]
+                    and self._authorized(scope, scope["headers"])
+                ):
+                    fields, receive = await _body_fields(receive, _REQUEST_ID)
+                    name = self._bound_body_request_id(scope, fields.request_id)
                 if scope["path"].endswith(GENERATION_PATHS):
-                    key, receive = await self._tag(scope, receive)
+                    key, receive = await self._tag(scope, receive, name)
             except Exception as e:  # never fail the request for the plugin's sake
                 self.runtime.faults.record("middleware", e)
         if key is None:
@@ -106,23 +121,44 @@ class TaggingMiddleware:
         finally:  # answered, rejected or cut off: what the engine did, it reports within the grace
             self.runtime.pending.settle(key)
 
-    def _bound_request_id(self, scope: Scope) -> None:
-        """An over-long ``X-Request-Id`` replaced by its digest, before vLLM reads it."""
+    def _bound_request_id(self, scope: Scope) -> str | None:
+        """The ``X-Request-Id`` vLLM is to read (None: none sent), an over-long one replaced
+        by its digest first."""
         headers: list[tuple[bytes, bytes]] = scope["headers"]
-        if not any(k == b"x-request-id" and len(v) > MAX_REQUEST_ID_LEN for k, v in headers):
-            return
+        raw = next((v for k, v in headers if k == b"x-request-id"), None)
+        if raw is None or len(raw) <= MAX_REQUEST_ID_LEN:
+            return None if raw is None else raw.decode("latin-1")
         scope["headers"] = [(k, bounded_request_id(v) if k == b"x-request-id" else v) for k, v in headers]
+        self._say_long_id("An X-Request-Id")
+        return bounded_request_id(raw).decode("ascii")
+
+    def _bound_body_request_id(self, scope: Scope, request_id: Any) -> str | None:
+        """The body's ``request_id`` vLLM is to read (None: none that vLLM takes); an
+        over-long one goes on as an ``X-Request-Id`` of its digest, which vLLM reads first."""
+        if not isinstance(request_id, str):
+            return None
+        raw = request_id.encode("utf-8", "surrogatepass")
+        if len(raw) <= MAX_REQUEST_ID_LEN:
+            return request_id
+        digest = bounded_request_id(raw)
+        scope["headers"] = [*scope["headers"], (b"x-request-id", digest)]
+        self._say_long_id("A request_id in the body")
+        return digest.decode("ascii")
+
+    def _say_long_id(self, what: str) -> None:
         if not self._said_long_id:
             self._said_long_id = True
             log.warning(
-                "pte-instrument: an X-Request-Id longer than %d bytes reaches vLLM as its SHA-256 in "
-                'hex (printf %%s "$ID" | sha256sum), this one and every later one; said once',
+                "pte-instrument: %s longer than %d bytes reaches vLLM as its SHA-256 in hex "
+                '(printf %%s "$ID" | sha256sum), this one and every later one; said once',
+                what,
                 MAX_REQUEST_ID_LEN,
             )
 
-    async def _tag(self, scope: Scope, receive: Receive) -> tuple[str | None, Receive]:
+    async def _tag(self, scope: Scope, receive: Receive, name: str | None) -> tuple[str | None, Receive]:
         """The request key its tag is kept under (None: nothing to tag), and the receive
-        channel to pass on."""
+        channel to pass on. ``name``: what vLLM is to name the request after (None: vLLM's
+        own choice)."""
         headers: list[tuple[bytes, bytes]] = scope["headers"]
         if not self._authorized(scope, headers):  # vLLM refuses it; nothing of it is read here
             return None, receive
@@ -132,7 +168,7 @@ class TaggingMiddleware:
         model = None
         digests: tuple[str, ...] = ()
         if want_user or lora.enabled or self.digests:  # the body is read only when a field of it is wanted
-            fields, receive = await _body_fields(receive)
+            fields, receive = await _body_fields(receive, _BODY_FIELDS)
             if self.digests:
                 digests = request_digests(fields.messages, fields.prompt, self.digest_key)
             if want_user and fields.user is not None:
@@ -161,16 +197,22 @@ class TaggingMiddleware:
         tag = RequestTag(session_id, benchmark, tenant, model, operation, traceparent, digests)
         if tag == UNTAGGED:  # nothing to remember
             return None, receive
-        request_id = next((v.decode("latin-1") for k, v in headers if k == b"x-request-id"), None)
-        if request_id is None:
-            request_id = uuid.uuid4().hex
-            scope["headers"] = [*headers, (b"x-request-id", request_id.encode("ascii"))]
-        self.runtime.pending.put(request_id, tag)
-        return request_id, receive
+        if name is None:  # named here, so that the tag can be found under vLLM's name
+            name = uuid.uuid4().hex
+            scope["headers"] = [*headers, (b"x-request-id", name.encode("ascii"))]
+        self.runtime.pending.put(name, tag)
+        return name, receive
 
 
-class _BodyFields(msgspec.Struct):
-    """The OpenAI request fields the tags need; the decoder skips every other field unbuilt."""
+class _RequestId(msgspec.Struct):
+    """The body's ``request_id`` alone (vLLM's extension): the decoder skips every other
+    field unbuilt."""
+
+    request_id: Any = None
+
+
+class _BodyFields(_RequestId):
+    """The OpenAI request fields the tags need."""
 
     model: Any = None
     user: Any = None
@@ -178,11 +220,20 @@ class _BodyFields(msgspec.Struct):
     prompt: Any = None  # completions: digested
 
 
+_REQUEST_ID = msgspec.json.Decoder(_RequestId)
 _BODY_FIELDS = msgspec.json.Decoder(_BodyFields)
+Fields = TypeVar("Fields", bound=_RequestId)
 
 
-async def _body_fields(receive: Receive) -> tuple[_BodyFields, Receive]:
-    """Read the whole body for the OpenAI fields the tags need, then replay it downstream."""
+def _json_body(scope: Scope) -> bool:
+    """Whether vLLM reads the body as JSON: no content type, or a JSON one (a form upload's
+    fields are its own)."""
+    content_type = next((v for k, v in scope["headers"] if k == b"content-type"), None)
+    return content_type is None or b"json" in content_type.lower()
+
+
+async def _body_fields(receive: Receive, decoder: msgspec.json.Decoder[Fields]) -> tuple[Fields, Receive]:
+    """Read the whole body for the fields ``decoder`` takes, then replay it downstream."""
     messages: list[Message] = []
     chunks: list[bytes] = []
     while True:
@@ -198,7 +249,7 @@ async def _body_fields(receive: Receive) -> tuple[_BodyFields, Receive]:
         return messages.pop(0) if messages else await receive()
 
     try:
-        fields = _BODY_FIELDS.decode(b"".join(chunks))
+        fields = decoder.decode(b"".join(chunks))
     except (msgspec.DecodeError, RecursionError):  # not a JSON object: vLLM answers the bad body itself
-        fields = _BodyFields()
+        fields = decoder.type()
     return fields, replay

@@ -4,6 +4,7 @@ ids with '/', and no session tag left behind by requests the engine never ran.""
 
 from __future__ import annotations
 
+import hashlib
 import random
 import socket
 import time
@@ -117,6 +118,20 @@ def test_session_ids_with_slashes_are_reachable(server):
         assert r.json()["session_id"] == sid and r.json()["turns"] == 1
     listed = server.client.get("/pte/sessions", params={"limit": 1000}).json()["sessions"]
     assert sid in {s["session_id"] for s in listed}
+
+
+def test_an_over_long_request_id_in_the_body_is_named_by_its_digest_everywhere(server):
+    """Without an X-Request-Id, vLLM names a request after the body's ``request_id``, of any
+    length: one of 16 KiB goes on as its SHA-256, in the response, the request log and the
+    session's turn rows, as a long header does."""
+    long = f"body-id-{random.getrandbits(32):x}-" + "b" * 16384
+    name = f"chatcmpl-{hashlib.sha256(long.encode()).hexdigest()}"
+    sid = f"long-body-id-{random.getrandbits(32):x}"
+    answer = server.chat("hi", 3, headers={"X-Session-Id": sid}, request_id=long)
+    assert answer["id"] == name
+    assert [r["request_id"] for r in server.log_records({name})[name]] == [name]
+    session = wait_for_session(server, f"/pte/sessions/{sid}").json()
+    assert [t["request_id"] for t in session["turn_rows"]] == [name]
 
 
 def pending(server) -> tuple[int, int]:

@@ -1,10 +1,12 @@
-"""A client's ``X-Request-Id``, of any length: vLLM names its request after the one the
-middleware passes on, and the session store keeps that name in its turn rows and feedback
-window, so an over-long one goes on as its SHA-256; the session tag still joins vLLM's
-request, and an id of usual length goes on as sent."""
+"""A client's ``X-Request-Id``, or without one the body's ``request_id`` (vLLM's extension),
+of any length: vLLM names its request after the one the middleware passes on, and the
+session store keeps that name in its turn rows and feedback window, so an over-long one
+goes on as its SHA-256; the session tag still joins vLLM's request, and an id of usual
+length goes on as sent."""
 
 from __future__ import annotations
 
+import hashlib
 import sqlite3
 
 import pytest
@@ -27,21 +29,25 @@ LONG_DIGEST = "23a92a391c7e2d8244524cee85b0aa559034e7adb2bd7396c99adc5ad0040b90"
 JUST_OVER_DIGEST = "0ec9eb33e74510bcdd1f2ea55206e82f21649c5c2becbf2b433eb475b34c01bd"  # 129 × "x"
 
 
-def vllm_request_id(path: str, headers: dict[str, str], session: str | None = None) -> tuple[str, Runtime]:
+def vllm_request_id(
+    path: str, headers: dict[str, str], session: str | None = None, body: dict | None = None
+) -> tuple[str, Runtime]:
     """POST ``path`` through the middleware; the id vLLM gives the request it gets, as its
-    ``BaseServing._base_request_id`` reads it (the chat route's ``chatcmpl-<X-Request-Id>``),
-    and the runtime holding the request's tag."""
+    ``BaseServing._base_request_id`` reads it (the chat route's ``chatcmpl-<X-Request-Id>``,
+    else ``chatcmpl-<the body's request_id>``), and the runtime holding the request's tag."""
     runtime = Runtime(Settings(), registry=CollectorRegistry())
     named: list[str] = []
 
     async def vllm(scope, receive, send):
-        named.append(f"chatcmpl-{Request(scope).headers.get('X-Request-Id')}")
+        request = Request(scope, receive)
+        fields = await request.json()
+        named.append(f"chatcmpl-{request.headers.get('X-Request-Id', fields.get('request_id', 'random'))}")
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"{}"})
 
     if session is not None:
         headers = {**headers, "X-Session-Id": session}
-    TestClient(TaggingMiddleware(vllm, runtime)).post(path, json={}, headers=headers)
+    TestClient(TaggingMiddleware(vllm, runtime)).post(path, json=body or {}, headers=headers)
     assert runtime.faults.counts.get("middleware", 0) == 0
     return named[0], runtime
 
@@ -92,3 +98,62 @@ def test_an_over_long_x_request_id_of_a_request_without_a_session_goes_on_as_its
     assert engine_id == f"chatcmpl-{LONG_DIGEST}" and len(runtime.pending) == 0
     engine_id, _ = vllm_request_id("/v1/embeddings", {"X-Request-Id": LONG})  # any route of the engine
     assert engine_id == f"chatcmpl-{LONG_DIGEST}"
+
+
+@pytest.mark.parametrize(
+    ("sent", "passed_on"),
+    [("req-42", "req-42"), ("x" * 128, "x" * 128), ("x" * 129, JUST_OVER_DIGEST), (LONG, LONG_DIGEST)],
+    ids=["usual", "128-bytes", "129-bytes", "16-KiB"],
+)
+@pytest.mark.parametrize("session", ["s", None], ids=["session", "no-session"])
+def test_an_over_long_request_id_in_the_body_goes_on_as_its_digest(sent, passed_on, session):
+    """Without an ``X-Request-Id``, vLLM names the request after the body's ``request_id``:
+    the same bound, on any route of the engine."""
+    for path in ("/v1/chat/completions", "/v1/embeddings"):
+        engine_id, runtime = vllm_request_id(path, {}, session=session, body={"request_id": sent})
+        assert engine_id == f"chatcmpl-{passed_on}"
+        if session is not None and path == "/v1/chat/completions":
+            assert runtime.pending.claim(*request_keys(engine_id)) == RequestTag(session, "none")
+
+
+def test_a_header_names_the_request_whatever_the_body_says():
+    """vLLM takes the header before the body: a long body id beside a header changes nothing."""
+    engine_id, _ = vllm_request_id(
+        "/v1/chat/completions", {"X-Request-Id": "req-7"}, body={"request_id": LONG}
+    )
+    assert engine_id == "chatcmpl-req-7"
+
+
+def post_raw(body: bytes) -> tuple[Runtime, list[tuple[bytes, str | None]]]:
+    """POST ``body`` as it is to the chat route through the middleware; what vLLM got (the
+    body, the X-Request-Id)."""
+    runtime = Runtime(Settings(), registry=CollectorRegistry())
+    got: list[tuple[bytes, str | None]] = []
+
+    async def vllm(scope, receive, send):
+        request = Request(scope, receive)
+        got.append((await request.body(), request.headers.get("X-Request-Id")))
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    TestClient(TaggingMiddleware(vllm, runtime)).post("/v1/chat/completions", content=body)
+    return runtime, got
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"not json", b"[1, 2]", b'{"request_id": 42}', b'{"request_id": null}', b""],
+    ids=["not-json", "not-an-object", "a-number", "null", "empty"],
+)
+def test_bodies_without_a_readable_request_id_reach_vllm_as_sent(body):
+    """vLLM answers what it cannot parse; the middleware passes every byte on and counts no
+    fault of its own."""
+    runtime, got = post_raw(body)
+    assert got == [(body, None)]
+    assert runtime.faults.counts.get("middleware", 0) == 0
+
+
+def test_a_request_id_spelled_with_json_escapes_is_bounded_as_vllm_reads_it():
+    body = b'{"\\u0072equest_id": "\\u00e9' + b"e" * 200 + b'"}'
+    _, got = post_raw(body)
+    assert got == [(body, hashlib.sha256(("\u00e9" + "e" * 200).encode()).hexdigest())]
