@@ -73,9 +73,9 @@ def _int_param(request: Request, name: str, default: int, lo: int, hi: int) -> i
     try:
         value = int(raw)
     except ValueError:
-        raise ValueError(f"query parameter {name!r} must be an integer, got {quoted(raw)}") from None
+        raise RouteError(400, f"query parameter {name!r} must be an integer, got {quoted(raw)}") from None
     if not lo <= value <= hi:
-        raise ValueError(f"query parameter {name!r} must be between {lo} and {hi}, got {quoted(raw)}")
+        raise RouteError(400, f"query parameter {name!r} must be between {lo} and {hi}, got {quoted(raw)}")
     return value
 
 
@@ -144,10 +144,8 @@ def build_router(runtime: Runtime) -> APIRouter:
         try:
             failpoint("routes")
             return await handler()
-        except (RouteError, FeedbackError) as e:
+        except (RouteError, FeedbackError) as e:  # the client's request; any other error is the server's
             return _error(e.status, str(e))
-        except ValueError as e:
-            return _error(400, str(e))
         except ClientDisconnect:  # nobody to answer
             return _error(400, "client disconnected")
         except StoreError as e:  # down, or backing off: the details (its URL) stay in the log
@@ -186,7 +184,7 @@ def build_router(runtime: Runtime) -> APIRouter:
             offset = _int_param(request, "offset", 0, 0, 10**9)
             sort = request.query_params.get("sort", "pte_served")
             if sort not in SORT_KEYS:
-                raise ValueError(f"query parameter 'sort' cannot be {quoted(sort)}")
+                raise RouteError(400, f"query parameter 'sort' cannot be {quoted(sort)}")
             total, rows = await asyncio.to_thread(runtime.sessions.top, limit, offset, sort)
             return JSONResponse(
                 {"total": total, "limit": limit, "offset": offset, "sort": sort, "sessions": rows}
@@ -214,7 +212,7 @@ def build_router(runtime: Runtime) -> APIRouter:
         async def handler() -> JSONResponse:
             sid, reason = validate_session_id(session_id)
             if sid is None:
-                raise ValueError(f"malformed session id ({reason})")
+                raise RouteError(400, f"malformed session id ({reason})")
             found = await asyncio.to_thread(runtime.sessions.get, sid)
             return _error(404, f"no live session {quoted(sid)}") if found is None else JSONResponse(found)
 

@@ -125,6 +125,17 @@ def test_a_chunked_body_over_the_cap_is_a_413_read_no_further(runtime):
     assert read <= MAX_BODY_BYTES // 16384 + 1  # stopped at the cap
 
 
+def test_behind_the_middleware_a_chunked_body_over_the_cap_is_still_read_no_further(runtime):
+    """The middleware reads a request's body for vLLM's ``request_id`` field, but never the
+    plugin's own routes', which bound theirs."""
+    headers = [(b"authorization", f"Bearer {KEY}".encode()), (b"transfer-encoding", b"chunked")]
+    chunks = [b"x" * 16384] * 64
+    status, _, read = call(
+        TaggingMiddleware(feedback_app(runtime), runtime), "/pte/feedback", headers, chunks
+    )
+    assert status == 413 and read <= MAX_BODY_BYTES // 16384 + 1
+
+
 def test_a_lying_content_length_is_a_400(runtime):
     headers = [(b"authorization", f"Bearer {KEY}".encode()), (b"content-length", b"lots")]
     status, _, _ = call(feedback_app(runtime), "/pte/feedback", headers, [b"{}"])
@@ -233,6 +244,20 @@ def test_session_ids_with_slashes_and_reserved_characters_are_reachable(client, 
         r = client.get(f"/pte/sessions/{path}", headers=AUTH)
         assert r.status_code == 200, (path, r.status_code, r.text)
         assert r.json()["session_id"] == sid
+
+
+def test_a_fault_of_the_servers_own_data_is_a_500_and_counted_not_the_clients_400(client, runtime):
+    """A turn row the store cannot read (written garbled by a disk fault or another program)
+    raises a ``ValueError`` while the route reads it: the client's request was fine."""
+    turn(runtime.sessions, "s", 10, 2, 0, 1000.0)
+    assert runtime.sessions.flush()
+    db = sqlite3.connect(runtime.sessions.store.path)
+    with db:
+        db.execute("UPDATE turns SET row = 'garbled'")
+    db.close()
+    r = client.get("/pte/sessions/s", headers=AUTH)
+    assert r.status_code == 500 and "see the server log" in r.json()["error"]
+    assert runtime.faults.counts.get("routes") == 1
 
 
 def test_an_empty_or_malformed_session_path_is_a_400(client):
