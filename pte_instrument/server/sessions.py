@@ -329,6 +329,7 @@ class SessionLedger:
                     db.execute("BEGIN IMMEDIATE")
                     self.store.publish(db, watermark)
             return
+        more = False  # idle sessions left for the next transaction
         try:
             if db is None:  # the writer could not open the store (said once, when it tried)
                 raise StoreError("not open")
@@ -343,8 +344,12 @@ class SessionLedger:
                         batch.close("ORDER BY touched LIMIT ?", (batch.live - self.max_sessions,), "evicted")
                 if observed:
                     feedback_window.observe(db, observed, self.feedback_window)
-                if expire:
-                    batch.close("WHERE last_seen < ?", (now - self.idle_ttl_s,), "idle")
+                if expire:  # the longest idle first; the rest in the writer's next transaction
+                    idle = "WHERE last_seen < ? ORDER BY last_seen LIMIT ?"
+                    more = (
+                        batch.close(idle, (now - self.idle_ttl_s, EXPIRE_PER_COMMIT), "idle")
+                        == EXPIRE_PER_COMMIT
+                    )
                 batch.count()
                 self.store.mark_alive(db)
                 self.store.publish(db, watermark)
@@ -358,6 +363,8 @@ class SessionLedger:
             setattr(self.stats, name, getattr(self.stats, name) + getattr(batch.delta, name))
         self._settle(adds)
         self._notify(batch.closed)
+        if more:
+            self.store.expire()
 
     def _set_live(self, live: int) -> None:
         self._live = live
@@ -418,6 +425,10 @@ def computed_context(r: RequestRecord) -> int:
     only its cached prefix and the part it prefilled (none for one never run)."""
     return min(r.prompt_tokens, r.cached_tokens + r.computed_prefill_tokens)
 
+
+# Idle sessions closed per transaction: the transaction holds the store's write lock for every
+# API server on the host, and the closed sessions' summaries until it commits.
+EXPIRE_PER_COMMIT = 1000
 
 _UPSERT = (
     "INSERT INTO sessions (id, model, first_seen, last_seen, touched, n_turns, turns_dropped, last_prompt,"
@@ -484,9 +495,10 @@ class _Batch:
             self.live += 1
         return seq == 1
 
-    def close(self, where: str, args: tuple[Any, ...], reason: str) -> None:
-        """Close the sessions ``where`` selects, with their turn rows."""
-        for (sid,) in self.db.execute(f"SELECT id FROM sessions {where}", args).fetchall():
+    def close(self, where: str, args: tuple[Any, ...], reason: str) -> int:
+        """Close the sessions ``where`` selects, with their turn rows; how many."""
+        ids = self.db.execute(f"SELECT id FROM sessions {where}", args).fetchall()
+        for (sid,) in ids:
             row = self.db.execute(_CLOSE, (sid,)).fetchone()
             self.db.execute("DELETE FROM turns WHERE session_id = ?", (sid,))
             self.closed.append((session_summary(row), reason))
@@ -495,6 +507,7 @@ class _Batch:
                 self.delta.sessions_evicted += 1
             else:
                 self.delta.sessions_expired += 1
+        return len(ids)
 
     def count(self) -> None:
         """The host-wide counters, by what this batch did."""

@@ -22,10 +22,10 @@ from pte_instrument.server.live_efficiency import LiveEfficiency
 from pte_instrument.server.records import FinishedRequest, RequestRecord, price_request
 from pte_instrument.server.request_tags import PendingTags, RequestTag, validate_session_id
 from pte_instrument.server.session_store import BatchWriter
-from pte_instrument.server.sessions import SessionLedger, StoreError
+from pte_instrument.server.sessions import EXPIRE_PER_COMMIT, SessionLedger, StoreError
 from pte_instrument.wire import RequestTotals
 from tests.cost.test_architecture import FIX
-from tests.helpers import heap_now, in_fresh_process
+from tests.helpers import heap_now, in_fresh_process, wait
 
 COST = CostModel(parse_shape(load_config(FIX / "dense_mha.json")), PROFILES["h200"])
 
@@ -270,6 +270,41 @@ def test_cap_and_ttl_close_sessions_with_a_reason(ledgers):
         1,
         1,
     )
+
+
+def test_sessions_expiring_together_close_in_bounded_transactions_each_told_once(ledgers):
+    """5,000 sessions idle past the TTL at once: each is closed and told closed once, and no
+    one transaction closes more than ``EXPIRE_PER_COMMIT`` of them (one transaction holds the
+    store's write lock for every API server on the host, and its summaries are held until it
+    commits)."""
+    clock = Clock()
+    events: list[str | None] = []  # a session closed, or None: a transaction committed
+    ledger = ledgers(
+        idle_ttl_s=60,
+        max_sessions=10**6,
+        clock=clock,
+        on_close=lambda s, why: events.append(s["session_id"]),
+    )
+    ledger.on_live = lambda live: events.append(None)
+    n = 5_000
+    template = turn(ledger, "template", 50, 2, 0, clock.t)
+    for i in range(n - 1):
+        ledger.add(replace(template, request_id=f"r{i}", session_id=f"s{i}"))
+    assert ledger.flush() and len(ledger) == n
+    clock.t += 61
+    events.clear()
+    ledger.expire()
+    assert wait(lambda: ledger.flush() and len(ledger) == 0, timeout_s=60)
+    closed = [e for e in events if e is not None]
+    assert len(closed) == len(set(closed)) == n and ledger.stats.sessions_expired == n
+    per_commit, run = [], 0
+    for e in events:
+        if e is None:
+            per_commit.append(run)
+            run = 0
+        else:
+            run += 1
+    assert max([*per_commit, run]) <= EXPIRE_PER_COMMIT
 
 
 def test_top_sessions_sorted_and_paginated(ledgers):
