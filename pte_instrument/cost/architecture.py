@@ -180,6 +180,20 @@ def _require(cfg: dict[str, Any], names: list[str]) -> dict[str, Any]:
     return values
 
 
+def _whole(cfg: dict[str, Any], *names: str) -> int | None:
+    """The first of ``names`` set in the config, as a whole number ≥ 1; None: none set (0
+    counts as unset, as configs write "none" with 0 or null)."""
+    for name in names:
+        v = _get(cfg, name)
+        if v is None or v is False or v == 0:
+            continue
+        if not _is_size(v) or v < 1:
+            shown = repr(v) if len(repr(v)) <= 40 else f"{repr(v)[:40]}…"
+            raise ArchitectureError(f"config field {name} must be a whole number ≥ 1, got {shown}")
+        return int(v)
+    return None
+
+
 def _is_size(v: Any) -> bool:
     # NaN fails both comparisons; bool is an int but never a size
     return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < _MAX_SIZE
@@ -201,7 +215,7 @@ def kv_dtype_bytes(dtype: str | None, default: float = 2) -> float:
 
 def _layer_windows(cfg: dict[str, Any], n_layers: int) -> list[int | None]:
     """Per layer: the sliding window in tokens, or None for full attention."""
-    window = cfg.get("sliding_window")
+    window = _whole(cfg, "sliding_window")
     layer_types = cfg.get("layer_types")
     if isinstance(layer_types, list) and len(layer_types) == n_layers:
         return [window if "sliding" in str(t) and window else None for t in layer_types]
@@ -211,7 +225,7 @@ def _layer_windows(cfg: dict[str, Any], n_layers: int) -> list[int | None]:
         # Qwen: sliding only when use_sliding_window, and only above max_window_layers.
         if not cfg.get("use_sliding_window"):
             return [None] * n_layers
-        first = int(cfg.get("max_window_layers", n_layers))
+        first = n_layers if cfg.get("max_window_layers") is None else _whole(cfg, "max_window_layers") or 0
         return [None if i < first else window for i in range(n_layers)]
     pattern = cfg.get("sliding_window_pattern")
     if isinstance(pattern, int) and pattern > 0:
@@ -247,13 +261,13 @@ def parse_shape(
     )
     is_mla = cfg.get("kv_lora_rank") is not None
     assumed: list[str] = []  # said in one warning line, and shown beside γ
-    n_kv = int(_get(cfg, "num_key_value_heads") or n_heads)
+    n_kv = _whole(cfg, "num_key_value_heads") or n_heads
     if cfg.get("multi_query") is True:  # gpt_bigcode / falcon flag
         n_kv = 1
     elif _get(cfg, "num_key_value_heads") is None and not is_mla:
         # A remote-code model may name it otherwise; MHA is the largest KV it can have.
         assumed.append("num_key_value_heads missing: assumed = num_attention_heads (MHA)")
-    head_dim = int(cfg.get("head_dim") or d // n_heads)
+    head_dim = _whole(cfg, "head_dim") or d // n_heads
     model_dtype = cfg.get("torch_dtype") or cfg.get("dtype")
     if model_dtype is None and kv_cache_dtype in (None, "auto", ""):
         assumed.append("torch_dtype missing: assumed bfloat16 (2 bytes per KV element)")
@@ -265,7 +279,7 @@ def parse_shape(
         rank, rope, nope, vdim = (
             int(mla[k]) for k in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
         )
-        q_rank = cfg.get("q_lora_rank")
+        q_rank = _whole(cfg, "q_lora_rank")
         q_w = d * q_rank + q_rank * n_heads * (nope + rope) if q_rank else d * n_heads * (nope + rope)
         attn_w = q_w + d * (rank + rope) + rank * n_heads * (nope + vdim) + n_heads * vdim * d
         layer_kv = (rank + rope) * kv_bytes  # one shared latent, not K and V
@@ -279,14 +293,12 @@ def parse_shape(
     # --- MLP weights per layer (dense and MoE) ---
     gated = model_type not in _UNGATED_MLP
     mats = 3 if gated else 2
-    ffn = _get(cfg, "intermediate_size")
-    n_experts = int(
-        cfg.get("n_routed_experts") or cfg.get("num_local_experts") or cfg.get("num_experts") or 0
-    )
-    top_k = int(cfg.get("num_experts_per_tok") or cfg.get("moe_topk") or cfg.get("top_k") or 0)
+    ffn = _whole(cfg, "intermediate_size")
+    n_experts = _whole(cfg, "n_routed_experts", "num_local_experts", "num_experts") or 0
+    top_k = _whole(cfg, "num_experts_per_tok", "moe_topk", "top_k") or 0
     if n_experts and not top_k:
         raise ArchitectureError(f"model_type {model_type!r}: MoE config lacks num_experts_per_tok")
-    moe_ffn = cfg.get("moe_intermediate_size") or ffn
+    moe_ffn = _whole(cfg, "moe_intermediate_size") or ffn
     if ffn is None and not n_experts and not gated:
         ffn = 4 * d
         assumed.append("intermediate_size missing: assumed 4 × hidden_size (ungated MLP)")
@@ -294,19 +306,20 @@ def parse_shape(
         raise ArchitectureError(
             f"model_type {model_type!r}: config lacks field(s) needed for the cost model: intermediate_size"
         )
-    dense_mlp = mats * d * int(ffn) if ffn else 0
+    dense_mlp = mats * d * ffn if ffn else 0
     n_dense_layers = n_layers
     moe_active = moe_total = 0.0
     if n_experts:
-        shared = int(cfg.get("n_shared_experts") or 0)
-        shared_ffn = cfg.get("shared_expert_intermediate_size")
-        shared_w = mats * d * int(shared_ffn) if shared_ffn else shared * mats * d * int(moe_ffn)
-        expert_w = mats * d * int(moe_ffn)
+        shared = _whole(cfg, "n_shared_experts") or 0
+        shared_ffn = _whole(cfg, "shared_expert_intermediate_size")
+        assert moe_ffn is not None  # refused above when neither size is given
+        shared_w = mats * d * shared_ffn if shared_ffn else shared * mats * d * moe_ffn
+        expert_w = mats * d * moe_ffn
         router = d * n_experts
         moe_active = shared_w + top_k * expert_w + router
         moe_total = shared_w + n_experts * expert_w + router
-        n_dense_layers = int(cfg.get("first_k_dense_replace") or 0)
-        step = int(cfg.get("decoder_sparse_step") or 1)
+        n_dense_layers = _whole(cfg, "first_k_dense_replace") or 0
+        step = _whole(cfg, "decoder_sparse_step") or 1
         n_moe_layers = n_layers - n_dense_layers
         if step > 1:  # Qwen-MoE style: only every step-th layer is sparse
             n_moe_layers = len([i for i in range(n_layers) if (i + 1) % step == 0])

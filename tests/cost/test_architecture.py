@@ -120,6 +120,34 @@ def test_bad_values_are_named():
         shape("dense_mha", kv_cache_dtype="int3")
 
 
+# (fixture, field): each field the cost model reads beyond the four it requires
+OPTIONAL_FIELDS = [
+    ("dense_mha", "intermediate_size"),
+    ("dense_mha", "num_key_value_heads"),
+    ("sliding_gemma2", "head_dim"),
+    ("sliding_gemma2", "sliding_window"),
+    ("mla_deepseek", "q_lora_rank"),
+    ("mla_deepseek", "n_routed_experts"),
+    ("mla_deepseek", "num_experts_per_tok"),
+    ("mla_deepseek", "moe_intermediate_size"),
+    ("mla_deepseek", "n_shared_experts"),
+    ("mla_deepseek", "first_k_dense_replace"),
+    ("moe_mixtral", "num_local_experts"),
+]
+
+
+@pytest.mark.parametrize("value", [-5, "4096", float("inf"), float("nan"), True, [1], 1e300])
+@pytest.mark.parametrize(("fixture", "field"), OPTIONAL_FIELDS, ids=[f for _, f in OPTIONAL_FIELDS])
+def test_a_bad_value_of_any_field_read_is_a_clear_error_naming_it(fixture, field, value):
+    """A broken config (negative, text, infinite, a list) is refused with the field's name, not
+    priced with negative weights or a Python error that names nothing."""
+    cfg = load_config(FIX / f"{fixture}.json")
+    assert field in cfg  # the fixture has it: the value below replaces one the model reads
+    cfg[field] = value
+    with pytest.raises(ArchitectureError, match=field):
+        parse_shape(cfg)
+
+
 def test_load_config_errors(tmp_path):
     with pytest.raises(ArchitectureError, match="cannot read"):
         load_config(tmp_path / "missing")
