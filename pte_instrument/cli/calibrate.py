@@ -25,7 +25,7 @@ import csv
 import gzip
 import io
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
@@ -62,6 +62,9 @@ from pte_instrument.cost.step_time import (
 from pte_instrument.wire import StepLogHeader, StepLogLine, decode_step_log
 
 MIN_STEPS = 8  # fewer usable steps than this cannot say anything about four terms
+# No step is this large or its dt_s this small; the fit weighs each step by 1/dt_s and squares
+# its features, so past it the sums overflow.
+LARGEST_VALUE = 2.0**53
 DEFAULT_BOOTSTRAP = 200
 LEVEL = 0.95
 CSV_REQUIRED = ("prefill_tokens", "ctx", "dt_s")
@@ -70,7 +73,8 @@ CSV_ROOFLINE = ("tokens", "weights_pte", "pte")
 
 @dataclass(frozen=True)
 class Steps:
-    """The features of the usable steps of one input (dt_s > 0; in a step log, tokens > 0)."""
+    """The features of the usable steps of one input (dt_s > 0; in a step log, tokens > 0;
+    every value within ±2**53, dt_s from 2**-53 s: see :func:`_usable`)."""
 
     prefill: np.ndarray
     ctx: np.ndarray
@@ -167,12 +171,12 @@ def _read_step_log(path: Path, lines: Iterator[str], offset: int = 0) -> Steps:
         ctx_w = ctx.sum(axis=1)
         if n_groups > 1:
             notes.append("no header with γ per KV group: ctx is the plain sum over groups")
-    tokens = np.array([s.tokens for s in steps], dtype=np.float64)
+    tokens = _floats(s.tokens for s in steps)
     dt = np.array([math.nan if s.dt_s is None else s.dt_s for s in steps], dtype=np.float64)
     # The engine's classification exactly: its roofline cost exceeds T only when memory-bound.
     mb = np.array([s.roofline_pte > s.tokens for s in steps], dtype=np.float64)
-    prefill = np.array([s.prefill for s in steps], dtype=np.float64)
-    ok = np.isfinite(dt) & (dt > 0) & (tokens > 0)
+    prefill = _floats(s.prefill for s in steps)
+    ok = _usable(dt, prefill, ctx_w, tokens) & (tokens > 0)
     return Steps(prefill[ok], ctx_w[ok], mb[ok], dt[ok], "step-log", len(steps), header, tuple(notes))
 
 
@@ -213,8 +217,23 @@ def _read_csv(path: Path, lines: Iterator[str], offset: int = 0) -> Steps:
         mb = (prefill == 0).astype(np.float64)
         notes.append("no memory_bound column: decode-only steps (prefill_tokens = 0) taken as memory-bound")
     dt = cols["dt_s"]
-    ok = np.isfinite(dt) & (dt > 0) & np.isfinite(prefill) & np.isfinite(cols["ctx"]) & np.isfinite(mb)
+    ok = _usable(dt, prefill, cols["ctx"], mb)
     return Steps(prefill[ok], cols["ctx"][ok], mb[ok], dt[ok], "csv", int(dt.size), None, tuple(notes))
+
+
+def _floats(values: Iterable[int]) -> np.ndarray:
+    """Counts as floats; a JSON integer too large for a float (numpy refuses it) as inf."""
+    return np.array([v if abs(v) <= LARGEST_VALUE else math.inf for v in values], dtype=np.float64)
+
+
+def _usable(dt: np.ndarray, *features: np.ndarray) -> np.ndarray:
+    """The steps a fit can use: dt_s from 2**-53 s and every feature finite, within ±2**53.
+    The fit weighs each step by 1/dt_s and squares its features: past those bounds the sums
+    overflow (no real step is that short, or that large)."""
+    ok = np.isfinite(dt) & (dt >= 1 / LARGEST_VALUE) & (dt <= LARGEST_VALUE)
+    for f in features:
+        ok &= np.isfinite(f) & (np.abs(f) <= LARGEST_VALUE)
+    return ok
 
 
 def _number(v: str | None, column: str, line: int) -> float:
@@ -440,7 +459,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     steps = read_steps(args.steps)
     if steps.n < MIN_STEPS:
         raise UsageError(
-            f"{args.steps}: {steps.n} usable step(s) (dt_s > 0, tokens > 0); at least {MIN_STEPS} are needed"
+            f"{args.steps}: {steps.n} usable step(s) (dt_s > 0, tokens > 0, values within ±2**53); "
+            f"at least {MIN_STEPS} are needed"
         )
     th = build_theory(args, steps.header)
     if th is None and args.device:

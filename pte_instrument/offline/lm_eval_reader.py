@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pte_instrument.offline.harness_runs import Call, HarnessError, Run, Sample
-from pte_instrument.offline.records import Problem
+from pte_instrument.offline.records import Problem, json_loads
 from pte_instrument.prompt_digest import chat_digest, completion_digest
 
 HARNESS = "lm-eval"
@@ -49,7 +49,7 @@ def read(
 
 def _load_json(path: Path) -> Any:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return json_loads(path.read_text(encoding="utf-8"))  # too deep or too long: bad JSON
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise HarnessError(f"cannot read {path}: {e}") from None
 
@@ -64,7 +64,7 @@ def _digest(argument: Any, chat: bool, key: bytes | None) -> str | None:
     if not chat:
         return completion_digest(argument, key)
     try:
-        messages = json.loads(argument)
+        messages = json_loads(argument)
     except json.JSONDecodeError:
         return None
     return chat_digest(messages, key) if isinstance(messages, list) else None
@@ -98,7 +98,7 @@ def _rows(path: Path) -> Iterator[tuple[int, Any]]:
             for n, line in enumerate(f, 1):
                 if line.strip():
                     try:
-                        yield n, json.loads(line)
+                        yield n, json_loads(line)
                     except json.JSONDecodeError as e:
                         yield n, e
     except (OSError, UnicodeDecodeError) as e:

@@ -31,6 +31,7 @@ import numpy as np
 from pte_instrument.cost.model import CostModel, TurnCost, price_turn, session_turns
 from pte_instrument.offline.decomposition import DEFAULT_BOOTSTRAP, Estimate
 from pte_instrument.offline.records import (
+    LARGEST_VALUE,
     Problem,
     RecordError,
     drop_duplicates,
@@ -103,7 +104,11 @@ def _int(v: Any, name: str, default: int | None = None) -> int:
         if default is None:
             raise TrajectoryError(f"missing {name}")
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not float(v).is_integer():
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TrajectoryError(f"{name} must be an integer, got {v!r}")
+    if abs(v) > LARGEST_VALUE:  # compared before float(v), which overflows past 1e308
+        raise TrajectoryError(f"{name} is too large")
+    if not float(v).is_integer():
         raise TrajectoryError(f"{name} must be an integer, got {v!r}")
     if v < 0:
         raise TrajectoryError(f"{name} must be >= 0, got {v!r}")

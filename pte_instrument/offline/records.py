@@ -44,6 +44,9 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "pte_ideal": ("pte_ideal",),
 }
 PTE_FIELDS = ("pte_served", "pte_reference", "pte_ideal")
+# No count, workload, PTE or second of one answer or request is this large: past 2**53 a float
+# stops counting by one, and a few such values sum to infinity (E0 0, totals that JSON refuses).
+LARGEST_VALUE = 2.0**53
 _TRUE = {"true", "t", "yes", "y", "1"}
 _FALSE = {"false", "f", "no", "n", "0"}
 T = TypeVar("T")
@@ -140,11 +143,16 @@ def iter_rows(path: str | Path) -> Iterator[tuple[str, Mapping[str, Any] | _RowE
 
 def json_loads(text: str) -> Any:
     """``json.loads``, with input nested past the interpreter's recursion limit (the json
-    module recurses once per level) reported as bad JSON like any other."""
+    module recurses once per level), or an integer longer than it converts (a plain
+    ValueError), reported as bad JSON like any other."""
     try:
         return json.loads(text)
     except RecursionError:
         raise json.JSONDecodeError("nested too deeply", text, 0) from None
+    except json.JSONDecodeError:
+        raise
+    except ValueError:  # an integer literal past the interpreter's digit limit
+        raise json.JSONDecodeError("a number with too many digits", text, 0) from None
 
 
 def _iter_json(p: Path) -> Iterator[tuple[str, Mapping[str, Any] | _RowError]]:
@@ -260,12 +268,16 @@ def _number(v: Any, name: str) -> float:
         raise _RowError(f"{name} must be a number, got {v!r}")
     try:
         x = float(v)
+    except OverflowError:  # an integer too large for a float
+        raise _RowError(f"{name} is too large") from None
     except (TypeError, ValueError):
         raise _RowError(f"{name} must be a number, got {v!r}") from None
     if math.isnan(x):
         raise _RowError(f"{name} is NaN")
     if math.isinf(x):
         raise _RowError(f"{name} is infinite")
+    if abs(x) > LARGEST_VALUE:
+        raise _RowError(f"{name} is too large ({x:.3g})")
     return x
 
 
@@ -303,6 +315,8 @@ def parse_record(row: Mapping[str, Any], where: str = "") -> EvalRecord:
         workload = _number(workload, "workload")
         if workload <= 0:
             raise _RowError(f"workload must be > 0, got {workload!r}")
+        if workload < 1 / LARGEST_VALUE:  # T/W would overflow: V̄O infinite, κ 0
+            raise _RowError(f"workload is too small ({workload:.3g})")
     pte: dict[str, float | None] = {}
     for name in PTE_FIELDS:
         v = row.get(name)

@@ -20,7 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pte_instrument.offline.records import Problem, RecordError, json_lines, parse_rows, refuse_bad_load
+from pte_instrument.offline.records import (
+    LARGEST_VALUE,
+    Problem,
+    RecordError,
+    json_lines,
+    parse_rows,
+    refuse_bad_load,
+)
 from pte_instrument.offline.render import fmt, md_table, problems_markdown
 from pte_instrument.server.records import TIMED
 
@@ -103,7 +110,10 @@ class Totals:
     def interference_share(self) -> float | None:
         """Part of the timed requests' latency spent on other requests' work, queue included."""
         explained = self.value("latency_explained_s")
-        return None if not explained else self.seconds[TIMED.index("interference_s")] / explained
+        if not explained:
+            return None
+        share = self.seconds[TIMED.index("interference_s")] / explained
+        return share if math.isfinite(share) else None  # a subnormal explained latency overflows it
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -178,11 +188,16 @@ def _number(row: Mapping[str, Any], name: str, signed: bool = False) -> float:
         raise _LineError(f"missing field {name!r}")
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise _LineError(f"{name} is not a number: {v!r}")
-    x = float(v)
+    try:
+        x = float(v)
+    except OverflowError:  # an integer too large for a float
+        raise _LineError(f"{name} is too large") from None
     if not math.isfinite(x):
         raise _LineError(f"{name} is not finite: {v!r}")
     if x < 0 and not signed:
         raise _LineError(f"{name} is negative: {v!r}")
+    if abs(x) > LARGEST_VALUE:
+        raise _LineError(f"{name} is too large ({x:.3g})")
     return x
 
 

@@ -218,6 +218,36 @@ def test_csv_recovers_the_coefficients(tmp_path: Path, columns: list[str]):
     assert out["theory_only"] is None and out["terms"]["a"]["theory"] is None  # no --model-dir
 
 
+def test_csv_steps_past_what_the_fit_can_square_are_left_out(tmp_path: Path):
+    """A step of 1e308 prefill tokens, one of 1e308 context and one of 1e-320 s (subnormal):
+    the relative-error fit's squares overflow on them (numpy's eigen-solve raised). They are
+    not usable steps, and the others are fitted as without them."""
+    rows = _csv_rows()
+    rows += [{**rows[0], "prefill_tokens": 1e308}, {**rows[1], "ctx": 1e308}, {**rows[2], "dt_s": 1e-320}]
+    path = _csv(tmp_path / "steps.csv", ["prefill_tokens", "ctx", "memory_bound", "dt_s"], rows)
+    r = pte(str(path), "--json", "--bootstrap", "20")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert (out["input"]["rows"], out["input"]["usable_steps"]) == (43, 40)
+    for k, v in TRUE.items():
+        assert out["terms"][k]["measured"] == pytest.approx(v, rel=1e-6), k
+
+
+def test_step_log_counts_past_what_a_float_holds_leave_the_step_out(tmp_path: Path):
+    """JSON integers have no bound: a step of 10**400 tokens (numpy refused to convert it)
+    is not a usable step; the fixture's 40 are fitted."""
+    lines = FIXTURE.read_text().splitlines()
+    step = json.loads(lines[1])
+    huge = json.dumps({**step, "step": 99}).replace(
+        f'"prefill": {step["prefill"]}', '"prefill": 1' + "0" * 400
+    )
+    path = _write(tmp_path / "steps.jsonl", "\n".join([*lines, huge]) + "\n")
+    r = pte(path, "--json", "--bootstrap", "0")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert (out["input"]["rows"], out["input"]["usable_steps"]) == (42, 40)
+
+
 def test_a_host_that_slows_down_is_followed_at_its_speed(tmp_path: Path):
     # 5 × the fixture's steps, in order; from the middle on every step takes 1.5 × as long
     rows = [dict(r) for _ in range(5) for r in _csv_rows()]

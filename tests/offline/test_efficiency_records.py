@@ -88,6 +88,13 @@ BAD = [
     (bad(finish_reason="length"), "contradicts finish_reason"),
     (bad(correct="maybe"), "correct must be true/false"),
     (bad(pte_served=-1), "pte_served must be >= 0"),
+    # past 2**53 no count is exact, and two such rows sum to infinity (E0 0, E[T] ∞)
+    (bad(output_tokens=10**400), "output_tokens is too large"),
+    (bad(output_tokens=1e300), "output_tokens is too large"),
+    (bad(workload=10**400), "workload is too large"),
+    (bad(pte_served=1e308), "pte_served is too large"),
+    # T/W of a subnormal workload is infinite: V̄O ∞ and κ 0
+    (bad(workload=1e-320), "workload is too small"),
 ]
 
 
@@ -113,6 +120,15 @@ def test_invalid_json_line_and_duplicates_are_listed(tmp_path):
     assert "duplicate" in by_line["5"].reason and by_line["5"].instance_id == "1"
     assert [(r.model, r.instance_id) for r in res.records] == [("A", "2"), ("B", "1")]
     assert len(res.dropped) == 4
+
+
+def test_a_number_with_more_digits_than_python_reads_is_invalid_json(tmp_path):
+    """The json module refuses an integer literal past the interpreter's digit limit with a
+    plain ValueError, not a JSONDecodeError: still one bad line, not a traceback."""
+    digits = json.dumps(bad()).replace('"output_tokens": 5', '"output_tokens": 1' + "0" * 5000)
+    res = load_records(write_jsonl(tmp_path / "r.jsonl", [*GOOD, digits]))
+    assert len(res.records) == 3
+    assert [(p.where.rsplit(":", 1)[1], p.reason[:13]) for p in res.problems] == [("4", "invalid JSON ")]
 
 
 def test_strict_mode_and_empty_input_are_errors(tmp_path):

@@ -108,6 +108,27 @@ def test_lm_eval_errors_name_the_file(tmp_path):
         load_runs([tmp_path / "missing"])
 
 
+def test_lm_eval_json_past_the_json_modules_limits_is_bad_input_not_a_traceback(tmp_path):
+    """Nesting past the recursion limit, or an integer past the digit limit, makes the json
+    module raise RecursionError or a plain ValueError: a samples line is then a problem, a
+    chat prompt one without a digest, and the results file one that cannot be read."""
+    deep, digits = "[" * 200_000, "1" + "0" * 5000
+    rows = [chat_row(0, "one", 1.0), chat_row(1, "two", 1.0)]
+    rows[1]["arguments"]["gen_args_0"]["arg_0"] = [deep]
+    root = lm_eval_output(tmp_path, rows)
+    samples = root / "tiny" / f"samples_qa_{STAMP}.jsonl"
+    samples.write_text(samples.read_text() + deep + "\n" + '{"doc_id": ' + digits + "}\n")
+    [run] = load_runs([root])
+    assert [(s.sample_id, [c.digest for c in s.calls]) for s in run.samples] == [
+        ("0", [chat_digest([{"role": "user", "content": "one"}])]),
+        ("1", [None]),
+    ]
+    assert [p.where.rsplit(":", 1)[1] for p in run.problems] == ["3", "4"]
+    (root / "tiny" / f"results_{STAMP}.json").write_text('{"configs": ' + digits + "}")
+    with pytest.raises(HarnessError, match="cannot read"):
+        load_runs([root])
+
+
 def test_two_runs_of_one_model_are_numbered_and_labels_must_fit(tmp_path):
     a = lm_eval_output(tmp_path / "a", [chat_row(0, "one", 1.0)])
     b = lm_eval_output(tmp_path / "b", [chat_row(0, "one", 0.0)])

@@ -215,6 +215,27 @@ def test_trajectory_report_groups_by_model_and_task():
 # ----------------------------------------------------------------------------- loading
 
 
+def test_a_count_past_what_a_float_holds_is_a_bad_line(tmp_path):
+    """10**400 overflows a float (the check raised OverflowError), and 1e300 tokens summed
+    over turns overflow the averages: both are bad lines, named."""
+    good = {"model": "m", "task": "t", "id": "1", "correct": True, "turns": [turn(10, 1)]}
+    lines = [
+        json.dumps(good),
+        json.dumps({**good, "id": "2", "turns": [turn(10**400, 1)]}),
+        json.dumps({**good, "id": "3", "turns": [turn(10, 1e300)]}),
+        json.dumps({**good, "id": "4", "turns": [{**turn(10, 1), "parse_errors": 10**400}]}),
+    ]
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    res = load_trajectories(path)
+    assert [t.id for t in res.trajectories] == ["1"]
+    assert [(p.where.rsplit(":", 1)[1], p.reason) for p in res.problems] == [
+        ("2", "turn 1 prompt_tokens is too large"),
+        ("3", "turn 1 output_tokens is too large"),
+        ("4", "turn 1 parse_errors is too large"),
+    ]
+
+
 def test_load_trajectories_names_bad_lines(tmp_path):
     good = {"model": "m", "task": "t", "id": "1", "correct": True, "turns": [turn(10, 1)]}
     lines = [

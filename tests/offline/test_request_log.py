@@ -160,6 +160,13 @@ def test_sort_auto_falls_back_to_seconds_then_pte(tmp_path):
         ),
         ({**line("r", "A", None, 1.0), "cost_usd": 0.1}, "cost_usd without gpu_seconds"),
         ({**line("r", "A", None, 1.0, (1, 0, 0, 0, 1, 1)), "gpu_seconds": -1.0}, "gpu_seconds is negative"),
+        # past 2**53: no request's figure, and a few such lines sum to infinity
+        ({"request_id": "r", "model": "A", "pte_served": 10**400}, "pte_served is too large"),
+        ({**line("r", "A", None, 1.0, (1, 0, 0, 0, 1, 1)), "cost_usd": 1e308}, "cost_usd is too large"),
+        (
+            {**line("r", "A", None, 1.0, (1, 0, 0, 0, 1, 1)), "interference_s": -1e300},
+            "interference_s is too large",
+        ),
     ],
 )
 def test_a_bad_line_is_named(row, message):
@@ -170,6 +177,16 @@ def test_a_bad_line_is_named(row, message):
 def test_interference_may_dip_below_zero_by_rounding():
     r = parse_line(line("r", "A", None, 1.0, (1.0, 0, 0, 0, 1.0, 1.0 - 1e-12)))
     assert r.seconds is not None and r.seconds[TIMED.index("interference_s")] == pytest.approx(-1e-12)
+
+
+def test_an_interference_share_past_the_largest_float_is_undefined(tmp_path):
+    """Latency explained of a subnormal 1e-320 s against 0.5 s of GPU work: the share
+    −0.5/1e-320 is −∞, reported as undefined (null), not a JSON error."""
+    row = line("r", "A", "s", 1.0, (0.5, 0, 0, 0, 1.0, 1e-320))
+    report = request_log_report(load_request_log(write_log(tmp_path, [row])))
+    assert report["overall"]["interference_s"] == pytest.approx(-0.5)
+    assert report["overall"]["interference_share"] is None
+    json.dumps(report, allow_nan=False)
 
 
 def test_bad_lines_are_dropped_and_listed_or_refused(tmp_path):
