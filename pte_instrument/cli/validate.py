@@ -77,13 +77,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
     except (OSError, EOFError) as e:  # a .gz that is not gzip, or cut short
         raise UsageError(f"a log cannot be read: {e}") from None
     if problems["not_object"]:
-        report_warning("validate", f"{problems['not_object']} lines skipped (not a JSON object)")
+        n = problems["not_object"]
+        report_warning("validate", f"{n} line{'s' if n != 1 else ''} skipped (not a JSON object)")
     if problems["not_number"]:
         report_warning("validate", f"{problems['not_number']} values that are not numbers read as missing")
     if problems["out_of_range"]:
         report_warning(
             "validate",
-            f"{problems['out_of_range']} values out of range (negative, or not finite) read as missing",
+            f"{problems['out_of_range']} values out of range (negative, not finite, or past 2**53) read as missing",
         )
     meta = {
         "source": {"request_log": str(requests_path), "step_log": str(steps_path) if steps_path else None},

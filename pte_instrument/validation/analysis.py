@@ -272,7 +272,7 @@ def load_jsonl(path: str | Path, problems: Counter[str] | None = None) -> list[d
                 continue
             try:
                 obj = json.loads(line)
-            except (json.JSONDecodeError, RecursionError):
+            except (ValueError, RecursionError):  # an integer past the digit limit is a plain ValueError
                 obj = None
             if isinstance(obj, dict):
                 out.append(obj)
@@ -282,8 +282,14 @@ def load_jsonl(path: str | Path, problems: Counter[str] | None = None) -> list[d
 
 
 def _number(v: Any) -> float | None:
-    """A JSON number as a float; anything else (a string, a list, true) is not one."""
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+    """A JSON number as a float (an integer too large for one as inf); anything else (a
+    string, a list, true) is not one."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return None
+    try:
+        return float(v)
+    except OverflowError:
+        return math.inf
 
 
 def _text(v: Any) -> str | None:
@@ -294,6 +300,11 @@ def _whole(v: Any) -> int:
     """A turn number; 0 (no session) for anything that is not a finite number."""
     x = _number(v)
     return int(x) if x is not None and math.isfinite(x) else 0
+
+
+# No count, second or unix time a log holds is this large; past it a float stops counting by
+# one, and sums (or a window's requests in flight) overflow.
+LARGEST_VALUE = 2.0**53
 
 
 def _col(
@@ -310,7 +321,7 @@ def _col(
             if v is None:
                 v = r.get(a)
         x = None if v is None else _number(v)
-        if x is not None and not (math.isfinite(x) and (signed or x >= 0)):
+        if x is not None and not (abs(x) <= LARGEST_VALUE and (signed or x >= 0)):  # NaN fails too
             x = None
             if problems is not None:
                 problems["out_of_range"] += 1
@@ -479,7 +490,7 @@ STEP_FIELDS = tuple(f for f in STEP_LOG_FIELDS if f != "ctx")
 def _numbers(v: Any, problems: Counter[str] | None) -> list[float]:
     """A list of numbers (a step's context per KV group); anything else is none, counted."""
     if isinstance(v, list) and all(_number(x) is not None for x in v):
-        return [float(x) for x in v]
+        return [x if abs(x) <= LARGEST_VALUE else math.nan for x in map(_number, v)]  # type: ignore[arg-type]
     if v is not None and problems is not None:
         problems["not_number"] += 1
     return []

@@ -189,5 +189,21 @@ def test_values_no_log_can_hold_are_read_as_missing_and_counted(tmp_path, capsys
     assert main(validate_json(path, tmp_path / "out")) == 0
     captured = capsys.readouterr()
     assert json.loads(captured.out)["phases"][0]["requests"] == 4
-    assert "5 values out of range (negative, or not finite) read as missing" in captured.err
+    assert "5 values out of range (negative, not finite, or past 2**53) read as missing" in captured.err
     assert "not numbers" not in captured.err
+
+
+def test_numbers_past_what_a_log_holds_are_read_as_missing_not_a_traceback(tmp_path, capsys):
+    """An integer too large for a float (10**400), one past the interpreter's digit limit
+    (a plain ValueError from the json module) and a time of 1e308 (whose sums overflow):
+    each read as missing or its line skipped, counted, and the rest validated."""
+    path = tmp_path / "requests.jsonl"
+    lines = finished_requests(5)
+    text = "".join(json.dumps(line) + "\n" for line in lines)
+    text = text.replace(f'"prompt_tokens": {lines[0]["prompt_tokens"]}', '"prompt_tokens": 1' + "0" * 400, 1)
+    text = text.replace(f'"finished_at": {lines[1]["finished_at"]}', '"finished_at": 1e308', 1)
+    path.write_text(text + '{"request_id": "d", "output_tokens": 1' + "0" * 5000 + "}\n")
+    assert main(validate_json(path, tmp_path / "out")) == 0
+    captured = capsys.readouterr()
+    assert "1 line skipped (not a JSON object)" in captured.err
+    assert "2 values out of range" in captured.err
