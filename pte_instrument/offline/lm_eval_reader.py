@@ -109,10 +109,11 @@ def _read_run(results_file: Path, metric: str | None, filter_name: str | None, k
     results = _load_json(results_file)
     if not isinstance(results, dict) or not isinstance(results.get("configs"), dict):
         raise HarnessError(f"{results_file}: not an lm-eval results file (no 'configs')")
-    config = results.get("config") or {}
-    model_args = config.get("model_args") or {}
+    config = _object(results.get("config"))
+    model_args = config.get("model_args")
     if isinstance(model_args, str):  # "model=…,base_url=…" as given on the command line
         model_args = dict(kv.split("=", 1) for kv in model_args.split(",") if "=" in kv)
+    model_args = _object(model_args)
     chat = config.get("model") in CHAT_MODELS
     model = str(model_args.get("model") or results.get("model_name") or "unknown")
     stamp = results_file.stem.removeprefix("results_")
@@ -138,11 +139,21 @@ def _read_run(results_file: Path, metric: str | None, filter_name: str | None, k
     if not metrics:
         raise HarnessError(f"{results_file}: no task with logged samples and a metric")
     started = results.get("date")  # unix time the evaluation began
-    start = float(started) if isinstance(started, int | float) else None
+    start = float(started) if _is_time(started) else None
     # The results file is named by the local time it was written, once the last response came
     # (its total_evaluation_time_seconds counts from before the model loaded: too late an end).
     end = _local_time(stamp)
     return Run(model, HARNESS, model, str(results_file), metrics, start, end, tuple(samples), tuple(problems))
+
+
+def _object(v: Any) -> dict[str, Any]:
+    """A JSON object of the results file; anything else there reads as an empty one."""
+    return v if isinstance(v, dict) else {}
+
+
+def _is_time(v: Any) -> bool:
+    """A unix time: a number from 0 to the year 5000 (a float holds it; 10**400 does not)."""
+    return isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < 1e11
 
 
 def _first_logged_metric(files: list[Path]) -> str | None:

@@ -129,6 +129,24 @@ def test_lm_eval_json_past_the_json_modules_limits_is_bad_input_not_a_traceback(
         load_runs([root])
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("config", "a string"), ("config", {"model_args": [1, 2]}), ("date", 10**400), ("date", float("inf"))],
+    ids=["config-text", "model-args-list", "date-huge", "date-infinite"],
+)
+def test_an_lm_eval_run_with_a_field_of_the_wrong_kind_reads_as_if_it_were_missing(tmp_path, field, value):
+    """A results file's ``config`` or ``model_args`` that is not an object, or a ``date`` that
+    is no time (10**400 overflowed a float): the run is read without them."""
+    root = lm_eval_output(tmp_path, [chat_row(0, "one", 1.0)])
+    results_file = root / "tiny" / f"results_{STAMP}.json"
+    results = json.loads(results_file.read_text())
+    results_file.write_text(json.dumps({**results, field: value}))
+    [run] = load_runs([root])
+    assert [s.sample_id for s in run.samples] == ["0"]
+    assert run.model == ("tiny" if field == "date" else "unknown")
+    assert run.started_at == (None if field == "date" else 1000.0)
+
+
 def test_two_runs_of_one_model_are_numbered_and_labels_must_fit(tmp_path):
     a = lm_eval_output(tmp_path / "a", [chat_row(0, "one", 1.0)])
     b = lm_eval_output(tmp_path / "b", [chat_row(0, "one", 0.0)])
