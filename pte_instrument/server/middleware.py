@@ -15,6 +15,7 @@ keep vLLM's name for each request, and a client's id would otherwise be of any l
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Callable, Container
 from typing import Any, TypeVar
@@ -109,8 +110,13 @@ class TaggingMiddleware:
                 ):
                     fields, receive = await _body_fields(receive, _REQUEST_ID)
                     name = self._bound_body_request_id(scope, fields.request_id)
-                if scope["path"].endswith(GENERATION_PATHS):
-                    key, receive = await self._tag(scope, receive, name)
+                # vLLM refuses it without the key: nothing of it is read here
+                if scope["path"].endswith(GENERATION_PATHS) and self._authorized(scope, scope["headers"]):
+                    wanted = None
+                    if self._wants_body(scope["headers"]):
+                        # receive is the replay from here on: a fault below still passes the body on
+                        wanted, receive = await _body_fields(receive, _BODY_FIELDS)
+                    key = self._tag(scope, wanted, name)
             except Exception as e:  # never fail the request for the plugin's sake
                 self.runtime.faults.record("middleware", e)
         if key is None:
@@ -155,23 +161,24 @@ class TaggingMiddleware:
                 MAX_REQUEST_ID_LEN,
             )
 
-    async def _tag(self, scope: Scope, receive: Receive, name: str | None) -> tuple[str | None, Receive]:
-        """The request key its tag is kept under (None: nothing to tag), and the receive
-        channel to pass on. ``name``: what vLLM is to name the request after (None: vLLM's
-        own choice)."""
+    def _wants_body(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        """Whether ``_tag`` needs a field of the body: the body is read only then."""
+        user = self.runtime.settings.session_from_user and not any(k == self.header for k, _ in headers)
+        return user or self.runtime.lora_names.enabled or self.digests
+
+    def _tag(self, scope: Scope, fields: _BodyFields | None, name: str | None) -> str | None:
+        """The request key its tag is kept under (None: nothing to tag). ``fields``: the
+        body's (None: not read, ``_wants_body``); ``name``: what vLLM is to name the request
+        after (None: vLLM's own choice)."""
         headers: list[tuple[bytes, bytes]] = scope["headers"]
-        if not self._authorized(scope, headers):  # vLLM refuses it; nothing of it is read here
-            return None, receive
         raw = next((v for k, v in headers if k == self.header), None)
-        want_user = raw is None and self.runtime.settings.session_from_user
         lora = self.runtime.lora_names
         model = None
         digests: tuple[str, ...] = ()
-        if want_user or lora.enabled or self.digests:  # the body is read only when a field of it is wanted
-            fields, receive = await _body_fields(receive, _BODY_FIELDS)
+        if fields is not None:
             if self.digests:
                 digests = request_digests(fields.messages, fields.prompt, self.digest_key)
-            if want_user and fields.user is not None:
+            if raw is None and self.runtime.settings.session_from_user and fields.user is not None:
                 raw = str(fields.user).encode("utf-8", "replace")
             if lora.enabled and isinstance(fields.model, str) and len(fields.model) <= MAX_MODEL_NAME_LEN:
                 model = fields.model
@@ -196,12 +203,12 @@ class TaggingMiddleware:
             traceparent = parse_traceparent(raw_parent) if raw_parent is not None else None
         tag = RequestTag(session_id, benchmark, tenant, model, operation, traceparent, digests)
         if tag == UNTAGGED:  # nothing to remember
-            return None, receive
+            return None
         if name is None:  # named here, so that the tag can be found under vLLM's name
             name = uuid.uuid4().hex
             scope["headers"] = [*headers, (b"x-request-id", name.encode("ascii"))]
         self.runtime.pending.put(name, tag)
-        return name, receive
+        return name
 
 
 class _RequestId(msgspec.Struct):
@@ -233,23 +240,46 @@ def _json_body(scope: Scope) -> bool:
 
 
 async def _body_fields(receive: Receive, decoder: msgspec.json.Decoder[Fields]) -> tuple[Fields, Receive]:
-    """Read the whole body for the fields ``decoder`` takes, then replay it downstream."""
-    messages: list[Message] = []
-    chunks: list[bytes] = []
+    """Read the whole body for the fields ``decoder`` takes, then replay it downstream, every
+    byte as sent, as one message (a body sent a few bytes per message is held once, not as a
+    message per few bytes), followed by what cut it short (a disconnect), if anything did."""
+    body = bytearray()
+    end: Message | None = None
     while True:
         message = await receive()
-        messages.append(message)
         if message["type"] != "http.request":
+            end = message
             break
-        chunks.append(message.get("body", b""))
+        body += message.get("body", b"")
         if not message.get("more_body", False):
             break
+    data = bytes(body)
+    del body
+    messages: list[Message] = []
+    if data or end is None:
+        messages.append({"type": "http.request", "body": data, "more_body": end is not None})
+    if end is not None:
+        messages.append(end)
 
     async def replay() -> Message:
         return messages.pop(0) if messages else await receive()
 
+    return _decode(data, decoder), replay
+
+
+def _decode(data: bytes, decoder: msgspec.json.Decoder[Fields]) -> Fields:
+    """The fields of a body as vLLM reads it (FastAPI's ``json.loads``); empty for a body
+    that is not a JSON object (vLLM answers it itself)."""
     try:
-        fields = decoder.decode(b"".join(chunks))
-    except (msgspec.DecodeError, RecursionError):  # not a JSON object: vLLM answers the bad body itself
-        fields = decoder.type()
-    return fields, replay
+        return decoder.decode(data)
+    except (msgspec.DecodeError, RecursionError):
+        pass
+    # Python's json also takes what msgspec refuses (a byte-order mark, UTF-16 and -32, NaN,
+    # lone surrogates): vLLM would read such a body, so its fields are read the same way
+    try:
+        parsed = json.loads(data)
+    except (ValueError, RecursionError):
+        return decoder.type()
+    if not isinstance(parsed, dict):
+        return decoder.type()
+    return decoder.type(**{f: parsed[f] for f in decoder.type.__struct_fields__ if f in parsed})

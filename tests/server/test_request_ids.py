@@ -7,6 +7,7 @@ length goes on as sent."""
 from __future__ import annotations
 
 import hashlib
+import json
 import sqlite3
 
 import pytest
@@ -157,3 +158,41 @@ def test_a_request_id_spelled_with_json_escapes_is_bounded_as_vllm_reads_it():
     body = b'{"\\u0072equest_id": "\\u00e9' + b"e" * 200 + b'"}'
     _, got = post_raw(body)
     assert got == [(body, hashlib.sha256(("\u00e9" + "e" * 200).encode()).hexdigest())]
+
+
+def _digest(request_id: str) -> str:
+    return hashlib.sha256(request_id.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+@pytest.mark.parametrize(
+    ("body", "request_id"),
+    [
+        (b'\xef\xbb\xbf{"request_id": "' + LONG.encode() + b'"}', LONG),
+        (f'{{"request_id": "{LONG}"}}'.encode("utf-16"), LONG),
+        (f'{{"request_id": "{LONG}"}}'.encode("utf-32-le"), LONG),
+        (b'{"request_id": "' + LONG.encode() + b'", "temperature": NaN}', LONG),
+        (b'{"request_id": "' + LONG.encode() + b'", "top_p": Infinity}', LONG),
+        (
+            b'{"messages": [{"role": "user", "content": "\\ud800"}], "request_id": "' + LONG.encode() + b'"}',
+            LONG,
+        ),
+        (b'{"request_id": "' + LONG.encode() + b'\\udc80"}', LONG + "\udc80"),
+    ],
+    ids=[
+        "utf-8-bom",
+        "utf-16",
+        "utf-32",
+        "nan",
+        "infinity",
+        "lone-surrogate-elsewhere",
+        "lone-surrogate-in-it",
+    ],
+)
+def test_a_long_request_id_in_a_body_only_pythons_json_reads_is_bounded_too(body, request_id):
+    """vLLM reads a body with Python's ``json`` (FastAPI's ``request.json()``), which takes a
+    byte-order mark, UTF-16 and -32, ``NaN`` and lone surrogates; the middleware's fast
+    decoder refuses them all, so the long id reached vLLM as sent."""
+    assert json.loads(body)["request_id"] == request_id  # what vLLM names the request after
+    runtime, got = post_raw(body)
+    assert got == [(body, _digest(request_id))]
+    assert runtime.faults.counts.get("middleware", 0) == 0
