@@ -81,7 +81,8 @@ class LiveEfficiency:
         name = quoted(request_ids[0] if request_ids else session_id or "")
         items = self.store.label(correct, list(request_ids), session_id)
         if items is None:
-            raise FeedbackError(404, f"no recent finished request for {name}")
+            of = "for" if request_ids else "of session"  # say which kind of id was looked for
+            raise FeedbackError(404, f"no recent finished request {of} {name}")
         if not items:
             raise FeedbackError(409, f"{name} is already labeled")
         return items

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
 from pte_instrument.failpoints import failpoint
-from pte_instrument.server.exporters.exposition import exposition
+from pte_instrument.server.exporters.exposition import AcceptError, exposition
 from pte_instrument.server.live_efficiency import FeedbackError
 from pte_instrument.server.request_tags import quoted, validate_session_id
 from pte_instrument.server.runtime import Runtime
@@ -49,6 +49,10 @@ class RouteError(Exception):
 
 def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
+
+
+def _unauthorized() -> JSONResponse:
+    return _error(401, "Unauthorized: send Authorization: Bearer <api key>")
 
 
 def _authorized(request: Request, runtime: Runtime) -> bool:
@@ -133,14 +137,16 @@ API_SERVER_HEADER = "X-PTE-API-Server"  # on every /pte/* answer: the index of t
 def build_router(runtime: Runtime) -> APIRouter:
     router = APIRouter(prefix="/pte", tags=["pte-instrument"])
 
-    async def guarded(request: Request, handler: Callable[[], Awaitable[JSONResponse]]) -> JSONResponse:
-        response = await _answer(request, handler)
+    def named(response: Response) -> Response:
         response.headers[API_SERVER_HEADER] = str(runtime.api_server)  # which process answered
         return response
 
+    async def guarded(request: Request, handler: Callable[[], Awaitable[JSONResponse]]) -> Response:
+        return named(await _answer(request, handler))
+
     async def _answer(request: Request, handler: Callable[[], Awaitable[JSONResponse]]) -> JSONResponse:
         if not _authorized(request, runtime):  # before anything of the request is read
-            return _error(401, "Unauthorized: send Authorization: Bearer <api key>")
+            return _unauthorized()
         try:
             failpoint("routes")
             return await handler()
@@ -156,14 +162,14 @@ def build_router(runtime: Runtime) -> APIRouter:
             return _error(500, "pte-instrument route failed; see the server log")
 
     @router.get("/summary")
-    async def summary(request: Request) -> JSONResponse:
+    async def summary(request: Request) -> Response:
         async def handler() -> JSONResponse:
             return JSONResponse(await asyncio.to_thread(runtime.summary))  # reads the shared store
 
         return await guarded(request, handler)
 
     @router.post("/feedback")
-    async def feedback(request: Request) -> JSONResponse:
+    async def feedback(request: Request) -> Response:
         """A correctness label from an evaluation harness:
         ``{"request_id": "…", "correct": true}`` or ``{"session_id": "…", "correct": false}``."""
 
@@ -178,7 +184,7 @@ def build_router(runtime: Runtime) -> APIRouter:
         return await guarded(request, handler)
 
     @router.get("/sessions")
-    async def sessions(request: Request) -> JSONResponse:
+    async def sessions(request: Request) -> Response:
         async def handler() -> JSONResponse:
             limit = _int_param(request, "limit", 50, 1, MAX_PAGE)
             offset = _int_param(request, "offset", 0, 0, 10**9)
@@ -198,17 +204,19 @@ def build_router(runtime: Runtime) -> APIRouter:
         (with exemplars), else in the text format: vLLM's ``/metrics`` answers the text
         format whatever is asked, which has no exemplars."""
         if not _authorized(request, runtime):
-            return _error(401, "Unauthorized: send Authorization: Bearer <key>")
+            return named(_unauthorized())
         try:
             body, content_type = await asyncio.to_thread(exposition, request.headers.get("accept"))
+        except AcceptError as e:
+            return named(_error(400, str(e)))
         except Exception as e:
             runtime.faults.record("routes", e)
-            return _error(500, "pte-instrument route failed; see the server log")
-        return Response(body, media_type=content_type, headers={API_SERVER_HEADER: str(runtime.api_server)})
+            return named(_error(500, "pte-instrument route failed; see the server log"))
+        return named(Response(body, media_type=content_type))
 
     # ":path": session ids may contain "/" (sent as-is or as %2F; the server decodes the path)
     @router.get("/sessions/{session_id:path}")
-    async def session(request: Request, session_id: str) -> JSONResponse:
+    async def session(request: Request, session_id: str) -> Response:
         async def handler() -> JSONResponse:
             sid, reason = validate_session_id(session_id)
             if sid is None:

@@ -13,6 +13,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
+from starlette.requests import Request
 
 from pte_instrument.devtools.serving import free_port
 from pte_instrument.server.middleware import TaggingMiddleware
@@ -183,6 +184,15 @@ def test_echoed_ids_are_cut_short(client, runtime):
     for params in ({"sort": "s" * 20_000}, {"limit": "9" * 20_000}, {"offset": "o" * 20_000}):
         r = client.get("/pte/sessions", params=params, headers=AUTH)
         assert r.status_code == 400 and len(r.content) < 400, (list(params), len(r.content))
+
+
+def test_feedback_for_an_unknown_id_says_whether_it_looked_for_a_request_or_a_session(client):
+    r = client.post("/pte/feedback", json={"session_id": "agent-7", "correct": True}, headers=AUTH)
+    assert r.status_code == 404
+    assert r.json() == {"error": "no recent finished request of session 'agent-7'"}
+    r = client.post("/pte/feedback", json={"request_id": "chatcmpl-1", "correct": True}, headers=AUTH)
+    assert r.status_code == 404
+    assert r.json() == {"error": "no recent finished request for 'chatcmpl-1'"}
 
 
 # --- the session store down: the routes degrade, they do not fail -----------------------
@@ -383,6 +393,58 @@ def test_user_field_with_deep_nesting_still_reaches_the_server(runtime):
     assert runtime.faults.counts.get("middleware", 0) == 0
 
 
+def test_a_fault_after_the_middleware_read_the_body_still_passes_every_byte_on(runtime):
+    """The middleware reads a LoRA server's body for its ``model`` field; a fault of its own
+    past that point (here the server's adapter list cannot be read) is counted, and vLLM
+    still gets the body it had already taken from the client."""
+    seen: list[bytes] = []
+
+    async def app(scope, receive, send):
+        seen.append(await Request(scope, receive).body())
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    def adapters_of(_app):
+        raise RuntimeError("the adapter list cannot be read")
+
+    runtime.lora_names.enabled = True
+    middleware = TaggingMiddleware(app, runtime, adapters_of=adapters_of)
+    body = b'{"model": "adapter-1", "prompt": "hi"}'
+    headers = [(b"authorization", f"Bearer {KEY}".encode()), (b"x-request-id", b"r")]
+    status, _, _ = call(middleware, "/v1/completions", headers, [body[:10], body[10:]])
+    assert status == 200 and seen == [body]
+    assert runtime.faults.counts.get("middleware") == 1
+
+
+def test_a_body_sent_in_many_tiny_chunks_is_held_once_not_per_chunk(runtime):
+    """The middleware keeps the body it read to pass it on: a client that sends it a byte
+    at a time (an ASGI message each) must not make it hold a message per byte."""
+    import tracemalloc
+
+    size = 100_000
+    runtime.settings = Settings(session_from_user=True)
+    held: list[int] = []
+    seen: list[bytes] = []
+
+    async def app(scope, receive, send):
+        held.append(tracemalloc.get_traced_memory()[0])  # the body read, nothing passed on yet
+        seen.append(await Request(scope, receive).body())
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    body = b'{"user": "agent-1", "prompt": "' + b"x" * (size - 32) + b'"}'
+    chunks = [body[i : i + 1] for i in range(len(body))]
+    middleware = TaggingMiddleware(app, runtime)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        call(middleware, "/v1/completions", [(b"authorization", f"Bearer {KEY}".encode())], chunks)
+    finally:
+        tracemalloc.stop()
+    assert seen == [body]
+    assert held[0] - before < 4 * size, held[0] - before  # the body and a copy, not 100,000 messages
+
+
 # --- OpenTelemetry: the route's operation and the caller's trace context ------------------
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -446,6 +508,42 @@ def test_pte_metrics_answers_openmetrics_when_asked_and_needs_the_key(client, ru
     assert plain.status_code == 200 and plain.headers["content-type"].startswith("text/plain")
     assert "# EOF" not in plain.text
     assert client.get("/pte/metrics").status_code == 401
+
+
+@pytest.mark.parametrize(
+    "accept",
+    [
+        "application/openmetrics-text; version=abc",
+        "application/openmetrics-text; version=1.x",
+        "text/plain; version=0.0.4x",
+        "text/plain, application/openmetrics-text; version=1." + "0" * 10_000,
+    ],
+    ids=["letters", "mixed", "text-format", "10-kb"],
+)
+def test_a_scrape_with_a_malformed_accept_version_is_a_400_not_a_fault_of_the_server(client, runtime, accept):
+    """prometheus_client compares the ``version`` parameter as numbers, and echoes it into
+    the answer's Content-Type: a version that is not one is the client's mistake."""
+    r = client.get("/pte/metrics", headers={**AUTH, "Accept": accept})
+    assert r.status_code == 400, (r.status_code, r.headers.get("content-type", "")[:80])
+    assert r.json()["error"].startswith("malformed Accept header") and len(r.content) < 400
+    assert r.headers.get("X-PTE-API-Server") == "0"
+    assert runtime.faults.counts.get("routes", 0) == 0
+    ok = client.get("/pte/metrics", headers={**AUTH, "Accept": "application/openmetrics-text; version=1.0.0"})
+    assert ok.status_code == 200 and ok.text.endswith("# EOF\n")
+
+
+def test_every_pte_answer_names_its_api_server_a_refused_or_failed_scrape_too(client, runtime, monkeypatch):
+    r = client.get("/pte/metrics")
+    assert r.status_code == 401 and r.headers.get("X-PTE-API-Server") == "0"
+    assert r.json() == client.get("/pte/summary").json()  # the same refusal as the other routes
+
+    def broken(accept):
+        raise RuntimeError("the registry cannot be read")
+
+    monkeypatch.setattr("pte_instrument.server.routes.exposition", broken)
+    r = client.get("/pte/metrics", headers=AUTH)
+    assert r.status_code == 500 and r.headers.get("X-PTE-API-Server") == "0"
+    assert runtime.faults.counts.get("routes") == 1
 
 
 @pytest.mark.parametrize("field", ["request_id", "session_id"])

@@ -25,7 +25,35 @@ def scrape_registry() -> CollectorRegistry:
     return REGISTRY
 
 
+MAX_VERSION_LEN = 32  # of an Accept header's version parameter: echoed in the answer's Content-Type
+_NEGOTIATED = ("application/openmetrics-text", "text/plain")  # the media types choose_encoder reads
+
+
+class AcceptError(ValueError):
+    """An ``Accept`` header the encoder cannot read: the client's mistake (a 400)."""
+
+
+def _check_accept(accept: str) -> None:
+    """Raise ``AcceptError`` for a ``version`` parameter that ``choose_encoder`` would compare
+    as text against numbers (a ``TypeError``), or echo however long it is."""
+    for accepted in accept.split(","):
+        media, *params = accepted.split(";")
+        if media.strip() not in _NEGOTIATED:
+            continue
+        # the first version parameter, split as choose_encoder splits it ("" reads as none)
+        version = next(
+            (v for k, eq, v in (p.strip().partition("=") for p in params) if eq and k == "version"), ""
+        )
+        parts = version.split(".")
+        if version and (
+            len(version) > MAX_VERSION_LEN or not all(p.isascii() and p.isdigit() for p in parts)
+        ):
+            raise AcceptError("malformed Accept header: a version must be numbers joined by '.'")
+
+
 def exposition(accept: str | None, registry: CollectorRegistry | None = None) -> tuple[bytes, str]:
-    """``(body, content type)`` of a scrape whose ``Accept`` header is ``accept``."""
+    """``(body, content type)`` of a scrape whose ``Accept`` header is ``accept``; raises
+    ``AcceptError`` for a malformed one."""
+    _check_accept(accept or "")
     encode, content_type = choose_encoder(accept or "")
     return encode(registry if registry is not None else scrape_registry()), content_type
