@@ -24,6 +24,7 @@ import msgspec
 from opentelemetry.semconv._incubating.attributes.gen_ai_attributes import (
     GenAiOperationNameValues as Operation,
 )
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pte_instrument.faults import log
@@ -100,13 +101,15 @@ class TaggingMiddleware:
                 # every route that reaches the engine: vLLM names the request after the
                 # X-Request-Id, else after the body's request_id
                 name = self._bound_request_id(scope)
-                # vLLM refuses a request without the API key before it reads the body, and the
-                # plugin's routes bound theirs: neither is read here
+                # vLLM refuses a request without the API key before it reads the body, answers
+                # a path it does not serve unread, and the plugin's routes bound theirs: none of
+                # them is read here
                 if (
                     name is None
                     and _json_body(scope)
                     and PLUGIN_ROUTES not in scope["path"]
                     and self._authorized(scope, scope["headers"])
+                    and (scope["path"].endswith(GENERATION_PATHS) or _served(scope))
                 ):
                     fields, receive = await _body_fields(receive, _REQUEST_ID)
                     name = self._bound_body_request_id(scope, fields.request_id)
@@ -237,6 +240,12 @@ def _json_body(scope: Scope) -> bool:
     fields are its own)."""
     content_type = next((v for k, v in scope["headers"] if k == b"content-type"), None)
     return content_type is None or b"json" in content_type.lower()
+
+
+def _served(scope: Scope) -> bool:
+    """Whether the app has a route for the request (whose handler reads its body)."""
+    routes = getattr(getattr(scope.get("app"), "router", None), "routes", ())
+    return any(route.matches(scope)[0] is Match.FULL for route in routes)
 
 
 async def _body_fields(receive: Receive, decoder: msgspec.json.Decoder[Fields]) -> tuple[Fields, Receive]:

@@ -11,6 +11,7 @@ import json
 import sqlite3
 
 import pytest
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 from starlette.requests import Request
@@ -38,17 +39,18 @@ def vllm_request_id(
     else ``chatcmpl-<the body's request_id>``), and the runtime holding the request's tag."""
     runtime = Runtime(Settings(), registry=CollectorRegistry())
     named: list[str] = []
+    vllm = FastAPI()
 
-    async def vllm(scope, receive, send):
-        request = Request(scope, receive)
+    @vllm.post("/{route:path}")  # a route the server serves, as vLLM's own are
+    async def serve(request: Request) -> dict:
         fields = await request.json()
         named.append(f"chatcmpl-{request.headers.get('X-Request-Id', fields.get('request_id', 'random'))}")
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"{}"})
+        return {}
 
+    vllm.add_middleware(TaggingMiddleware, runtime=runtime)
     if session is not None:
         headers = {**headers, "X-Session-Id": session}
-    TestClient(TaggingMiddleware(vllm, runtime)).post(path, json=body or {}, headers=headers)
+    TestClient(vllm).post(path, json=body or {}, headers=headers)
     assert runtime.faults.counts.get("middleware", 0) == 0
     return named[0], runtime
 

@@ -137,6 +137,25 @@ def test_behind_the_middleware_a_chunked_body_over_the_cap_is_still_read_no_furt
     assert status == 413 and read <= MAX_BODY_BYTES // 16384 + 1
 
 
+def test_the_middleware_reads_no_body_of_a_path_the_server_does_not_serve(runtime):
+    """vLLM answers a path it does not serve with a 404 and never reads the body: the
+    middleware, looking for a ``request_id`` in it, must not either (no bound on what it would
+    hold otherwise)."""
+    app = FastAPI()
+
+    @app.post("/v1/embeddings")
+    async def embeddings() -> dict:
+        return {}
+
+    app.add_middleware(TaggingMiddleware, runtime=runtime)
+    headers = [(b"authorization", f"Bearer {KEY}".encode()), (b"transfer-encoding", b"chunked")]
+    chunks = [b'{"request_id": "' + b"x" * 16384] + [b"x" * 16384] * 62 + [b'"}']
+    status, _, read = call(app, "/v1/no-such-route", headers, chunks)
+    assert (status, read) == (404, 0)
+    status, _, read = call(app, "/v1/embeddings", headers, chunks)
+    assert (status, read) == (200, len(chunks))  # a path it serves: read, for the id
+
+
 def test_a_lying_content_length_is_a_400(runtime):
     headers = [(b"authorization", f"Bearer {KEY}".encode()), (b"content-length", b"lots")]
     status, _, _ = call(feedback_app(runtime), "/pte/feedback", headers, [b"{}"])
