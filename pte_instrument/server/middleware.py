@@ -86,9 +86,9 @@ class TaggingMiddleware:
         """vLLM's API-key check, made here first: added by ``--middleware``, this runs before
         vLLM's own, and the endpoint plugin that tells the runtime the keys may not be loaded."""
         if not self._keys_read:
-            self._keys_read = True
             if not self.runtime.api_keys and self.keys_of is not None:
                 self.runtime.api_keys = self.keys_of(scope.get("app"))
+            self._keys_read = True  # once read: a read that raised is tried again
         if not self.runtime.api_keys:
             return True
         value = next((v for k, v in headers if k == b"authorization"), b"")

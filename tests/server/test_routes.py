@@ -575,6 +575,31 @@ def test_a_lone_surrogate_in_a_feedback_id_is_a_400_that_says_so(client, field, 
     assert error == f"'{field}' must be valid Unicode (it holds a lone surrogate)", error
 
 
+def test_the_api_keys_are_read_again_after_a_read_that_failed():
+    """Reading vLLM's keys can fail (a fault counted): the next request reads them again, rather
+    than the middleware taking the server as keyless from then on and reading the bodies of
+    requests vLLM refuses."""
+    runtime = Runtime(Settings(session_from_user=True), registry=CollectorRegistry())
+    reads: list[int] = []
+
+    def keys_of(app) -> list[str]:
+        reads.append(1)
+        if len(reads) == 1:
+            raise RuntimeError("the app's arguments are not set yet")
+        return [KEY]
+
+    async def vllm(scope, receive, send):
+        await send({"type": "http.response.start", "status": 401, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    middleware = TaggingMiddleware(vllm, runtime, keys_of=keys_of)
+    chunks = [b'{"user": "agent-1", "prompt": "x"}']
+    call(middleware, "/v1/completions", [], chunks)
+    assert runtime.faults.counts.get("middleware") == 1
+    _, _, read = call(middleware, "/v1/completions", [], chunks)
+    assert (len(reads), runtime.api_keys, read) == (2, [KEY], 0)
+
+
 def test_the_middleware_form_reads_no_body_of_a_request_vllms_api_key_check_refuses():
     """``--middleware``: vLLM adds the class after its own ``AuthenticationMiddleware``, so it
     runs first; with no endpoint plugin the runtime never heard of the keys."""
