@@ -21,7 +21,7 @@ from typing import Protocol
 
 from pte_instrument.cost.model import CostModel
 from pte_instrument.faults import FaultTracker, log
-from pte_instrument.server.records import FinishedRequest, RequestRecord, price_request
+from pte_instrument.server.records import FinishedRequest, RequestRecord, price_request, with_finite_numbers
 from pte_instrument.server.sessions import SessionLedger
 
 MAX_CONSECUTIVE_FAULTS = 100
@@ -86,9 +86,11 @@ class RequestPricer:
             request = replace(request, replica=self.replica)
             if self.new_trace_id is not None:
                 request = replace(request, trace_id=trace_of(request.traceparent) or self.new_trace_id())
-            record = price_request(
-                self.cost_model, request, request.finished_at or now, self.usd_per_gpu_second
+            record, not_finite = with_finite_numbers(
+                price_request(self.cost_model, request, request.finished_at or now, self.usd_per_gpu_second)
             )
+            if not_finite is not None:  # exported as the session stores keep it, and said
+                self.faults.record("accounting", not_finite)
         except Exception as e:
             self.faults.record("accounting", e)
             if self.sessions is not None:

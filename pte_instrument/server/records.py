@@ -155,17 +155,22 @@ def _stand_ins() -> dict[str, float | None]:
 _STAND_INS = _stand_ins()
 
 
-def with_finite_numbers(r: RequestRecord) -> tuple[RequestRecord, list[str]]:
+def with_finite_numbers(r: RequestRecord) -> tuple[RequestRecord, ValueError | None]:
     """``r`` with each number that is not finite (NaN, ±inf) replaced by its field's stand-in
-    (``_STAND_INS``), and the names of those fields. The session stores sum records, and a
-    NaN or an infinity would fail the write (SQLite stores NaN as NULL, Redis refuses it as a
-    float) or stay in every sum it reaches."""
+    (``_STAND_INS``), and the fault that says so (None: all were finite). One NaN added to a
+    Prometheus counter or histogram stays in it for good, and the session stores sum records
+    (SQLite stores NaN as NULL, Redis refuses it as a float)."""
     bad = {
         name: stand_in
         for name, stand_in in _STAND_INS.items()
         if isinstance(value := getattr(r, name), float) and not math.isfinite(value)
     }
-    return (replace(r, **bad) if bad else r), list(bad)
+    if not bad:
+        return r, None
+    return replace(r, **bad), ValueError(
+        f"priced request {r.request_id!r}: {', '.join(bad)} not a finite number; "
+        "taken as unknown (0 where the field must have a number)"
+    )
 
 
 def child_request_id(external_id: str, child_index: int | None) -> str:

@@ -185,14 +185,9 @@ class SessionLedger:
         """Queue a priced request (its model's totals; a turn, if it has a session) for the
         writer; never blocks. A number in it that is not finite is stored as unknown (or 0),
         counted as a fault: it would cost the whole batch otherwise."""
-        record, not_finite = with_finite_numbers(record)
-        if not_finite:
-            self._error(
-                ValueError(
-                    f"priced request {record.request_id!r}: {', '.join(not_finite)} not a finite number; "
-                    "stored as unknown (0 where the field must have a number)"
-                )
-            )
+        record, not_finite = with_finite_numbers(record)  # the pricer's are already
+        if not_finite is not None:
+            self._error(not_finite)
         if record.session_id is None:
             self._queue_record(("add", record, None))
             return

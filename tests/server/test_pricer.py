@@ -1,6 +1,7 @@
 """A failing exporter is counted and isolated; the others still get every record."""
 
 import json
+import math
 import sqlite3
 
 import pytest
@@ -70,6 +71,20 @@ def test_accounting_fault_is_counted(tmp_path):
     assert acc.on_finished(req(0, recomputed_tokens=-5)) is None  # impossible counts
     assert registry.get_sample_value("pte_plugin_faults_total", {"stage": "accounting"}) == 1
     assert not log.exists()
+
+
+def test_a_number_that_is_not_finite_reaches_no_exporter_and_is_counted(tmp_path):
+    """One NaN added to a Prometheus counter or histogram stays in it for good: a record with
+    one (here vLLM's timings) is exported with the field's stand-in, as the session stores
+    keep it, and counted as an accounting fault."""
+    acc, registry, log = make(tmp_path)
+    record = acc.on_finished(req(0, e2e_s=math.nan, queued_s=math.inf, decode_s=0.5))
+    assert record is not None and (record.e2e_s, record.queued_s, record.decode_s) == (0.0, 0.0, 0.5)
+    assert registry.get_sample_value("pte_plugin_faults_total", {"stage": "accounting"}) == 1
+    sums = [s.value for m in registry.collect() for s in m.samples if s.name.endswith(("_sum", "_total"))]
+    assert sums and all(math.isfinite(v) for v in sums)
+    (line,) = log.read_text().splitlines()
+    assert json.loads(line)["e2e_s"] == 0.0
 
 
 def refuse_session_reads(action: int, table: str | None, *_: object) -> int:
