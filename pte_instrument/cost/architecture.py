@@ -47,6 +47,8 @@ N_ACTIVE_MIN = 1.0
 N_ACTIVE_MAX = 1e14
 # Config sizes above 2^53 are no longer exact as floats (and no real model has them).
 _MAX_SIZE = 2**53
+# Windows are listed per layer: a layer count far past any model's would exhaust memory.
+MAX_LAYERS = 10**6
 
 
 class ArchitectureError(ValueError):
@@ -122,9 +124,7 @@ def load_config(path: str | Path) -> dict[str, Any]:
         raise ArchitectureError(f"cannot read model config {p}: {e.strerror or e}") from None
     try:
         cfg = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
-    except json.JSONDecodeError as e:
-        raise ArchitectureError(f"{p} is not valid JSON: {e}") from None
-    except _NonFiniteNumber as e:
+    except ValueError as e:  # a JSONDecodeError, a non-finite number, or an integer past 4300 digits
         raise ArchitectureError(f"{p} is not valid JSON: {e}") from None
     except RecursionError:  # the json module recurses once per nesting level
         raise ArchitectureError(f"{p} is not valid JSON: nested too deeply") from None
@@ -174,9 +174,9 @@ def _require(cfg: dict[str, Any], names: list[str]) -> dict[str, Any]:
         raise ArchitectureError(
             f"model_type {kind!r}: config lacks field(s) needed for the cost model: {hint}"
         )
-    bad = [n for n, v in values.items() if not _is_size(v)]
+    bad = [n for n, v in values.items() if not (_is_size(v) and v >= 1)]
     if bad:
-        raise ArchitectureError(f"config field(s) must be positive finite numbers: {', '.join(bad)}")
+        raise ArchitectureError(f"config field(s) must be whole numbers ≥ 1: {', '.join(bad)}")
     return values
 
 
@@ -195,8 +195,8 @@ def _whole(cfg: dict[str, Any], *names: str) -> int | None:
 
 
 def _is_size(v: Any) -> bool:
-    # NaN fails both comparisons; bool is an int but never a size
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < _MAX_SIZE
+    # NaN fails both comparisons; bool is an int but never a size; 3.7 heads are no heads
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < _MAX_SIZE and v == int(v)
 
 
 def kv_dtype_bytes(dtype: str | None, default: float = 2) -> float:
@@ -259,6 +259,10 @@ def parse_shape(
         int(v["num_attention_heads"]),
         int(v["vocab_size"]),
     )
+    if n_layers > MAX_LAYERS:
+        raise ArchitectureError(
+            f"config field num_hidden_layers must be at most {MAX_LAYERS:g}, got {n_layers}"
+        )
     is_mla = cfg.get("kv_lora_rank") is not None
     assumed: list[str] = []  # said in one warning line, and shown beside γ
     n_kv = _whole(cfg, "num_key_value_heads") or n_heads
@@ -268,6 +272,8 @@ def parse_shape(
         # A remote-code model may name it otherwise; MHA is the largest KV it can have.
         assumed.append("num_key_value_heads missing: assumed = num_attention_heads (MHA)")
     head_dim = _whole(cfg, "head_dim") or d // n_heads
+    if head_dim < 1:  # no KV bytes at all: γ would be 0
+        raise ArchitectureError(f"config lacks head_dim, and hidden_size {d} < num_attention_heads {n_heads}")
     model_dtype = cfg.get("torch_dtype") or cfg.get("dtype")
     if model_dtype is None and kv_cache_dtype in (None, "auto", ""):
         assumed.append("torch_dtype missing: assumed bfloat16 (2 bytes per KV element)")
@@ -322,7 +328,7 @@ def parse_shape(
         step = _whole(cfg, "decoder_sparse_step") or 1
         n_moe_layers = n_layers - n_dense_layers
         if step > 1:  # Qwen-MoE style: only every step-th layer is sparse
-            n_moe_layers = len([i for i in range(n_layers) if (i + 1) % step == 0])
+            n_moe_layers = n_layers // step
             n_dense_layers = n_layers - n_moe_layers
     else:
         n_moe_layers = 0
@@ -330,6 +336,11 @@ def parse_shape(
     lm_head = d * vocab
     n_active = n_layers * attn_w + n_dense_layers * dense_mlp + n_moe_layers * moe_active + lm_head
     n_total = n_layers * attn_w + n_dense_layers * dense_mlp + n_moe_layers * moe_total + lm_head
+    if n_total > N_ACTIVE_MAX:  # no model built: its γ would be a vanishing number
+        raise ArchitectureError(
+            f"model_type {model_type!r}: the config gives {n_total:.3g} weights, past any model "
+            f"(N_active at most {N_ACTIVE_MAX:g})"
+        )
     if n_active_override is not None:
         if not N_ACTIVE_MIN <= n_active_override <= N_ACTIVE_MAX:  # NaN fails both comparisons
             raise ArchitectureError(

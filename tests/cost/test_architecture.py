@@ -154,3 +154,55 @@ def test_load_config_errors(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ArchitectureError, match="not valid JSON"):
         load_config(tmp_path)
+
+
+def test_an_integer_past_the_json_modules_digit_limit_is_not_valid_json(tmp_path):
+    # the json module raises a plain ValueError for it, not a JSONDecodeError
+    (tmp_path / "config.json").write_text('{"pad_token_id": 1' + "0" * 5000 + "}")
+    with pytest.raises(ArchitectureError, match=r"not valid JSON: .*4300"):
+        load_config(tmp_path)
+
+
+@pytest.mark.parametrize("field", ["hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"])
+@pytest.mark.parametrize("value", [0.5, 3.7])
+def test_a_required_size_that_is_not_a_whole_number_is_named(field, value):
+    """0.5 layers became 0 (γ 0), a hidden size of 0.5 a division by zero, 3.7 heads 3."""
+    cfg = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 10}
+    cfg["intermediate_size"] = 128
+    with pytest.raises(ArchitectureError, match=field):
+        parse_shape({**cfg, field: value})
+
+
+def test_fewer_hidden_units_than_heads_without_head_dim_is_refused_not_a_zero_gamma():
+    # head_dim = hidden_size // num_attention_heads = 0: no KV bytes at all
+    cfg = {"hidden_size": 2, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 10}
+    with pytest.raises(ArchitectureError, match="head_dim"):
+        parse_shape({**cfg, "intermediate_size": 8})
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"num_hidden_layers": 2**52}, "num_hidden_layers must be at most"),
+        ({"hidden_size": 2**52}, "N_active at most"),
+        ({"num_hidden_layers": 10**6, "hidden_size": 10**4}, "N_active at most"),
+    ],
+    ids=["layers", "hidden", "both"],
+)
+def test_a_model_past_any_built_is_refused_not_out_of_memory_or_a_vanishing_gamma(change, message):
+    """2**52 layers made lists of 2**52 entries (MemoryError); 2**52 hidden units a γ of 1e-14."""
+    cfg = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 10}
+    cfg.update(intermediate_size=128, num_local_experts=4, num_experts_per_tok=1, decoder_sparse_step=2)
+    with pytest.raises(ArchitectureError, match=message):
+        parse_shape({**cfg, **change})
+
+
+def test_every_step_th_layer_of_a_qwen_moe_is_sparse():
+    cfg = {"hidden_size": 64, "num_hidden_layers": 7, "num_attention_heads": 4, "vocab_size": 10}
+    cfg.update(intermediate_size=128, num_experts=4, num_experts_per_tok=1, decoder_sparse_step=3)
+    dense = parse_shape({**cfg, "num_experts": 0})
+    # attention 4·64·16·4 = 16384 per layer; dense MLP 3·64·128 = 24576; one expert 24576 + router 256
+    assert dense.n_active == 7 * (16384 + 24576) + 640
+    # layers 3 and 6 (of 1..7) sparse: the same active weights plus the router, 3 more experts in total
+    assert parse_shape(cfg).n_active == dense.n_active + 2 * 256
+    assert parse_shape(cfg).n_total == dense.n_active + 2 * (256 + 3 * 24576)
