@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -78,7 +79,12 @@ def cmd_gamma(args: argparse.Namespace) -> int:
 def cmd_devices(args: argparse.Namespace) -> int:
     profiles = list(PROFILES.values())
     if args.measure:
-        profiles.append(measure_profile(args.measure_device))
+        try:
+            profiles.append(measure_profile(args.measure_device))
+        except (RuntimeError, AssertionError) as e:  # torch: an unknown device, or one it was not built for
+            raise UsageError(
+                f"cannot measure on {args.measure_device!r}: {' '.join(str(e).split())}"
+            ) from None
     data = [
         {
             "name": p.name,
@@ -110,7 +116,9 @@ def cmd_devices(args: argparse.Namespace) -> int:
 def cmd_tenant_hash(args: argparse.Namespace) -> int:
     """The ``PTE_TENANTS`` entry of an API key (with ``PTE_TENANT_FROM_API_KEY=1``). ``-``
     reads the key from stdin, so that it stays out of the shell's history and ``ps``."""
-    key = sys.stdin.readline().rstrip("\r\n") if args.key == "-" else args.key
+    # The server hashes the bearer token's bytes: so are these, a key that is not UTF-8 included
+    # (argv's undecodable bytes come back through the file-system encoding, stdin is not decoded).
+    key = sys.stdin.buffer.readline().rstrip(b"\r\n") if args.key == "-" else os.fsencode(args.key)
     if not key:
         raise UsageError("no API key given (pass it, or - to read one line from stdin)")
     tenant = tenant_hash(key)

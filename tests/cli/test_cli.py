@@ -1,5 +1,6 @@
 """The ``pte`` console script: tables, stable JSON, and one-line errors (never a traceback)."""
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -62,6 +63,12 @@ def test_devices_json():
     assert all(d["source"] for d in names.values())
 
 
+def test_measuring_a_device_torch_does_not_know_is_one_line():
+    r = pte("devices", "--measure", "--measure-device", "bogus")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()] and "cannot measure on 'bogus'" in r.stderr
+
+
 def test_tenant_hash_of_an_api_key():
     # SHA-256("abc") = ba7816bf8f01cfea… (FIPS 180-2): the first 12 hex digits
     r = pte("tenant-hash", "abc", "--json")
@@ -75,6 +82,19 @@ def test_tenant_hash_of_an_api_key():
         text=True,
     )
     assert json.loads(piped.stdout) == {"tenant": "ba7816bf8f01"}  # the key from stdin, newline not hashed
+
+
+def test_tenant_hash_of_a_key_that_is_not_utf8_hashes_its_bytes_as_the_server_does():
+    """The server hashes the bearer token's bytes; such a key, given or piped, was a traceback."""
+    key = b"ab\xff\xfecd"
+    tenant = hashlib.sha256(key).hexdigest()[:12]
+    cmd = [sys.executable, "-m", "pte_instrument.cli.main", "tenant-hash"]
+    piped = subprocess.run([*cmd, "-", "--json"], input=key + b"\r\n", capture_output=True)
+    assert piped.returncode == 0, piped.stderr
+    assert json.loads(piped.stdout) == {"tenant": tenant}
+    given = subprocess.run([*cmd, key, "--json"], capture_output=True)  # argv bytes, as a shell passes them
+    assert given.returncode == 0, given.stderr
+    assert json.loads(given.stdout) == {"tenant": tenant}
 
 
 def test_tenant_hash_without_a_key_is_one_line():
