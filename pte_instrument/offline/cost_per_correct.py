@@ -41,7 +41,7 @@ import numpy as np
 
 from pte_instrument.offline.decomposition import Estimate, _estimates, _rng
 from pte_instrument.offline.harness_runs import Run, Sample, task_reference
-from pte_instrument.offline.records import EvalRecord, Problem, RecordError
+from pte_instrument.offline.records import LARGEST_VALUE, EvalRecord, Problem, RecordError
 from pte_instrument.offline.request_log import log_lines
 from pte_instrument.offline.statistics import count_chunks
 
@@ -60,19 +60,24 @@ TERMS = ("verbosity", "price_per_token", "truncation", "logic")
 MAX_BOOT_ELEMS = 4_000_000  # entries of one resample count matrix: memory stays bounded
 
 
+# A count, PTE, second or dollar of one request: past 2**53 a float stops counting by one, and
+# a few such values sum to infinity (a cost per correct answer that is silently missing).
+_Amount = Annotated[float, msgspec.Meta(ge=0, le=LARGEST_VALUE)]
+
+
 class LoggedRequest(msgspec.Struct):
     """The request-log fields the join reads (every other field is skipped unparsed)."""
 
     request_id: str
     model: str
     finish_reason: str
-    output_tokens: Annotated[int, msgspec.Meta(ge=0)]
-    pte_served: Annotated[float, msgspec.Meta(ge=0)]
+    output_tokens: Annotated[int, msgspec.Meta(ge=0, le=int(LARGEST_VALUE))]
+    pte_served: _Amount
     finished_at: float
     arrived_at: float | None = None
     prompt_digest: str | None = None
-    gpu_seconds: Annotated[float, msgspec.Meta(ge=0)] | None = None
-    cost_usd: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    gpu_seconds: _Amount | None = None
+    cost_usd: _Amount | None = None
 
     @property
     def at(self) -> float:
@@ -95,6 +100,8 @@ def read_request_log(path: str | Path) -> tuple[list[LoggedRequest], list[Proble
             out.append(_DECODER.decode(line))
         except msgspec.DecodeError as e:
             problems.append(Problem(f"{p}:{n}", f"not a request-log line: {e}"))
+        except RecursionError:  # msgspec's decoder recurses even into the fields it skips
+            problems.append(Problem(f"{p}:{n}", "not a request-log line: JSON nested too deep"))
     if not out:
         raise RecordError(f"{p}: no request-log line (is it the plugin's PTE_REQUEST_LOG?)")
     return out, problems

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from pte_instrument.offline import inspect_reader, lm_eval_reader
 from pte_instrument.offline.harness_runs import HarnessError, Run
+from pte_instrument.offline.records import drop_duplicates
 
 
 def is_harness_output(path: str | Path) -> bool:
@@ -40,7 +41,7 @@ def load_runs(
             raise HarnessError(
                 f"{path}: neither an lm-eval output (results_*.json) nor an Inspect AI log (.eval, .json)"
             )
-    runs = _qualified_tasks(runs)
+    runs = _qualified_tasks([_without_duplicates(r) for r in runs])
     if labels:
         if len(labels) != len(runs):
             raise HarnessError(f"{len(labels)} label(s) given for {len(runs)} run(s) read")
@@ -52,6 +53,15 @@ def load_runs(
         replace(r, label=r.model if models.count(r.model) == 1 else f"{r.model}#{k + 1}")
         for k, r in enumerate(runs)
     ]
+
+
+def _without_duplicates(run: Run) -> Run:
+    """A sample of one task, id and epoch twice in a run (a hand-merged log): which copy
+    counts would be arbitrary, so every copy is dropped and listed, as records' duplicates are."""
+    samples, problems = drop_duplicates(
+        run.samples, lambda s: (run.model, s.task, s.key), "sample id in the run"
+    )
+    return replace(run, samples=tuple(samples), problems=(*run.problems, *problems)) if problems else run
 
 
 def _qualified_tasks(runs: list[Run]) -> list[Run]:

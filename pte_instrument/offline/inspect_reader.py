@@ -66,7 +66,10 @@ def _score_value(value: Any) -> float:
 
     if isinstance(value, dict | list):
         raise ValueError(f"a score of several values ({value!r}): name one scorer with --metric")
-    return float(value_to_float()(value))
+    score = float(value_to_float()(value))
+    if not 0 <= score <= 1:  # 2 would be a full score, NaN a wrong answer: neither is a score
+        raise ValueError("not a score in [0, 1]")
+    return score
 
 
 def _calls(sample: Any, key: bytes | None) -> tuple[Call, ...]:
@@ -85,13 +88,26 @@ def _calls(sample: Any, key: bytes | None) -> tuple[Call, ...]:
     return tuple(calls)
 
 
+def _one_line(e: Exception) -> str:
+    """The reader's error in one line: a schema error (pydantic's) puts each field, and a link,
+    on lines of their own; the first field names the fault."""
+    from pydantic import ValidationError
+
+    if isinstance(e, ValidationError):
+        first = e.errors()[0]
+        field = ".".join(str(x) for x in first["loc"])
+        more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
+        return f"not an Inspect log: {field + ': ' if field else ''}{first['msg']}{more}"
+    return " ".join(str(e).split())
+
+
 def _read_log(path: Path, metric: str | None, key: bytes | None) -> Run:
     try:
         log = _reader()(str(path), resolve_attachments=True)
     except HarnessError:
         raise
     except Exception as e:  # Inspect's reader: a zip, JSON or schema error
-        raise HarnessError(f"cannot read Inspect log {path}: {e}") from None
+        raise HarnessError(f"cannot read Inspect log {path}: {_one_line(e)}") from None
     task = str(log.eval.task)
     model = str(log.eval.model).rpartition("/")[2]  # "openai-api/<provider>/<model>": the name sent
     scorers = [s.name for s in (log.results.scores if log.results else [])]

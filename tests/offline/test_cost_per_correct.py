@@ -221,3 +221,30 @@ def test_the_request_log_reader_lists_bad_lines_and_keeps_the_rest(tmp_path):
     assert [r.request_id for r in requests] == ["r"] and requests[0].at == 2.0  # no arrival: its finish
     assert [p.where for p in problems] == [f"{log}:2", f"{log}:3", f"{log}:5"]
     assert "output_tokens" in problems[2].reason
+
+
+def test_the_request_log_reader_lists_numbers_past_2_53_and_deep_nesting_as_bad_lines(tmp_path):
+    # past 2**53 a float stops counting by one, and two such PTEs sum to infinity (no cost)
+    log = tmp_path / "requests.jsonl"
+    good = {
+        "request_id": "r",
+        "model": "m",
+        "finish_reason": "stop",
+        "output_tokens": 3,
+        "pte_served": 9.5,
+        "finished_at": 2.0,
+    }
+    bad = [
+        {**good, "pte_served": 1e308},
+        {**good, "output_tokens": 2**53 + 2},
+        {**good, "gpu_seconds": 1e300},
+        {**good, "cost_usd": 2.0**60},
+    ]
+    deep = '{"extra": ' + "[" * 200_000 + "]" * 200_000 + "}"
+    log.write_text("".join(json.dumps(x) + "\n" for x in [good, *bad]) + deep + "\n")
+    requests, problems = read_request_log(log)
+    assert [r.request_id for r in requests] == ["r"]
+    assert [p.where for p in problems] == [f"{log}:{n}" for n in (2, 3, 4, 5, 6)]
+    fields = ("pte_served", "output_tokens", "gpu_seconds", "cost_usd")
+    assert all(f in p.reason for f, p in zip(fields, problems[:4], strict=True))
+    assert "nested too deep" in problems[4].reason

@@ -200,3 +200,88 @@ def test_an_inspect_log_gives_samples_by_epoch_with_their_scores(tmp_path):
     assert sorted((s.key, s.correct) for s in again.samples) == [(k, c) for k, c, _ in got]
     with pytest.raises(HarnessError, match="no sample has a score of 'nope'"):
         load_runs([path], metric="nope")
+
+
+@pytest.fixture(scope="module")
+def inspect_json_log(tmp_path_factory) -> dict:
+    """An Inspect log of two samples (a scored "C", b "I") by the mock model, as Inspect's
+    JSON format holds it: to be changed by hand."""
+    from inspect_ai import Task, eval
+    from inspect_ai.dataset import Sample as InspectSample
+    from inspect_ai.log import write_eval_log
+    from inspect_ai.model import ModelOutput, ModelUsage, get_model
+    from inspect_ai.scorer import includes
+    from inspect_ai.solver import generate
+
+    answers = [ModelOutput.from_content("mockllm/model", "Default output") for _ in range(2)]
+    for a in answers:
+        a.usage = ModelUsage(input_tokens=3, output_tokens=2, total_tokens=5)
+    task = Task(
+        name="echo",
+        dataset=[
+            InspectSample(input="hi", target="Default output", id="a"),
+            InspectSample(input="x", target="zzz", id="b"),
+        ],
+        solver=generate(),
+        scorer=includes(),
+    )
+    tmp = tmp_path_factory.mktemp("inspect")
+    [log] = eval(
+        task, model=get_model("mockllm/model", custom_outputs=answers), log_dir=str(tmp), display="none"
+    )
+    write_eval_log(log, str(tmp / "log.json"), format="json")
+    return json.loads((tmp / "log.json").read_text())
+
+
+@pytest.mark.parametrize("raw", ["2", "-1", "1e300", "NaN", "Infinity", '"2"'])
+def test_an_inspect_score_outside_0_1_is_a_problem_not_a_correct_or_wrong_answer(
+    tmp_path, inspect_json_log, raw
+):
+    """2 is no full score of a 0/1 scorer (and NaN no wrong answer): sample a is listed, b kept."""
+    log = json.loads(json.dumps(inspect_json_log))
+    log["samples"][0]["scores"]["includes"]["value"] = "__score__"
+    path = tmp_path / "log.json"
+    path.write_text(json.dumps(log).replace('"__score__"', raw))
+    [run] = load_runs([path])
+    assert [(s.key, s.correct) for s in run.samples] == [("b", False)]
+    [problem] = run.problems
+    assert problem.where == f"{path}#sample 1" and "not a score in [0, 1]" in problem.reason
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda log: log["samples"][0].update(epoch="x"), "samples.0.epoch: Input should be a valid integer"),
+        (lambda log: log["samples"][0]["scores"]["includes"].update(value=None), "samples.0.scores"),
+        (lambda log: log.update(eval=[1]), "eval: Input should be"),
+    ],
+    ids=["epoch-text", "score-null", "eval-list"],
+)
+def test_an_inspect_log_that_does_not_fit_inspects_schema_is_one_line(
+    tmp_path, inspect_json_log, change, message
+):
+    """Inspect's schema error lists every field on lines of its own: the error is one line."""
+    log = json.loads(json.dumps(inspect_json_log))
+    change(log)
+    path = tmp_path / "log.json"
+    path.write_text(json.dumps(log))
+    with pytest.raises(HarnessError) as e:
+        load_runs([path])
+    assert "\n" not in str(e.value) and f"cannot read Inspect log {path}: " in str(e.value)
+    assert message in str(e.value)
+
+
+def test_an_inspect_sample_id_twice_in_one_epoch_drops_both_and_lists_them(tmp_path, inspect_json_log):
+    """Which of the two copies counts would be arbitrary (the cost tables counted both, the
+    decomposition kept one): both are dropped, each naming the other, as records' duplicates are."""
+    log = json.loads(json.dumps(inspect_json_log))
+    log["samples"][1]["id"] = "a"
+    path = tmp_path / "log.json"
+    path.write_text(json.dumps(log))
+    [run] = load_runs([path])
+    assert run.samples == ()
+    assert [(p.where, p.instance_id) for p in run.problems] == [
+        (f"{path}#sample 1", "a"),
+        (f"{path}#sample 2", "a"),
+    ]
+    assert f"also at {path}#sample 2" in run.problems[0].reason
