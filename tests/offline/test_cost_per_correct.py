@@ -202,17 +202,20 @@ def test_the_cost_plots_are_written_and_leave_no_figure_open(tmp_path):
     assert set(plt.get_fignums()) == open_before
 
 
+# a request-log line with the fields the join reads
+LOGGED = {
+    "request_id": "r",
+    "model": "m",
+    "finish_reason": "stop",
+    "output_tokens": 3,
+    "pte_served": 9.5,
+    "finished_at": 2.0,
+}
+
+
 def test_the_request_log_reader_lists_bad_lines_and_keeps_the_rest(tmp_path):
     log = tmp_path / "requests.jsonl"
-    good = {
-        "request_id": "r",
-        "model": "m",
-        "finish_reason": "stop",
-        "output_tokens": 3,
-        "pte_served": 9.5,
-        "finished_at": 2.0,
-        "extra": [1],
-    }
+    good = {**LOGGED, "extra": [1]}  # a field the reader skips
     negative = {**good, "output_tokens": -3}
     log.write_text(
         json.dumps(good) + "\n" + '{"request_id": 5}\n' + "not json\n\n" + json.dumps(negative) + "\n"
@@ -226,14 +229,7 @@ def test_the_request_log_reader_lists_bad_lines_and_keeps_the_rest(tmp_path):
 def test_the_request_log_reader_lists_numbers_past_2_53_and_deep_nesting_as_bad_lines(tmp_path):
     # past 2**53 a float stops counting by one, and two such PTEs sum to infinity (no cost)
     log = tmp_path / "requests.jsonl"
-    good = {
-        "request_id": "r",
-        "model": "m",
-        "finish_reason": "stop",
-        "output_tokens": 3,
-        "pte_served": 9.5,
-        "finished_at": 2.0,
-    }
+    good = LOGGED
     bad = [
         {**good, "pte_served": 1e308},
         {**good, "output_tokens": 2**53 + 2},

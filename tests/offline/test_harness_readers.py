@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -156,19 +157,19 @@ def test_two_runs_of_one_model_are_numbered_and_labels_must_fit(tmp_path):
         load_runs([a, b], labels=["one"])
 
 
-def test_an_inspect_log_gives_samples_by_epoch_with_their_scores(tmp_path):
+def echo_eval(log_dir: Path, epochs: int = 1) -> Any:
+    """Inspect's offline mock model through a task of two samples (sample a's target is in its
+    answer "Default output", b's is not), logged to ``log_dir``; the log."""
     from inspect_ai import Task, eval
     from inspect_ai.dataset import Sample as InspectSample
     from inspect_ai.model import ModelOutput, ModelUsage, get_model
     from inspect_ai.scorer import includes
     from inspect_ai.solver import generate
 
-    # Inspect's offline mock model, its answers given with their usage (else it counts tokens
-    # with a tokenizer it downloads)
-    answers = [ModelOutput.from_content("mockllm/model", "Default output") for _ in range(4)]
+    # its answers given with their usage (else it counts tokens with a tokenizer it downloads)
+    answers = [ModelOutput.from_content("mockllm/model", "Default output") for _ in range(2 * epochs)]
     for a in answers:
         a.usage = ModelUsage(input_tokens=3, output_tokens=2, total_tokens=5)
-
     task = Task(
         name="echo",
         dataset=[
@@ -177,10 +178,15 @@ def test_an_inspect_log_gives_samples_by_epoch_with_their_scores(tmp_path):
         ],
         solver=generate(),
         scorer=includes(),
-        epochs=2,
+        epochs=epochs,
     )
     model = get_model("mockllm/model", custom_outputs=answers)
-    [log] = eval(task, model=model, log_dir=str(tmp_path), display="none")
+    [log] = eval(task, model=model, log_dir=str(log_dir), display="none")
+    return log
+
+
+def test_an_inspect_log_gives_samples_by_epoch_with_their_scores(tmp_path):
+    log = echo_eval(tmp_path, epochs=2)
     assert log.status == "success"
     [path] = tmp_path.glob("*.eval")
     assert is_harness_output(path) and is_harness_output(tmp_path)
@@ -206,29 +212,10 @@ def test_an_inspect_log_gives_samples_by_epoch_with_their_scores(tmp_path):
 def inspect_json_log(tmp_path_factory) -> dict:
     """An Inspect log of two samples (a scored "C", b "I") by the mock model, as Inspect's
     JSON format holds it: to be changed by hand."""
-    from inspect_ai import Task, eval
-    from inspect_ai.dataset import Sample as InspectSample
     from inspect_ai.log import write_eval_log
-    from inspect_ai.model import ModelOutput, ModelUsage, get_model
-    from inspect_ai.scorer import includes
-    from inspect_ai.solver import generate
 
-    answers = [ModelOutput.from_content("mockllm/model", "Default output") for _ in range(2)]
-    for a in answers:
-        a.usage = ModelUsage(input_tokens=3, output_tokens=2, total_tokens=5)
-    task = Task(
-        name="echo",
-        dataset=[
-            InspectSample(input="hi", target="Default output", id="a"),
-            InspectSample(input="x", target="zzz", id="b"),
-        ],
-        solver=generate(),
-        scorer=includes(),
-    )
     tmp = tmp_path_factory.mktemp("inspect")
-    [log] = eval(
-        task, model=get_model("mockllm/model", custom_outputs=answers), log_dir=str(tmp), display="none"
-    )
+    log = echo_eval(tmp)
     write_eval_log(log, str(tmp / "log.json"), format="json")
     return json.loads((tmp / "log.json").read_text())
 
