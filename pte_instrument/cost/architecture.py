@@ -324,7 +324,7 @@ def parse_shape(
         router = d * n_experts
         moe_active = shared_w + top_k * expert_w + router
         moe_total = shared_w + n_experts * expert_w + router
-        n_dense_layers = _whole(cfg, "first_k_dense_replace") or 0
+        n_dense_layers = min(_whole(cfg, "first_k_dense_replace") or 0, n_layers)
         step = _whole(cfg, "decoder_sparse_step") or 1
         n_moe_layers = n_layers - n_dense_layers
         if step > 1:  # Qwen-MoE style: only every step-th layer is sparse

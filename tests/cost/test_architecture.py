@@ -206,3 +206,13 @@ def test_every_step_th_layer_of_a_qwen_moe_is_sparse():
     # layers 3 and 6 (of 1..7) sparse: the same active weights plus the router, 3 more experts in total
     assert parse_shape(cfg).n_active == dense.n_active + 2 * 256
     assert parse_shape(cfg).n_total == dense.n_active + 2 * (256 + 3 * 24576)
+
+
+def test_more_dense_layers_than_layers_is_a_dense_model_not_negative_weights():
+    """``first_k_dense_replace`` past the layer count (DeepSeek: the first k layers are dense)
+    leaves no sparse layer: the same weights as k = the layer count, not fewer than none."""
+    cfg = load_config(FIX / "mla_deepseek.json")
+    all_dense = parse_shape({**cfg, "first_k_dense_replace": cfg["num_hidden_layers"]})
+    past = parse_shape({**cfg, "first_k_dense_replace": 100})
+    assert (past.n_active, past.n_total) == (all_dense.n_active, all_dense.n_total)
+    assert all_dense.n_active == all_dense.n_total > 0
