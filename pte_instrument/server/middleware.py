@@ -101,25 +101,21 @@ class TaggingMiddleware:
                 # every route that reaches the engine: vLLM names the request after the
                 # X-Request-Id, else after the body's request_id
                 name = self._bound_request_id(scope)
-                # vLLM refuses a request without the API key before it reads the body, answers
-                # a path it does not serve unread, and the plugin's routes bound theirs: none of
-                # them is read here
-                if (
-                    name is None
-                    and _json_body(scope)
-                    and PLUGIN_ROUTES not in scope["path"]
-                    and self._authorized(scope, scope["headers"])
-                    and (scope["path"].endswith(GENERATION_PATHS) or _served(scope))
-                ):
-                    fields, receive = await _body_fields(receive, _REQUEST_ID)
-                    name = self._bound_body_request_id(scope, fields.request_id)
-                # vLLM refuses it without the key: nothing of it is read here
-                if scope["path"].endswith(GENERATION_PATHS) and self._authorized(scope, scope["headers"]):
+                # vLLM refuses a request without the API key before it reads the body: so here.
+                # Each body is read once; receive is its replay from then on, so that a fault
+                # after it still passes the body on.
+                if self._authorized(scope, scope["headers"]):
+                    generation = scope["path"].endswith(GENERATION_PATHS)
                     wanted = None
-                    if self._wants_body(scope["headers"]):
-                        # receive is the replay from here on: a fault below still passes the body on
+                    if generation and self._wants_body(scope["headers"]):
                         wanted, receive = await _body_fields(receive, _BODY_FIELDS)
-                    key = self._tag(scope, wanted, name)
+                    if name is None and _names_after_body(scope, generation):
+                        fields: _RequestId | None = wanted
+                        if fields is None:
+                            fields, receive = await _body_fields(receive, _REQUEST_ID)
+                        name = self._bound_body_request_id(scope, fields.request_id)
+                    if generation:
+                        key = self._tag(scope, wanted, name)
             except Exception as e:  # never fail the request for the plugin's sake
                 self.runtime.faults.record("middleware", e)
         if key is None:
@@ -240,6 +236,13 @@ def _json_body(scope: Scope) -> bool:
     fields are its own)."""
     content_type = next((v for k, v in scope["headers"] if k == b"content-type"), None)
     return content_type is None or b"json" in content_type.lower()
+
+
+def _names_after_body(scope: Scope, generation: bool) -> bool:
+    """Whether vLLM takes the request's name from its body's ``request_id``: a JSON body, on a
+    path it serves (it answers any other 404 unread), not one of the plugin's routes (they
+    bound their bodies)."""
+    return _json_body(scope) and PLUGIN_ROUTES not in scope["path"] and (generation or _served(scope))
 
 
 def _served(scope: Scope) -> bool:
