@@ -22,7 +22,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from typing import Any
+from dataclasses import dataclass
 
 from pte_instrument.server.bounded import BoundedDict
 
@@ -32,6 +32,19 @@ PEER_ALIVE_S = 3.0  # a writer that published within this long is waited for (a 
 WRITER_GONE_S = 3600.0  # a writer silent this long has stopped (a crash): its entry is dropped
 MAX_UNLANDED = 100_000  # session turns told finished and not yet landed, remembered at most
 UNLANDED_FOR_S = 10.0  # past this, a turn that never landed (its pricing failed) holds nothing back
+
+
+@dataclass(slots=True)
+class _Told:
+    """An id told finished: when first, and how many times not yet landed (or priced)."""
+
+    at: float
+    count: int = 1
+
+
+@dataclass(slots=True)
+class _Unpriced(_Told):
+    session: str = ""
 
 
 class Unlanded:
@@ -48,10 +61,8 @@ class Unlanded:
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self.clock = clock
         self._lock = threading.Lock()
-        # id → [first told at, times told and not yet landed]
-        self._unlanded: BoundedDict[str, list[float]] = BoundedDict(MAX_UNLANDED)
-        # id → [session, first told at, times told and not yet priced]
-        self._unpriced: BoundedDict[str, list[Any]] = BoundedDict(MAX_UNLANDED)
+        self._unlanded: BoundedDict[str, _Told] = BoundedDict(MAX_UNLANDED)
+        self._unpriced: BoundedDict[str, _Unpriced] = BoundedDict(MAX_UNLANDED)
         self._by_session: dict[str, dict[str, float]] = {}  # session → its unpriced turns, id → at
 
     def told(self, request_id: str, session_id: str) -> None:
@@ -59,24 +70,24 @@ class Unlanded:
             at = self.clock()
             landing = self._unlanded.get(request_id)
             if landing is None:
-                self._unlanded.put(request_id, [at, 1])
+                self._unlanded.put(request_id, _Told(at))
             else:  # counted where it was first told: the earliest still holds the watermark
-                landing[1] += 1
+                landing.count += 1
             pricing = self._unpriced.get(request_id)
-            if pricing is not None and pricing[0] == session_id:
-                pricing[2] += 1
+            if pricing is not None and pricing.session == session_id:
+                pricing.count += 1
                 return
             self._unprice(request_id)  # a client may reuse an id, for another session
-            for dropped, (session, *_) in self._unpriced.put(request_id, [session_id, at, 1]):
-                self._unlink(dropped, session)
+            for dropped, entry in self._unpriced.put(request_id, _Unpriced(at, session=session_id)):
+                self._unlink(dropped, entry.session)
             self._by_session.setdefault(session_id, {})[request_id] = at
 
     def priced(self, request_id: str) -> None:
         with self._lock:
             pricing = self._unpriced.get(request_id)
             if pricing is not None:
-                pricing[2] -= 1
-                if pricing[2] <= 0:
+                pricing.count -= 1
+                if pricing.count <= 0:
                     self._unprice(request_id)
 
     def landed(self, request_ids: Iterable[str]) -> None:
@@ -85,15 +96,15 @@ class Unlanded:
                 landing = self._unlanded.get(rid)
                 left = 0
                 if landing is not None:
-                    landing[1] -= 1
-                    left = int(landing[1])
+                    landing.count -= 1
+                    left = landing.count
                     if left <= 0:
                         self._unlanded.pop(rid)
                 # A turn lands after it is priced, so no more of an id are unpriced than
                 # unlanded: one that lands unpriced was given up (its pricing failed).
                 pricing = self._unpriced.get(rid)
-                if pricing is not None and pricing[2] > left:
-                    pricing[2] = left
+                if pricing is not None and pricing.count > left:
+                    pricing.count = left
                     if left <= 0:
                         self._unprice(rid)
 
@@ -104,11 +115,11 @@ class Unlanded:
         with self._lock:
             now = self.clock()
             cutoff = now - UNLANDED_FOR_S  # a turn that never landed holds nothing back
-            while (old := self._unlanded.oldest()) is not None and old[1][0] < cutoff:
+            while (old := self._unlanded.oldest()) is not None and old[1].at < cutoff:
                 self._unlanded.pop_oldest()
-            while (unpriced := self._unpriced.oldest()) is not None and unpriced[1][1] < cutoff:
+            while (unpriced := self._unpriced.oldest()) is not None and unpriced[1].at < cutoff:
                 self._unprice(unpriced[0])
-            return next((at for rid, (at, n) in self._unlanded.items() if landing[rid] < n), now)
+            return next((t.at for rid, t in self._unlanded.items() if landing[rid] < t.count), now)
 
     def unpriced_since(self, session_id: str) -> float:
         """When the earliest turn of ``session_id`` not yet priced was told finished (inf: none)."""
@@ -123,7 +134,7 @@ class Unlanded:
     def _unprice(self, request_id: str) -> None:
         entry = self._unpriced.pop(request_id)
         if entry is not None:
-            self._unlink(request_id, entry[0])
+            self._unlink(request_id, entry.session)
 
     def _unlink(self, request_id: str, session_id: str) -> None:
         turns = self._by_session.get(session_id)
