@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from bench.scheduler_bench import interval
+from bench.scheduler_bench import interval, process_cpu_s
 from tests.conftest import ROOT
 
 needs_model = pytest.mark.skipif(
@@ -29,6 +29,37 @@ def test_the_interval_takes_in_the_spread_between_runs():
     one = np.arange(200, dtype=float)  # one run: the steps' bootstrap
     lo, hi = interval([one], np.mean, np.random.default_rng(0))
     assert 99.5 - 20 < lo < 99.5 < hi < 99.5 + 20
+
+
+BUSY_CHILD = """
+import sys, time
+for _ in sys.stdin:  # on each line: spend 3 ms of CPU, then say so
+    t = time.process_time()
+    while time.process_time() - t < 0.003:
+        pass
+    print(flush=True)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads a Linux process clock")
+def test_another_process_cpu_time_is_read_finer_than_a_clock_tick():
+    """The pricing process of a short run may spend a few milliseconds: /proc's 10 ms ticks
+    read that as 0 or 10 ms. Three milliseconds of another process's CPU read as three."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", BUSY_CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        spent = []
+        for _ in range(3):
+            before = process_cpu_s(child.pid)
+            child.stdin.write("\n")
+            child.stdin.flush()
+            child.stdout.readline()
+            spent.append(process_cpu_s(child.pid) - before)
+    finally:
+        child.kill()
+        child.wait()
+    assert min(spent) >= 0.003 and sorted(spent)[1] < 0.008, spent
 
 
 @needs_model
