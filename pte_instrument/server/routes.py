@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
+from starlette.routing import Match
 
 from pte_instrument.failpoints import failpoint
 from pte_instrument.server.exporters.exposition import AcceptError, exposition
@@ -25,6 +26,7 @@ from pte_instrument.server.request_tags import quoted, validate_session_id
 from pte_instrument.server.runtime import Runtime
 from pte_instrument.server.session_store import StoreError
 
+HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 MAX_PAGE = 1000
 MAX_BODY_BYTES = 64 * 1024  # a feedback body is a few ids: anything larger is refused unread
 SORT_KEYS = (
@@ -226,4 +228,24 @@ def build_router(runtime: Runtime) -> APIRouter:
 
         return await guarded(request, handler)
 
+    # Last: any other method or path under /pte, answered here rather than by vLLM's app, so
+    # that it too names its API server (and says what it takes, in the routes' error shape).
+    @router.api_route("/{path:path}", methods=list(HTTP_METHODS), include_in_schema=False)
+    async def elsewhere(request: Request, path: str) -> Response:
+        scope = request.scope
+        allow = sorted(
+            {
+                m
+                for r in router.routes
+                if r is not elsewhere_route and r.matches(scope)[0] is Match.PARTIAL
+                for m in r.methods
+            }  # type: ignore[attr-defined]
+        )
+        where = quoted(scope["path"])
+        if not allow:
+            return named(_error(404, f"no pte-instrument route {where}"))
+        message = f"method {quoted(request.method)} is not allowed on {where}; it takes {', '.join(allow)}"
+        return named(JSONResponse({"error": message}, status_code=405, headers={"Allow": ", ".join(allow)}))
+
+    elsewhere_route = router.routes[-1]
     return router

@@ -163,3 +163,15 @@ def test_requests_vllm_rejects_leave_no_session_tag(server):
     # the 50 were tagged, and dropped; the 10 only if the plugin's middleware saw them
     # before vLLM's key check
     assert 50 <= now[1] - dropped_before <= 60, now
+
+
+def test_a_wrong_method_or_path_under_pte_is_answered_by_the_plugin_with_its_header(server):
+    """vLLM's app answers what no route of it takes with its own 404/405; under /pte the
+    plugin answers, naming its API server like every other /pte answer."""
+    c = server.client
+    r = c.post("/pte/summary")
+    assert r.status_code == 405 and r.headers["Allow"] == "GET" and r.headers["X-PTE-API-Server"] == "0"
+    r = c.get("/pte/" + "x" * 5000)
+    assert r.status_code == 404 and r.headers["X-PTE-API-Server"] == "0" and len(r.content) < 400
+    assert c.get("/v1/no-such-route").status_code == 404  # vLLM's own paths are still vLLM's
+    assert c.get("/pte/summary").status_code == 200

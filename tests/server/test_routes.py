@@ -626,3 +626,27 @@ def test_the_middleware_form_reads_no_body_of_a_request_vllms_api_key_check_refu
     assert (status, read) == (401, 0)
     status, _, read = call(app, "/v1/completions", [(b"authorization", f"Bearer {KEY}".encode())], chunks)
     assert status == 200 and read == len(chunks)  # with the key: read, once, and passed on
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "allow"),
+    [
+        ("POST", "/pte/summary", "GET"),
+        ("DELETE", "/pte/sessions", "GET"),
+        ("PUT", "/pte/sessions/a/b", "GET"),
+        ("GET", "/pte/feedback", "POST"),
+        ("PATCH", "/pte/metrics", "GET"),
+    ],
+)
+def test_a_method_a_pte_route_does_not_take_is_a_405_that_names_the_api_server(client, method, path, allow):
+    r = client.request(method, path, headers=AUTH)
+    assert r.status_code == 405, r.text
+    assert r.headers.get("Allow") == allow and r.headers.get("X-PTE-API-Server") == "0"
+    assert r.json() == {"error": f"method '{method}' is not allowed on '{path}'; it takes {allow}"}
+
+
+@pytest.mark.parametrize("method", ["GET", "POST", "DELETE"])
+def test_a_path_under_pte_that_is_no_route_is_a_404_that_names_the_api_server(client, method):
+    r = client.request(method, "/pte/no/such/route", headers=AUTH)
+    assert r.status_code == 404 and r.headers.get("X-PTE-API-Server") == "0"
+    assert r.json() == {"error": "no pte-instrument route '/pte/no/such/route'"}
