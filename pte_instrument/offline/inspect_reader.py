@@ -9,6 +9,7 @@ A call answered from Inspect's own cache never reached the server and is not one
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -61,12 +62,32 @@ def read(path: str | Path, *, metric: str | None = None, key: bytes | None = Non
     return [_read_log(p, metric, key) for p in _logs(Path(path))]
 
 
+class _Unread(logging.Filter):
+    """Inspect's converter reads a value it does not know as 0, a wrong answer, and says so
+    only in a warning of its logger: caught here (and not printed), the value is no score."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.seen = True
+        return False
+
+
 def _score_value(value: Any) -> float:
     from inspect_ai.scorer import value_to_float
 
     if isinstance(value, dict | list):
         raise ValueError(f"a score of several values ({value!r}): name one scorer with --metric")
-    score = float(value_to_float()(value))
+    unread, logger = _Unread(), logging.getLogger(value_to_float.__module__)
+    logger.addFilter(unread)
+    try:
+        score = float(value_to_float()(value))
+    finally:
+        logger.removeFilter(unread)
+    if unread.seen:
+        raise ValueError("not a score Inspect can read")
     if not 0 <= score <= 1:  # 2 would be a full score, NaN a wrong answer: neither is a score
         raise ValueError("not a score in [0, 1]")
     return score

@@ -235,6 +235,35 @@ def test_an_inspect_score_outside_0_1_is_a_problem_not_a_correct_or_wrong_answer
     assert problem.where == f"{path}#sample 1" and "not a score in [0, 1]" in problem.reason
 
 
+@pytest.mark.parametrize("raw", ['"abc"', '"nan"', '"inf"', '""'])
+def test_an_inspect_score_inspect_cannot_read_is_a_problem_not_a_wrong_answer(
+    tmp_path, inspect_json_log, raw, capfd
+):
+    """Inspect reads a string it does not know as 0 (a wrong answer), with a warning on stderr:
+    the sample is listed instead, and nothing is printed beside the problem."""
+    log = json.loads(json.dumps(inspect_json_log))
+    log["samples"][0]["scores"]["includes"]["value"] = "__score__"
+    path = tmp_path / "log.json"
+    path.write_text(json.dumps(log).replace('"__score__"', raw))
+    [run] = load_runs([path])
+    assert [(s.key, s.correct) for s in run.samples] == [("b", False)]
+    [problem] = run.problems
+    assert problem.where == f"{path}#sample 1" and "not a score Inspect can read" in problem.reason
+    assert "Unable to convert" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("raw", "correct"), [('"C"', True), ('"yes"', True), ('"0.0"', False), ('"N"', False)]
+)
+def test_the_strings_inspect_reads_as_scores_stay_scores(tmp_path, inspect_json_log, raw, correct):
+    log = json.loads(json.dumps(inspect_json_log))
+    log["samples"][0]["scores"]["includes"]["value"] = "__score__"
+    path = tmp_path / "log.json"
+    path.write_text(json.dumps(log).replace('"__score__"', raw))
+    [run] = load_runs([path])
+    assert [(s.key, s.correct) for s in run.samples] == [("a", correct), ("b", False)] and not run.problems
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
