@@ -92,19 +92,39 @@ def read_request_log(path: str | Path) -> tuple[list[LoggedRequest], list[Proble
     problem naming it, never a silent loss."""
     p = Path(path)
     out: list[LoggedRequest] = []
+    line_of: list[int] = []
     problems: list[Problem] = []
     for n, line in enumerate(log_lines(p), 1):
         if not line.strip():
             continue
         try:
             out.append(_DECODER.decode(line))
+            line_of.append(n)
         except msgspec.DecodeError as e:
             problems.append(Problem(f"{p}:{n}", f"not a request-log line: {e}"))
         except RecursionError:  # msgspec's decoder recurses even into the fields it skips
             problems.append(Problem(f"{p}:{n}", "not a request-log line: JSON nested too deep"))
     if not out:
         raise RecordError(f"{p}: no request-log line (is it the plugin's PTE_REQUEST_LOG?)")
-    return out, problems
+    return out, problems + _reused_ids(p, out, line_of)
+
+
+def _reused_ids(path: Path, requests: list[LoggedRequest], line_of: list[int]) -> list[Problem]:
+    """A request id logged more than once (a client's reused ``X-Request-Id``, logs of two
+    servers together): every copy is a request served and is kept, but the id names none of
+    them for certain, so ``join_runs`` joins them by what they sent."""
+    counts = Counter(r.request_id for r in requests)
+    lines: dict[str, list[int]] = {}
+    for r, n in zip(requests, line_of, strict=True):
+        if counts[r.request_id] > 1:
+            lines.setdefault(r.request_id, []).append(n)
+    problems = []
+    for rid, ns in lines.items():
+        shown = ", ".join(map(str, ns[:5])) + (", …" if len(ns) > 5 else "")
+        name = repr(rid) if len(rid) <= 80 else repr(rid[:80]) + "…"
+        reason = f"request_id {name} is logged {len(ns)} times (lines {shown}): joined by what it sent, not by its id"
+        problems.append(Problem(f"{path}:{ns[0]}", reason, action="kept"))
+    return problems
 
 
 # =========================================================================== join
@@ -192,7 +212,10 @@ def join_runs(
 ) -> list[RunJoin]:
     """Each run's samples joined to the requests that served them (see the module's text);
     the runs are joined in the order they started, so each takes its own requests first."""
-    by_id = {r.request_id: k for k, r in enumerate(requests)}
+    ids = Counter(r.request_id for r in requests)
+    by_id = {
+        r.request_id: k for k, r in enumerate(requests) if ids[r.request_id] == 1
+    }  # an id logged twice names neither
     models = {r.model for r in requests}
     claimed: set[int] = set()
     indexes: dict[str | None, _ByDigest] = {}  # by model; None: every model's requests

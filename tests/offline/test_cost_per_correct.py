@@ -244,3 +244,27 @@ def test_the_request_log_reader_lists_numbers_past_2_53_and_deep_nesting_as_bad_
     fields = ("pte_served", "output_tokens", "gpu_seconds", "cost_usd")
     assert all(f in p.reason for f, p in zip(fields, problems[:4], strict=True))
     assert "nested too deep" in problems[4].reason
+
+
+def test_a_request_id_logged_twice_joins_by_digest_not_to_whichever_copy_came_last():
+    """Two requests under one id (a client's reused X-Request-Id, two servers' logs together):
+    the id names neither for certain, so the sample joins by what it sent and when."""
+    requests = [req("r1", "d1", 1, 5), req("r1", "d2", 2, 7), req("r2", "d3", 3, 9)]
+    [j] = join_runs(
+        [run("a", [sample("0", 1, Call("d1", "r1")), sample("1", 1, Call("d3", "r2"))])], requests
+    )
+    assert [[r.output_tokens for r in s.requests] for s in j.joined] == [[5], [9]]
+    assert j.requests_unmatched == 1  # the other r1
+
+
+def test_the_request_log_reader_names_a_request_id_logged_more_than_once(tmp_path):
+    log = tmp_path / "requests.jsonl"
+    lines = [LOGGED, {**LOGGED, "request_id": "q"}, LOGGED, LOGGED]
+    log.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    requests, [problem] = read_request_log(log)
+    assert len(requests) == 4  # every copy kept: each is a request the server served
+    assert problem.where == f"{log}:1" and problem.action == "kept"
+    assert (
+        problem.reason
+        == "request_id 'r' is logged 3 times (lines 1, 3, 4): joined by what it sent, not by its id"
+    )
