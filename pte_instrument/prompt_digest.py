@@ -42,6 +42,12 @@ def canonical_messages(messages: Sequence[Any]) -> list[list[str]]:
     return [[str(m.get("role", "")), _text(m.get("content"))] for m in messages if isinstance(m, dict)]
 
 
+def key_bytes(key: str | None) -> bytes | None:
+    """``PTE_PROMPT_DIGEST_KEY`` as the HMAC key: the variable's own bytes (Python reads a byte
+    that is not UTF-8 as a lone surrogate), the same for the server and ``pte efficiency``."""
+    return key.encode("utf-8", "surrogateescape") if key else None
+
+
 def _digest(value: Any, key: bytes | None) -> str:
     data = json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
     if key:

@@ -164,6 +164,13 @@ def _calibration(raw: str, _: list[str]) -> str:
         return raw.lower()
     if not os.path.isfile(raw):
         raise Invalid("is not off, online or a saved fit's file")
+    from pte_instrument.cost.step_time import StepTimeModel
+
+    try:  # read here, where a bad file is one line: the engine hook reading it would turn off
+        StepTimeModel.load(raw)
+    except ValueError as e:
+        why = str(e) if len(str(e)) <= 200 else str(e)[:200] + "…"
+        raise Invalid(f"is not a saved fit ({why})") from None
     return raw
 
 
@@ -192,7 +199,7 @@ def parse_failpoints(spec: str | None) -> tuple[dict[str, float], str | None]:
 def parse_failpoint_seed(raw: str | None) -> tuple[int, str | None]:
     if raw is None:
         return 0, None
-    if raw.strip().isdigit():
+    if raw.strip().isascii() and raw.strip().isdigit():  # isdigit alone takes "²", which int() refuses
         return int(raw), None
     return 0, "is not a whole number of 0 or more"
 
@@ -251,6 +258,16 @@ def _tenants(raw: str, lines: list[str]) -> frozenset[str]:
         else:
             names.append(name)
     return frozenset(names)
+
+
+def _session_store(raw: str, _: list[str]) -> str:
+    """A file, or a Redis URL. SQLite's ``:memory:`` would be an empty database per connection
+    (nothing the store wrote could be read back), and another URL a relative file path."""
+    if raw == ":memory:":
+        raise Invalid("is SQLite's in-memory name, which each connection sees empty")
+    if "://" in raw and not raw.startswith(("redis://", "rediss://")):
+        raise Invalid("is a URL, and not a redis://… or rediss://… one")
+    return raw
 
 
 def default_session_store(port: int | None = None) -> str:
@@ -406,7 +423,7 @@ TABLE: tuple[Setting, ...] = (
         "session_store",
         str | None,
         None,
-        _text,
+        _session_store,
         accepted="file path, or a `redis://…` / `rediss://…` URL",
         help="`redis://…` or `rediss://…`: a Redis (or Valkey) server shared by a fleet of replicas ([below](#a-fleet-of-replicas)). Otherwise the host's session store: one SQLite file (WAL) that every API server of the server shares, so a session's turns are one session whichever process each reaches, and that outlives a restart (a session continues its turn numbers; its first turn after the restart shows the eviction tax it paid). The default is private to the server (by the `--port` of `vllm serve`), so two servers on one host keep apart; two servers given the same file merge their sessions and totals, and a server that starts while another one writes to its file says so in one line. A file that cannot be opened (a directory, not a session store, an unwritable place): one log line, a fault counted in `pte_plugin_faults_total{stage=\"sessions\"}`, and a private store per process instead ([below](#the-session-store))",
         summary="the server's session store: one SQLite file all its API servers share (a session is one session whichever process each turn reaches) and that outlives a restart. The default is the server's own (by its `--port`); two servers given one file share sessions and totals, and the one that starts second says so in a line. A `redis://…` URL: one store a fleet of replicas shares",
@@ -621,7 +638,7 @@ TABLE: tuple[Setting, ...] = (
         "online",
         _calibration,
         accepted="`off`, `online`, or a file",
-        help="the engine's step-time model ([cost-model.md §5b](cost-model.md)), which splits each step's measured time over its requests: `off` keeps the theory values from the architecture and the device profile; `online` starts from them and refits the last 4,096 steps every 256 steps; a file written by `pte calibrate --save` starts from that fit and refits online too. A file that does not exist: one log line, `online`",
+        help="the engine's step-time model ([cost-model.md §5b](cost-model.md)), which splits each step's measured time over its requests: `off` keeps the theory values from the architecture and the device profile; `online` starts from them and refits the last 4,096 steps every 256 steps; a file written by `pte calibrate --save` starts from that fit and refits online too. A file that does not exist or holds no such fit: one log line, `online`",
         summary="the engine's step-time model: `off` (theory only), `online` (fitted to the engine's own steps), or a fit saved by `pte calibrate --save`",
     ),
     Setting(

@@ -44,7 +44,7 @@ def address_problem(addr: str) -> str | None:
         return None if addr.removeprefix("ipc://") else "an ipc:// address needs a path"
     if addr.startswith("tcp://"):
         host, _, port = addr.removeprefix("tcp://").rpartition(":")
-        if host and port.isdigit() and 0 < int(port) < 65536:
+        if host and port.isascii() and port.isdigit() and 0 < int(port) < 65536:  # not "²" nor "٥"
             return None
         return "a tcp:// address needs a host and a port from 1 to 65535"
     return "not tcp, tcp://<host>:<port> or ipc://<path>"

@@ -1,3 +1,4 @@
+from pte_instrument.cost.step_time import StepTimeModel
 from pte_instrument.settings import Settings
 
 
@@ -43,7 +44,7 @@ def test_feedback_window():
 
 def test_gpu_price_and_calibration(tmp_path):
     fit = tmp_path / "fit.json"
-    fit.write_text("{}")
+    StepTimeModel(1e-5, 1e-8, 1e-3, 1e-3).save(fit)
     s = Settings.from_env({"PTE_GPU_HOURLY_PRICE": "2.5", "PTE_CALIBRATION": str(fit)})
     assert (s.gpu_hourly_price, s.calibration, s.errors) == (2.5, str(fit), ())
     assert Settings.from_env({}).gpu_hourly_price is None and Settings.from_env({}).calibration == "online"

@@ -5,6 +5,7 @@ one, is named in one line and replaced by what works."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -132,3 +133,72 @@ def test_every_setting_takes_every_garbage_value_or_names_it_in_one_line(name, g
     )
     assert taken != bool(named), (name, garbage, settings.errors)
     assert all(len(e) < 600 for e in settings.errors)  # a huge value is not echoed whole
+
+
+@pytest.mark.parametrize(
+    ("name", "raw"),
+    [
+        ("PTE_FAILPOINTS_SEED", "²"),
+        ("PTE_FAILPOINTS_SEED", "①"),
+        ("PTE_ENGINE_TRANSPORT", "tcp://10.0.0.1:²"),
+        ("PTE_ENGINE_TRANSPORT", "tcp://10.0.0.1:٥٥٥٥"),  # int() reads it; a socket does not
+    ],
+)
+def test_a_digit_that_is_not_ascii_is_named_in_one_line_not_raised(name, raw):
+    s = Settings.from_env({name: raw})
+    assert [e.split("=")[0] for e in s.errors] == [name]
+    assert (s.failpoints_seed, s.engine_transport) == (0, None)
+    assert settings.read(name, {name: raw})[1] is not None  # what failpoints and the launcher read
+
+
+@pytest.mark.parametrize(
+    "store",
+    [
+        ":memory:",  # SQLite's: every connection of the store would see an empty database of its own
+        "REDIS://redis.internal:6379/0",  # not redis://: it would be a relative file path
+        "valkey://redis.internal:6379",
+        "unix:///run/redis.sock",
+    ],
+)
+def test_a_session_store_that_is_neither_a_file_nor_a_redis_url_is_named_and_the_default_used(store):
+    s = Settings.from_env({"PTE_SESSION_STORE": store})
+    assert s.session_store == Settings.from_env({}).session_store
+    assert len(s.errors) == 1 and s.errors[0].startswith(f"PTE_SESSION_STORE={store!r} ")
+
+
+GOOD_FIT = {"format": "pte-step-time", "version": 1, "a": 1e-5, "b": 1e-8, "w": 1e-3, "o": 1e-3}
+
+
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        ("", "not valid JSON"),
+        ("not json", "not valid JSON"),
+        ("[]", "must be a JSON object"),
+        ('{"a": 1}', "not a step-time model"),
+        ('{"format": "pte-step-time", "version": 1, "a": NaN, "b": 0, "w": 0, "o": 0}', "NaN"),
+        ('{"format": "pte-step-time", "version": 1, "a": 1e400, "b": 0, "w": 0, "o": 0}', "term 'a'"),
+        (
+            '{"format": "pte-step-time", "version": 1, "a": 1' + "0" * 400 + ', "b": 0, "w": 0, "o": 0}',
+            "term 'a'",
+        ),
+        ('{"format": "pte-step-time", "version": 1' + "0" * 400 + "}", "version"),
+    ],
+)
+def test_a_calibration_file_that_is_not_a_saved_fit_is_named_and_online_used(tmp_path, content, why):
+    """The engine hook reads the file at start-up: a file it could not read would turn the
+    hook off, every request priced without its engine totals."""
+    path = tmp_path / "fit.json"
+    path.write_text(content)
+    s = Settings.from_env({"PTE_CALIBRATION": str(path)})
+    assert s.calibration == "online"
+    [line] = s.errors
+    assert line.startswith("PTE_CALIBRATION=") and why in line and line.endswith("; using online")
+    assert "\n" not in line and len(line) < 600
+
+
+def test_a_saved_fit_is_taken_as_the_calibration(tmp_path):
+    path = tmp_path / "fit.json"
+    path.write_text(json.dumps(GOOD_FIT))
+    s = Settings.from_env({"PTE_CALIBRATION": str(path)})
+    assert (s.calibration, s.errors) == (str(path), ())

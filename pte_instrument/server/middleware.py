@@ -28,7 +28,7 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pte_instrument.faults import log
-from pte_instrument.prompt_digest import request_digests
+from pte_instrument.prompt_digest import key_bytes, request_digests
 from pte_instrument.server.request_tags import (
     MAX_REQUEST_ID_LEN,
     UNTAGGED,
@@ -80,7 +80,7 @@ class TaggingMiddleware:
         settings = self.runtime.settings
         # the digest joins an evaluation harness's samples to the request log: wanted only with one
         self.digests = settings.prompt_digest and settings.request_log is not None
-        self.digest_key = (settings.prompt_digest_key or "").encode("utf-8") or None
+        self.digest_key = key_bytes(settings.prompt_digest_key)
 
     def _authorized(self, scope: Scope, headers: list[tuple[bytes, bytes]]) -> bool:
         """vLLM's API-key check, made here first: added by ``--middleware``, this runs before

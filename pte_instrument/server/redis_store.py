@@ -229,13 +229,14 @@ return cjson.encode({model = model, benchmark = benchmark, requests = #rows, out
 
 
 def shown_url(url: str) -> str:
-    """The store's URL for a log line: without its password."""
+    """The store's URL for a log line: without its password, and a byte of the environment
+    that is not UTF-8 (a lone surrogate to Python) escaped, which a strict log writer refuses."""
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    if parts.password is not None:
+        host = parts.hostname or ""
+        netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+        url = urlunsplit(parts._replace(netloc=netloc))
+    return url.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def number(text: str) -> int | float:
@@ -262,7 +263,11 @@ class RedisStore(BatchWriter):
         timeout_s: float = TIMEOUT_S,
     ) -> None:
         super().__init__(commit, on_error, server_id, max_queued)
-        self.path = shown_url(url)
+        try:
+            self.path = shown_url(url)
+        except ValueError as e:  # no URL at all: its part after the scheme may hold a password
+            self.path = url.partition("://")[0] + "://…"
+            raise StoreError(f"PTE_SESSION_STORE {self.path} is not a usable Redis URL: {e}") from None
         try:
             import redis
             from redis.backoff import NoBackoff
@@ -281,7 +286,15 @@ class RedisStore(BatchWriter):
                 retry=Retry(NoBackoff(), 0),  # the back-off below is the only retry
                 decode_responses=True,
             )
-        except ValueError as e:
+            # What from_url leaves to the first command, which would raise it on every read and
+            # write: a connection made of the URL's options (one it does not know is a
+            # TypeError, a value it does not take a RedisError) and the host's name as DNS
+            # takes it (UnicodeError, a ValueError).
+            pool = self.client.connection_pool
+            pool.connection_class(**pool.connection_kwargs)
+            if isinstance(host := pool.connection_kwargs.get("host"), str):
+                host.encode("idna")
+        except (ValueError, TypeError, redis.RedisError) as e:
             raise StoreError(f"PTE_SESSION_STORE {self.path} is not a usable Redis URL: {e}") from None
         self.scripts = {
             name: self.client.register_script(src)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -72,6 +73,13 @@ def test_a_key_turns_the_digest_into_an_hmac(make_runtime):
     assert (
         tag_of(rt, "cmpl-r0-0", "r0").prompt_digest == completion_digest("x", b"k") != completion_digest("x")
     )
+
+
+def test_a_key_the_environment_holds_as_bytes_that_are_not_utf8_is_used_as_those_bytes(make_runtime):
+    key = os.fsdecode(b"k\xff")  # how Python reads such a variable
+    rt = make_runtime(prompt_digest_key=key)
+    asyncio.run(post_all(rt, [b'{"prompt": "x"}']))
+    assert tag_of(rt, "cmpl-r0-0", "r0").prompt_digest == completion_digest("x", b"k\xff")
 
 
 @pytest.mark.parametrize("settings", [{"prompt_digest": False}, {"request_log": None}])

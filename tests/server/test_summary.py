@@ -112,6 +112,36 @@ def test_an_unusable_store_is_one_fault_and_a_private_store(tmp_path):
         runtime.sessions.close()
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://[::1",  # an unclosed IPv6 host
+        "redis://user:secret@redis.internal:port",  # a password, and a port that is none
+        "redis://redis.internal:6379/0?no_such_option=1",
+        "rediss://redis.internal:6379/0?ssl_cert_reqs=bogus",
+        "redis://" + "a" * 64 + ".internal:6379",  # a host name label longer than DNS allows
+        "redis://r\udcffs.internal",  # non-UTF-8 bytes in the environment
+    ],
+    ids=["ipv6-unclosed", "port-not-a-number", "unknown-option", "bad-ssl-option", "long-label", "not-utf8"],
+)
+def test_a_redis_url_that_cannot_work_is_one_fault_and_a_private_store(url, caplog):
+    from prometheus_client import CollectorRegistry
+
+    from pte_instrument.server.runtime import Runtime
+    from pte_instrument.settings import Settings
+
+    runtime = Runtime(Settings(session_store=url), CollectorRegistry())
+    try:
+        assert runtime.faults.counts == {"sessions": 1}
+        [line] = [r.getMessage() for r in caplog.records if "PTE_SESSION_STORE" in r.getMessage()]
+        assert "private store" in line and "secret" not in line
+        line.encode("utf-8")  # a log file's strict UTF-8 writer takes it: no lone surrogate
+        runtime.sessions.add(record())
+        assert runtime.summary()["models"]["m"]["requests"] == 1  # still accounted, in this process
+    finally:
+        runtime.sessions.close()
+
+
 def test_records_the_store_lost_are_in_the_summary(tmp_path, monkeypatch):
     from prometheus_client import CollectorRegistry
 
