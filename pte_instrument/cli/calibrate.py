@@ -109,7 +109,7 @@ def _lines(path: Path) -> Iterator[str]:
         raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
     with raw:
         stream = gzip.GzipFile(fileobj=raw) if path.name.endswith(".gz") else raw
-        text = io.TextIOWrapper(stream, encoding="utf-8")
+        text = io.TextIOWrapper(stream, encoding="utf-8-sig")  # -sig: a byte-order mark is no column's
         try:
             yield from text
         except UnicodeDecodeError:
@@ -456,7 +456,12 @@ def _pct(v: float | None) -> str:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    if args.save is not None and not args.save:
+        raise UsageError("--save needs a file name")
     steps = read_steps(args.steps)
+    save = Path(args.save) if args.save is not None else None
+    if save is not None and save.exists() and save.samefile(args.steps):  # it would replace the steps read
+        raise UsageError(f"--save {args.save} is the step log read; save the model to another file")
     if steps.n < MIN_STEPS:
         raise UsageError(
             f"{args.steps}: {steps.n} usable step(s) (dt_s > 0, tokens > 0, values within ±2**53); "
@@ -471,9 +476,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     ci = bootstrap_intervals(*features, prior, n_boot=args.bootstrap, seed=args.seed, level=LEVEL)
     report = calibration_report(steps, th, result, ci, args.bootstrap, args.seed)
     report["saved"] = None
-    if args.save:
+    if save is not None:
         try:
-            result.model.save(args.save)
+            result.model.save(save)
         except OSError as e:
             raise UsageError(f"cannot write {args.save}: {e.strerror or e}") from None
         report["saved"] = str(args.save)
@@ -503,7 +508,7 @@ def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=DEFAULT_BOOTSTRAP,
         help=f"bootstrap resamples for the intervals (default {DEFAULT_BOOTSTRAP}; 0: none)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=whole_number(0), default=0)
     p.add_argument("--save", help="write the calibrated model here (JSON; PTE_CALIBRATION reads it)")
     p.add_argument("--json", action="store_true", help="stable JSON (sorted keys) instead of the table")
     p.set_defaults(func=cmd_calibrate)

@@ -31,7 +31,9 @@ from pte_instrument.offline.request_log import (
 )
 
 MAX_WARNINGS = 20
-_non_negative = whole_number(0)
+_non_negative = whole_number(0)  # a seed too: numpy takes any integer from 0
+# Resamples and splits are each a row of an array: past this, numpy cannot allocate them.
+_resamples = whole_number(0, 100_000)
 
 
 def _warn_problems(command: str, problems: list[Any]) -> None:
@@ -112,17 +114,17 @@ def add_efficiency_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--bootstrap",
-        type=_non_negative,
+        type=_resamples,
         default=DEFAULT_BOOTSTRAP,
         help=f"bootstrap resamples over instances (default {DEFAULT_BOOTSTRAP}; 0: none)",
     )
     p.add_argument(
         "--splits",
-        type=_non_negative,
+        type=_resamples,
         default=DEFAULT_SPLITS,
         help=f"held-out pool splits for the solver audit (default {DEFAULT_SPLITS})",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_non_negative, default=0)
     p.add_argument(
         "--request-log",
         help="the plugin's request log (PTE_REQUEST_LOG): records take PTE from it by request_id or "
@@ -256,6 +258,7 @@ def _harness_efficiency(args: argparse.Namespace, pool: list[str] | None) -> int
     from pte_instrument.offline.cost_per_correct import cost_report, eval_records, join_runs, read_request_log
     from pte_instrument.offline.harness_outputs import load_runs
     from pte_instrument.offline.harness_runs import task_reference
+    from pte_instrument.prompt_digest import key_bytes
     from pte_instrument.settings import read
 
     if not args.request_log:
@@ -269,7 +272,7 @@ def _harness_efficiency(args: argparse.Namespace, pool: list[str] | None) -> int
         metric=args.metric,
         lm_eval_filter=args.filter,
         labels=labels,
-        key=key.encode("utf-8") if key else None,
+        key=key_bytes(key),
     )
     names = [r.label for r in runs]
     reference = args.reference or names[0]
@@ -342,8 +345,11 @@ def _positive_float(v: str) -> float:
         x = float(v)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {v!r}") from None
-    if not (math.isfinite(x) and x > 0):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {v}")
+    # 2γ finite too: cost_model_for_gamma stores 2γ bytes per token (past it, γ prices as inf)
+    if not (math.isfinite(2.0 * x) and x > 0):
+        raise argparse.ArgumentTypeError(
+            f"must be a positive number below {sys.float_info.max / 2:.3g}, got {v}"
+        )
     return x
 
 
@@ -404,9 +410,9 @@ def add_report_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="trajectories: PTE variant for patterns, steps and correct-vs-incorrect (default served)",
     )
     p.add_argument(
-        "--bootstrap", type=_non_negative, default=None, help=f"trajectories (default {DEFAULT_BOOTSTRAP})"
+        "--bootstrap", type=_resamples, default=None, help=f"trajectories (default {DEFAULT_BOOTSTRAP})"
     )
-    p.add_argument("--seed", type=int, default=None, help="trajectories (default 0)")
+    p.add_argument("--seed", type=_non_negative, default=None, help="trajectories (default 0)")
     p.add_argument(
         "--limit",
         type=_positive_int,

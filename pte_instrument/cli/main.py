@@ -21,7 +21,7 @@ from rich.table import Table
 from pte_instrument.cli.bench import add_bench_parser
 from pte_instrument.cli.calibrate import add_calibrate_parser
 from pte_instrument.cli.efficiency import add_efficiency_parser, add_report_parser
-from pte_instrument.cli.errors import UsageError, print_json, report_error, report_warning
+from pte_instrument.cli.errors import UsageError, print_json, report_error, report_warning, whole_number
 from pte_instrument.cli.validate import add_validate_parser
 from pte_instrument.cost.architecture import ArchitectureError, load_config, parse_shape
 from pte_instrument.cost.devices import PROFILES, UnknownDeviceError, measure_profile, resolve_device
@@ -129,8 +129,18 @@ def cmd_tenant_hash(args: argparse.Namespace) -> int:
     return 0
 
 
+MAX_PORT = 65535
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from pte_instrument.devtools.demo import run_demo
+
+    # replica i listens on --port + i: refused here, not after a minute of starting vLLM
+    if args.port and args.port + args.replicas - 1 > MAX_PORT:
+        raise UsageError(
+            f"--port {args.port} with --replicas {args.replicas}: ports up to "
+            f"{args.port + args.replicas - 1}, past {MAX_PORT}"
+        )
 
     return run_demo(
         model_dir=args.model_dir,
@@ -174,9 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
         "demo", help="serve the tiny model with the plugin, run an agent workload, print the PTE report"
     )
     m.add_argument("--model-dir", default="models/tiny")
-    m.add_argument("--port", type=int, default=0, help="0: pick a free port")
-    m.add_argument("--sessions", type=int, default=3)
-    m.add_argument("--turns", type=int, default=4)
+    m.add_argument("--port", type=whole_number(0, MAX_PORT), default=0, help="0: pick a free port")
+    m.add_argument("--sessions", type=whole_number(1), default=3)
+    m.add_argument("--turns", type=whole_number(1), default=4)
     m.add_argument(
         "--replicas",
         type=int,

@@ -23,6 +23,8 @@ from rich.table import Table
 
 from pte_instrument.cli.errors import UsageError, print_json, report_warning, whole_number
 
+REPORT_FILES = ("report.json", "report.md")  # what write_report writes into --out, beside its plots
+
 
 def add_validate_parser(sub: Any) -> None:
     v = sub.add_parser(
@@ -35,7 +37,7 @@ def add_validate_parser(sub: Any) -> None:
     )
     v.add_argument("--out", default="pte-validation", help="folder for report.json, report.md and the plots")
     v.add_argument("--bootstrap", type=whole_number(10, 100_000), default=1000, help="bootstrap resamples")
-    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--seed", type=whole_number(0), default=0)
     v.add_argument("--no-plots", action="store_true", help="no PNG plots (matplotlib not needed)")
     v.add_argument("--json", action="store_true", help="print the targets and phases as JSON")
     v.set_defaults(func=cmd_validate)
@@ -48,23 +50,34 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
     requests_path = Path(args.request_log)
     steps_path = Path(args.step_log) if args.step_log else None
+    out = Path(args.out)
     for path in (requests_path, steps_path):
         if path is not None and path.is_dir():
             raise UsageError(f"a directory, not a log: {path}")
         if path is not None and not path.is_file():
             raise UsageError(f"no such file: {path}")
+        # report.json and report.md replace whatever --out holds under those names
+        if path is not None and any(
+            (out / name).exists() and (out / name).samefile(path) for name in REPORT_FILES
+        ):
+            raise UsageError(f"--out {out} would write its report over {path}, a log it reads")
+    if out.exists() and not out.is_dir():  # refused now, not after the analysis
+        raise UsageError(f"--out {out} is a file, not a folder")
     problems: Counter[str] = Counter()
     try:
         table = A.request_table(A.load_jsonl(requests_path, problems), problems)
-        usable = A.usable_requests(table)
-        if len(usable) < 3:
-            raise UsageError(
-                f"{requests_path}: {len(usable)} usable requests (finished, with an inference time); "
-                "at least 3 are needed"
-            )
-        finished = usable["finished_at"]
-        arrived = usable["arrived_at"] if usable.has("arrived_at") else finished - usable["e2e_s"]
-        phases = phases_of_log(usable.request_id, arrived, finished)
+    except (OSError, EOFError) as e:  # a .gz that is not gzip, or cut short
+        raise UsageError(f"cannot read {requests_path}: {e}") from None
+    usable = A.usable_requests(table)
+    if len(usable) < 3:
+        raise UsageError(
+            f"{requests_path}: {len(usable)} usable requests (finished, with an inference time); "
+            "at least 3 are needed"
+        )
+    finished = usable["finished_at"]
+    arrived = usable["arrived_at"] if usable.has("arrived_at") else finished - usable["e2e_s"]
+    phases = phases_of_log(usable.request_id, arrived, finished)
+    try:  # with the request table given, only the step log is read
         analysis = analyse_logs(
             requests_path,
             steps_path,
@@ -74,8 +87,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
             problems=problems,
             requests=table,
         )
-    except (OSError, EOFError) as e:  # a .gz that is not gzip, or cut short
-        raise UsageError(f"a log cannot be read: {e}") from None
+    except (OSError, EOFError) as e:
+        raise UsageError(f"cannot read {steps_path or requests_path}: {e}") from None
     if problems["not_object"]:
         n = problems["not_object"]
         report_warning("validate", f"{n} line{'s' if n != 1 else ''} skipped (not a JSON object)")
@@ -90,7 +103,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
         "source": {"request_log": str(requests_path), "step_log": str(steps_path) if steps_path else None},
         "phases": [p.to_dict() for p in phases],
     }
-    files = write_report(analysis, meta, args.out, plots=not args.no_plots)
+    try:
+        files = write_report(analysis, meta, out, plots=not args.no_plots)
+    except OSError as e:  # --out under a file, or on a full or read-only disk
+        raise UsageError(f"cannot write the report to {out}: {e.strerror or e}") from None
     targets = [t.to_dict() for t in analysis.targets]
     if args.json:
         print_json(

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
@@ -104,14 +106,30 @@ class StepTimeModel:
         values = []
         for t in TERMS:
             v = d.get(t)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            if isinstance(v, int) and not isinstance(v, bool):  # JSON reads 1000…0 as an int
+                v = float(v) if abs(v) < 2**1023 else math.inf  # float() would raise past its range
+            if not isinstance(v, float) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"step-time model term {t!r} must be a finite number ≥ 0, got {v!r}")
             values.append(float(v))
         source = d.get("source", "")
         return cls(*values, source=source if isinstance(source, str) else "")
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        """Write the model to ``path`` whole or not at all: a temporary file beside it, renamed
+        over it once written, so that a failed write (a full disk) leaves the file that was
+        there, which the server may read (PTE_CALIBRATION), as it was."""
+        p = Path(path)
+        data = (json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n").encode("utf-8")
+        tmp = p.with_name(f".{p.name}.{secrets.token_hex(4)}.tmp")
+        # O_EXCL: never another file's; mode 0o666 less the umask, as a plain open would give
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, p)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
 
     @classmethod
     def load(cls, path: str | Path) -> StepTimeModel:

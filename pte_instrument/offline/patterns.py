@@ -207,7 +207,7 @@ def load_trajectories(path: str | Path, strict: bool = False) -> TrajectoryLoad:
     """Read a trajectory JSONL file; bad lines are dropped and listed (``strict``: raise)."""
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        text = p.read_text(encoding="utf-8-sig")  # -sig: a byte-order mark is not the first line's
     except (OSError, UnicodeDecodeError) as e:
         raise RecordError(f"cannot read {p}: {getattr(e, 'strerror', None) or e}") from None
     trajs, problems, rows = parse_rows(

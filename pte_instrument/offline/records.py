@@ -157,7 +157,7 @@ def json_loads(text: str) -> Any:
 
 def _iter_json(p: Path) -> Iterator[tuple[str, Mapping[str, Any] | _RowError]]:
     try:
-        text = p.read_text(encoding="utf-8")
+        text = p.read_text(encoding="utf-8-sig")  # -sig: a byte-order mark is not the first row's
     except (OSError, UnicodeDecodeError) as e:
         raise RecordError(f"cannot read {p}: {e}") from None
     if text.lstrip().startswith("["):  # a JSON array of objects, rows numbered from 1
@@ -190,7 +190,7 @@ def json_lines(p: Path, lines: Iterable[str]) -> Iterator[tuple[str, dict[str, A
 def _iter_csv(p: Path, delimiter: str) -> Iterator[tuple[str, Mapping[str, Any] | _RowError]]:
     csv.field_size_limit(1 << 30)  # traces can be long
     try:
-        fh = p.open(newline="", encoding="utf-8")
+        fh = p.open(newline="", encoding="utf-8-sig")  # -sig: a byte-order mark is no column's
     except OSError as e:
         raise RecordError(f"cannot read {p}: {e.strerror or e}") from None
     with fh:

@@ -146,7 +146,8 @@ def log_lines(p: Path) -> Iterator[str]:
     try:
         with p.open("rb") as fh:
             gz = fh.read(2) == _GZIP_MAGIC
-        with gzip.open(p, "rt", encoding="utf-8") if gz else p.open(encoding="utf-8") as text:
+        # -sig: a byte-order mark (as some Windows tools write) is not the first line's
+        with gzip.open(p, "rt", encoding="utf-8-sig") if gz else p.open(encoding="utf-8-sig") as text:
             for lineno, line in enumerate(text, 1):  # noqa: B007 (read in the except clause)
                 yield line
     except UnicodeDecodeError:

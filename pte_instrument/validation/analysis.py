@@ -265,7 +265,8 @@ def load_jsonl(path: str | Path, problems: Counter[str] | None = None) -> list[d
     if not p.exists():
         return out
     opener = gzip.open if p.suffix == ".gz" else open
-    with opener(p, "rt", encoding="utf-8", errors="replace") as fh:
+    # -sig: a byte-order mark (as some Windows tools write) is not the first line's
+    with opener(p, "rt", encoding="utf-8-sig", errors="replace") as fh:
         for line in fh:
             line = line.strip()
             if not line:

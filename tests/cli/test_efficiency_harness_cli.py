@@ -4,6 +4,7 @@ an lm-eval output and a request log made here, and one-line errors with exit cod
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -68,6 +69,21 @@ def test_the_cost_of_a_correct_answer_from_an_lm_eval_run(evaluation, capsys, tm
     assert t["cost_per_correct"]["cost_usd"]["value"] == pytest.approx(9e-5)
     code, out, _ = run(["efficiency", str(root), "--request-log", str(log), "--bootstrap", "0"], capsys)
     assert code == 0 and "Cost per correct answer" in out and "Reasoning-efficiency report" in out
+
+
+def test_a_digest_key_that_is_not_utf8_joins_as_the_server_keyed_it(evaluation, capsys, monkeypatch):
+    root, log = evaluation
+    key = b"k\xff"
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    for line, text in zip(lines, "abc", strict=False):
+        line["prompt_digest"] = chat_digest([{"role": "user", "content": text}], key)
+    log.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    monkeypatch.setenv("PTE_PROMPT_DIGEST_KEY", os.fsdecode(key))
+    code, out, err = run(
+        ["efficiency", str(root), "--request-log", str(log), "--json", "--bootstrap", "0"], capsys
+    )
+    assert code == 0, err
+    assert json.loads(out)["cost_per_correct"]["runs"][0]["samples_joined"] == 3
 
 
 @pytest.mark.parametrize(

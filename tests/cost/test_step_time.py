@@ -367,6 +367,10 @@ def test_save_load_round_trip(tmp_path: Path):
             "term 'a'",
         ),
         (bytes(range(256)), "cannot read"),
+        (
+            b'{"format": "pte-step-time", "version": 1, "a": 1' + b"0" * 400 + b', "b": 1, "w": 1, "o": 1}',
+            "term 'a'",
+        ),
     ],
 )
 def test_load_rejects_a_bad_file(tmp_path: Path, content: bytes, message: str):
