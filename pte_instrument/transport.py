@@ -32,6 +32,9 @@ from pte_instrument.wire import EngineMessage, decode_batch, encode_batch
 
 ADDRESS_ENV = "PTE_ENGINE_TRANSPORT"
 HIGH_WATER_MARK = 10_000  # queued messages per socket before sends are dropped
+# A Unix socket's path is at most IPC_PATH_MAX_LEN bytes (107 on Linux), and API server i
+# binds <base>-i: a base leaves room for the suffix of up to 999 API servers.
+MAX_IPC_BASE = zmq.IPC_PATH_MAX_LEN - len("-999")
 CLOSE_WAIT_S = 2.0  # a closing sender delivers what it queued, for at most this long
 
 
@@ -41,7 +44,12 @@ def address_problem(addr: str) -> str | None:
     if addr.strip().lower() == "tcp":
         return None
     if addr.startswith("ipc://"):
-        return None if addr.removeprefix("ipc://") else "an ipc:// address needs a path"
+        path = addr.removeprefix("ipc://")
+        if not path:
+            return "an ipc:// address needs a path"
+        if len(path.encode("utf-8", "surrogateescape")) > MAX_IPC_BASE:
+            return f"an ipc:// path must be at most {MAX_IPC_BASE} bytes (a Unix socket's)"
+        return None
     if addr.startswith("tcp://"):
         host, _, port = addr.removeprefix("tcp://").rpartition(":")
         if host and port.isascii() and port.isdigit() and 0 < int(port) < 65536:  # not "²" nor "٥"

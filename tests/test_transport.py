@@ -146,3 +146,17 @@ def test_every_api_server_hears_that_an_engine_reported_faults_and_only_api_serv
     assert [inbox.faults.counts["engine_finish"] for inbox in inboxes] == [1, 0]
     engine_sender.close()
     assert receivers[0].errors == receivers[1].errors == 0
+
+
+def test_an_ipc_path_too_long_for_a_unix_socket_is_a_problem_named_before_any_bind():
+    """A Unix socket's path holds 107 bytes: a longer base would fail every API server's bind
+    (engines' totals lost); named at start-up instead, and a local base used."""
+    import zmq
+
+    from pte_instrument.transport import address_problem
+
+    room = zmq.IPC_PATH_MAX_LEN - len("-999")  # the API server's suffix
+    assert address_problem("ipc:///" + "x" * (room - 1)) is None
+    problem = address_problem("ipc:///" + "x" * room)
+    assert problem == f"an ipc:// path must be at most {room} bytes (a Unix socket's)"
+    assert address_problem("ipc:///tmp/" + "é" * (room // 2)) == problem  # bytes, not characters
