@@ -201,13 +201,16 @@ class _PteHook:
             **self._pte_accounting_args(cfg, settings, engine),
         )
 
-    @staticmethod
     def _pte_accounting_args(
-        cfg: Any, settings: Settings, engine: int, pricing_process: bool = False
+        self, cfg: Any, settings: Settings, engine: int, pricing_process: bool = False
     ) -> dict[str, Any]:
         step_model, source = None, "theory"
         if settings.calibration not in ("off", "online"):  # a saved fit
-            step_model, source = StepTimeModel.load(settings.calibration), "file"
+            try:
+                step_model, source = StepTimeModel.load(settings.calibration), "file"
+            except ValueError as e:  # changed since the settings read it: the fit is lost, not the hook
+                log.error("pte-instrument: %s; the step-time model starts from theory", e)
+                self._pte_faults.record("engine_setup", e, logged=True)
         backend = settings.accumulator_backend
         if pricing_process and backend == "auto":  # no CUDA context of its own on the serving device
             backend = "numpy"

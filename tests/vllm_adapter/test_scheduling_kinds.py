@@ -236,7 +236,7 @@ def test_the_pricing_process_sends_the_same_exact_totals(runs, name, asynchronou
 
 def test_a_pricing_process_that_cannot_start_leaves_pricing_on_the_engine_thread(monkeypatch, tmp_path):
     from pte_instrument.engine.accounting import EngineAccounting
-    from pte_instrument.faults import log
+    from pte_instrument.faults import install_log_handler, log
     from pte_instrument.vllm_adapter import scheduler
 
     class NeverStarts(scheduler.PricingProcess):
@@ -253,6 +253,7 @@ def test_a_pricing_process_that_cannot_start_leaves_pricing_on_the_engine_thread
 
     monkeypatch.setattr(scheduler, "PricingProcess", NeverStarts)
     monkeypatch.setenv("PTE_ENGINE_TRANSPORT", f"ipc://{tmp_path}/pte")
+    install_log_handler()  # as the hook does first; a handler of the test's own would stop it (no INFO)
     handler = Lines()
     log.addHandler(handler)
     try:
@@ -267,6 +268,33 @@ def test_a_pricing_process_that_cannot_start_leaves_pricing_on_the_engine_thread
     )
     assert any("numpy accumulator on the engine thread" in line for line in handler.lines), handler.lines
     s.shutdown()
+
+
+def test_a_saved_fit_the_hook_cannot_read_leaves_the_hook_on_with_the_theory(monkeypatch, tmp_path):
+    """The settings read the fit's file, then the hook reads it again: a file changed or
+    removed in between costs the fit (one line, a fault counted), not the whole hook."""
+    from pte_instrument.cost.step_time import StepTimeModel
+    from pte_instrument.engine.accounting import EngineAccounting
+
+    saved = tmp_path / "fit.json"
+    StepTimeModel(1e-12, 1e-12, 1e-3, 1e-4, source="fit").save(saved)
+    monkeypatch.setenv("PTE_CALIBRATION", str(saved))
+    monkeypatch.setenv("PTE_ENGINE_TRANSPORT", f"ipc://{tmp_path}/pte")
+    monkeypatch.setenv("PTE_ENGINE_PRICING", "inline")
+
+    class Unreadable(StepTimeModel):  # what the hook reads; the settings read the file as it was
+        @classmethod
+        def load(cls, path):
+            raise ValueError(f"cannot read step-time model {path}: Permission denied")
+
+    monkeypatch.setattr("pte_instrument.vllm_adapter.scheduler.StepTimeModel", Unreadable)
+    s = build_scheduler(PteScheduler, MODEL, async_scheduling=False)
+    try:
+        assert isinstance(s._pte_state.pte, EngineAccounting)  # the hook is on
+        assert s._pte_state.pte.calibration().source == "theory"
+        assert s._pte_faults.counts == {"engine_setup": 1}
+    finally:
+        s.shutdown()
 
 
 @pytest.mark.parametrize("name", STREAMS)
