@@ -24,9 +24,23 @@ from pte_instrument.server.bounded import BoundedDict
 from pte_instrument.server.records import FinishedRequest, child_request_id
 from pte_instrument.wire import EngineCalibration, EngineFaults, EngineHello, EngineMessage, RequestTotals
 
-MAX_ENGINE_RESULTS = 20_000  # request ids with totals waiting for their finish
+MAX_ENGINE_RESULTS = 20_000  # totals waiting for their request's finish (in each of the two stores)
 MAX_PER_ID = 64  # totals under one id (parallel-sampling children, a client reusing an id)
 MAX_PRICED_ONCE = 10_000  # ids priced from one side, whose other side may still come
+# What the inbox takes of a message, whoever sent it (the transport takes any sender): the
+# engines it keeps state for (data-parallel ranks), the fault stages it counts by name (a
+# metric label), and the sizes of a totals' ids and finish reason (vLLM's ids are the API
+# server's bounded id, a prefix and a suffix) and context columns (one per KV-cache group).
+MAX_ENGINES = 1024
+MAX_ENGINE_STAGES = 32
+MAX_ENGINE_STAGE_LEN = 64
+OTHER_ENGINE_STAGE = "engine_other"
+MAX_ENGINE_ID_LEN = 1024
+MAX_KV_GROUPS = 1024
+# vLLM's finish reasons (``vllm.v1.engine.FINISH_REASON_STRINGS``): an orphan priced from its
+# totals alone is named by one of them, or ``other`` (a metric label).
+FINISH_REASONS = frozenset({"stop", "length", "abort", "error", "repetition"})
+OTHER_FINISH_REASON = "other"
 # How long a finished request waits for its engine's totals: at least ENGINE_JOIN_TIMEOUT_S
 # (a request the engine holds back for a step still running, a busy transport); then, while
 # its engine lags (no totals of a request it freed later, no fault said since), up to
@@ -71,7 +85,13 @@ class EngineInbox:
         self.arrived = threading.Event()  # set when totals arrive: the join may have work
         self._finished: BoundedDict[str, _Pending] = BoundedDict(MAX_ENGINE_RESULTS)
         self._aborted: BoundedDict[str, _Pending] = BoundedDict(MAX_ENGINE_RESULTS)
-        self._overflow = 0  # totals dropped past MAX_PER_ID
+        self._overflow = 0  # totals dropped past MAX_PER_ID or MAX_ENGINE_RESULTS
+        # totals in each store: ids alone do not bound them (up to MAX_PER_ID under one)
+        self._held: dict[BoundedDict[str, _Pending], int] = {self._finished: 0, self._aborted: 0}
+        self.refused = 0  # totals refused for their size (``_fits``)
+        self.engines_refused = 0  # messages of engines past MAX_ENGINES
+        self._engines: set[int] = set()  # the engines state is kept for
+        self._stages: set[str] = set()  # the fault stages counted by their own name
         # The ids of the totals received, in order (the first ``_arrived_base`` dropped), so
         # that each join looks up only the waiting requests whose totals came.
         self._arrived: list[str] = []
@@ -80,7 +100,7 @@ class EngineInbox:
 
     @property
     def dropped(self) -> int:
-        return self._finished.dropped + self._aborted.dropped + self._overflow
+        return self._finished.dropped + self._aborted.dropped + self._overflow + self.refused
 
     def __len__(self) -> int:
         with self._lock:
@@ -88,18 +108,24 @@ class EngineInbox:
 
     def on_messages(self, messages: list[EngineMessage]) -> None:
         now = time.monotonic()
+        refused = self.refused + self.engines_refused
         with self._lock:
             for m in messages:
-                if isinstance(m, EngineHello):
+                if not self._known(m.engine):
+                    self.engines_refused += 1
+                elif isinstance(m, EngineHello):
                     self.hooks.add(m.engine)
                 elif isinstance(m, EngineFaults):  # the hook's faults since its last report
                     self.fault_said[m.engine] = True
                     for stage, n in m.counts.items():
+                        stage = self._stage(stage)
                         self._on_engine_faults(stage, n)
                         self.faults.counts[stage] += n
                 elif isinstance(m, EngineCalibration):
                     self.calibration[m.engine] = m
                     self._on_calibration(m)
+                elif not _fits(m):
+                    self.refused += 1
                 else:
                     self.fault_said[m.engine] = False
                     if m.finished_at > self.freed_through.get(m.engine, 0.0):
@@ -110,14 +136,54 @@ class EngineInbox:
                     store = self._aborted if m.finish_reason == "abort" else self._finished
                     pending = store.get(m.external_id) or _Pending()
                     pending.items.append((m, now))
+                    self._held[store] += 1
                     if len(pending.items) > MAX_PER_ID:
                         del pending.items[0]
+                        self._held[store] -= 1
                         self._overflow += 1
-                    store.put(m.external_id, pending)  # never joined: bounded
+                    for _, lost in store.put(m.external_id, pending):  # never joined: bounded
+                        self._held[store] -= len(lost.items)
+                    # the oldest ids go, whole, until the store holds MAX_ENGINE_RESULTS totals at most
+                    while self._held[store] > MAX_ENGINE_RESULTS:
+                        _, lost = store.pop_oldest()
+                        self._held[store] -= len(lost.items)
+                        self._overflow += len(lost.items)
             if len(self._arrived) > 2 * MAX_ENGINE_RESULTS:  # keep the latest MAX_ENGINE_RESULTS
                 del self._arrived[:-MAX_ENGINE_RESULTS]
                 self._arrived_base = self.arrivals - MAX_ENGINE_RESULTS
+        if (n := self.refused + self.engines_refused - refused) > 0:
+            self.faults.record(
+                "engine_join",
+                ValueError(
+                    f"{n} engine messages refused: an engine index past the {MAX_ENGINES} kept, or totals "
+                    f"with an id over {MAX_ENGINE_ID_LEN} characters or over {MAX_KV_GROUPS} context columns"
+                ),
+            )
         self.arrived.set()
+
+    def _known(self, engine: int) -> bool:
+        """Whether state is kept for ``engine``: the first ``MAX_ENGINES`` engines heard from."""
+        if engine in self._engines:
+            return True
+        if len(self._engines) >= MAX_ENGINES:
+            return False
+        self._engines.add(engine)
+        return True
+
+    def _stage(self, stage: str) -> str:
+        """The name an engine's fault stage is counted under (a metric label): its own for
+        the first ``MAX_ENGINE_STAGES - 1`` ``engine_*`` stages of a sane length, else
+        ``OTHER_ENGINE_STAGE``."""
+        if stage in self._stages:
+            return stage
+        if (
+            len(self._stages) < MAX_ENGINE_STAGES - 1  # one kept for OTHER_ENGINE_STAGE
+            and stage.startswith("engine_")
+            and len(stage) <= MAX_ENGINE_STAGE_LEN
+        ):
+            self._stages.add(stage)
+            return stage
+        return OTHER_ENGINE_STAGE
 
     @property
     def arrivals(self) -> int:
@@ -151,6 +217,7 @@ class EngineInbox:
                         0,
                     )
                     totals = items.pop(i)[0]
+                    self._held[store] -= 1
                     if not items:
                         store.pop(key)
                     return totals
@@ -164,6 +231,7 @@ class EngineInbox:
             for store, wait_s in ((self._aborted, ABORT_GRACE_S), (self._finished, ORPHAN_AFTER_S)):
                 while (oldest := store.oldest()) is not None and oldest[1].items[-1][1] <= now - wait_s:
                     store.pop_oldest()
+                    self._held[store] -= len(oldest[1].items)
                     out += [t for t, _ in oldest[1].items]
         return out
 
@@ -173,10 +241,22 @@ class EngineInbox:
             "live_requests": {str(k): v for k, v in self.live.items()},
             "results_unjoined": len(self),
             "results_dropped": self.dropped,
+            "messages_refused": self.engines_refused,  # of engines past MAX_ENGINES
             "steps": {str(k): v[0] for k, v in self.cost.items()},
             "hook_seconds": {str(k): v[1] for k, v in self.cost.items()},
             "step_model": {str(k): msgspec.structs.asdict(c) for k, c in self.calibration.items()},
         }
+
+
+def _fits(totals: RequestTotals) -> bool:
+    """Whether totals are of a size vLLM's engine sends: held until joined, and their ids
+    kept after (``arrived_since``), they are refused otherwise."""
+    return (
+        len(totals.external_id) <= MAX_ENGINE_ID_LEN
+        and len(totals.request_id) <= MAX_ENGINE_ID_LEN
+        and len(totals.finish_reason) <= MAX_ENGINE_ID_LEN
+        and len(totals.ctx) <= MAX_KV_GROUPS
+    )
 
 
 def with_engine_totals(request: FinishedRequest, totals: RequestTotals) -> FinishedRequest:
@@ -200,7 +280,7 @@ def orphan_request(totals: RequestTotals, model: str) -> FinishedRequest:
         prompt_tokens=totals.prompt_tokens,
         cached_tokens=totals.cached_tokens,
         output_tokens=totals.output_tokens,
-        finish_reason=totals.finish_reason,
+        finish_reason=totals.finish_reason if totals.finish_reason in FINISH_REASONS else OTHER_FINISH_REASON,
         num_preemptions=totals.num_preemptions,
         recomputed_tokens=int(totals.recompute),
         e2e_s=max(0.0, totals.finished_at - arrived),
