@@ -64,6 +64,8 @@ def test_the_docs_defaults_are_the_values():
 FOREIGN = {
     ("pte_instrument/server/exporters/exposition.py", "PROMETHEUS_MULTIPROC_DIR"),  # prometheus-client's
     ("pte_instrument/vllm_adapter/compat.py", "VLLM_API_KEY"),  # vLLM's
+    # the OpenTelemetry SDK's OTEL_*_MAX_QUEUE_SIZE and OTEL_EXPORTER_OTLP_*TIMEOUT, read as it reads them
+    ("pte_instrument/server/exporters/otel.py", "variable"),
 }
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import os
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
@@ -57,6 +58,9 @@ STAGES = (
     "engine_transport",
     "engine_step_log",
 )
+# What closing the OpenTelemetry exporters may take at exit, all together: a collector that
+# does not answer must not hold the server's shutdown (the SDK's own hook waits 30 s per provider).
+CLOSE_TIMEOUT_S = 5.0
 
 
 class Runtime:
@@ -260,6 +264,35 @@ class Runtime:
         except Exception as e:
             self.faults.record("prometheus", e)
 
+    def close_exporters(self, timeout_s: float | None = None) -> None:
+        """Close the OpenTelemetry exporters at exit, together, within ``timeout_s``: what they
+        cannot deliver by then is counted lost."""
+        timeout_s = CLOSE_TIMEOUT_S if timeout_s is None else timeout_s
+        closing = []
+        for stage, exporter in (
+            ("otel", self.otel),
+            ("otel_logs", self.otel_logs),
+            ("otel_metrics", self.otel_metrics),
+        ):
+            if exporter is not None:
+                thread = threading.Thread(
+                    target=self._close,
+                    args=(stage, exporter, timeout_s),
+                    name=f"pte-close-{stage}",
+                    daemon=True,
+                )
+                thread.start()
+                closing.append(thread)
+        end = time.monotonic() + timeout_s + 1.0  # each closes by itself in time: this is a backstop
+        for thread in closing:
+            thread.join(max(0.0, end - time.monotonic()))
+
+    def _close(self, stage: str, exporter: Any, timeout_s: float) -> None:
+        try:
+            exporter.shutdown(timeout_s)
+        except Exception as e:
+            self.faults.record(stage, e)
+
     def _otel_batch_failed(self, stage: str, error: Exception, records: Counter[tuple[str, int]]) -> None:
         """An OTLP batch not delivered: a fault of its stage, and its records lost."""
         self.faults.record(stage, error)
@@ -344,6 +377,7 @@ def get_runtime() -> Runtime:
     say_configuration(settings.errors)
     runtime = Runtime(settings)
     atexit.register(runtime.sessions.close)  # commit the queued turns at shutdown
+    atexit.register(runtime.close_exporters)  # bounded, in place of the SDK providers' own exit hooks
     return runtime
 
 

@@ -8,7 +8,9 @@ export interval)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -59,23 +61,192 @@ class ExportFailed(RuntimeError):
 # (none for a metrics batch, which holds aggregates rather than records).
 OnFailedBatch = Callable[[Exception, Counter[tuple[str, int]]], None]
 
+DEFAULT_QUEUE_SIZE = 2048  # the SDK's batch processors' default
+DEFAULT_TIMEOUT_S = 10.0  # the OTLP exporters' default (OTEL_EXPORTER_OTLP_TIMEOUT)
+TIMEOUT_GRACE_S = 1.0  # past the exporter's own timeout before an export is given up
+CLOSE_TIMEOUT_S = 5.0  # what closing an exporter may take, its last batches' delivery included
 
-def count_failures(exporter: Any, on_failed: OnFailedBatch | None, kind: str) -> Any:
+
+def _env_number(variables: tuple[str, ...], default: float) -> float:
+    """The first of ``variables`` set to a positive number, else ``default`` (the SDK warns
+    about a bad value itself)."""
+    for variable in variables:
+        with contextlib.suppress(ValueError):
+            value = float(os.environ.get(variable) or "nan")
+            if value > 0:
+                return value
+    return default
+
+
+def queue_size(processor: str) -> int:
+    """The batch processor's queue size, ``OTEL_{BSP,BLRP}_MAX_QUEUE_SIZE`` as the SDK reads it."""
+    return int(_env_number((f"OTEL_{processor}_MAX_QUEUE_SIZE",), DEFAULT_QUEUE_SIZE))
+
+
+def export_timeout_s(signal: str) -> float:
+    """The OTLP/HTTP exporter's timeout for ``signal`` (``TRACES``, ``LOGS``, ``METRICS``)."""
+    return _env_number(
+        (f"OTEL_EXPORTER_OTLP_{signal}_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT"), DEFAULT_TIMEOUT_S
+    )
+
+
+class Backlog:
+    """The records handed to an SDK batch processor and not yet taken from its queue by an
+    export, by (model, engine). Bounded by the queue's size: the SDK drops what its full queue
+    has no room for with a log line only, so a record that would not fit is refused here
+    instead (the pricer counts it lost), and what is still queued when the exporter closes
+    is reported lost with the failed batches."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._held: Counter[tuple[str, int]] = Counter()
+        self._n = 0
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return self._n
+
+    def admit(self, key: tuple[str, int]) -> None:
+        with self._lock:
+            if self._closed:
+                raise ExportFailed("the OTLP exporter is shut down")
+            if self._n >= self.capacity:
+                raise ExportFailed(
+                    f"the OTLP batch queue is full ({self.capacity} records wait for the collector)"
+                )
+            self._held[key] += 1
+            self._n += 1
+
+    def taken(self, records: Counter[tuple[str, int]], n: int) -> Counter[tuple[str, int]]:
+        """``n`` records left the queue for an export, ``records`` by key: those of them the
+        backlog held (none once closed: they were reported then)."""
+        with self._lock:
+            out = Counter({k: min(c, self._held[k]) for k, c in records.items() if self._held[k] > 0})
+            rest = min(n, self._n) - sum(out.values())
+            for k in list(self._held):  # items whose key could not be read still leave the backlog
+                if rest <= 0:
+                    break
+                extra = min(rest, self._held[k] - out[k])
+                if extra > 0:
+                    out[k] += extra
+                    rest -= extra
+            self._held -= out
+            self._n -= sum(out.values())
+        return out
+
+    def close(self) -> Counter[tuple[str, int]]:
+        """Refuse every record from now on; returns those still queued."""
+        with self._lock:
+            self._closed = True
+            left, self._held, self._n = +self._held, Counter(), 0
+        return left
+
+
+class Deadline:
+    """Runs each export on a thread of its own and waits for it at most ``limit_s``, or until
+    ``close_by`` once the exporter is closing: the HTTP client's timeout bounds each read of the
+    collector's answer, not the whole answer, so a collector that trickles it would hold the
+    SDK's worker, and every batch behind it, for ever. One export at a time: while a given-up
+    export is still stuck, the next batch fails at once rather than starting another thread."""
+
+    def __init__(self, limit_s: float) -> None:
+        self.limit_s = limit_s
+        self._close_by: float | None = None  # time.monotonic()
+        self._stuck: threading.Thread | None = None
+        self._cond = threading.Condition()
+
+    def close_by(self, when: float) -> None:
+        with self._cond:
+            self._close_by = when
+            self._cond.notify_all()
+
+    def _end(self, start: float) -> float:
+        return start + self.limit_s if self._close_by is None else min(start + self.limit_s, self._close_by)
+
+    def run(self, export: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        start = time.monotonic()
+        if self._stuck is not None and self._stuck.is_alive():
+            raise ExportFailed("the previous OTLP export is still waiting for the collector")
+        if self._end(start) <= start:
+            raise ExportFailed("the OTLP exporter closed before this batch could be sent")
+        out: list[tuple[bool, Any]] = []
+
+        def call() -> None:
+            try:
+                result = (True, export(*args, **kwargs))
+            except BaseException as e:  # handed to the caller's thread
+                result = (False, e)
+            with self._cond:
+                out.append(result)
+                self._cond.notify_all()
+
+        thread = threading.Thread(target=call, name="pte-otlp-export", daemon=True)
+        thread.start()
+        with self._cond:
+            while not out and (left := self._end(start) - time.monotonic()) > 0:
+                self._cond.wait(left)
+            if not out:
+                self._stuck = thread
+                raise ExportFailed(
+                    f"an OTLP export got no whole answer from the collector in {time.monotonic() - start:.3g} s"
+                )
+        ok, value = out[0]
+        if not ok:
+            raise value
+        return value
+
+
+def _failure(kind: str) -> Any:
+    """The SDK's FAILURE result for an exporter of ``kind``."""
+    if kind == "spans":
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        return SpanExportResult.FAILURE
+    if kind == "logs":
+        from opentelemetry.sdk._logs.export import LogRecordExportResult
+
+        return LogRecordExportResult.FAILURE
+    from opentelemetry.sdk.metrics.export import MetricExportResult
+
+    return MetricExportResult.FAILURE
+
+
+def count_failures(
+    exporter: Any,
+    on_failed: OnFailedBatch | None,
+    kind: str,
+    backlog: Backlog | None = None,
+    deadline: Deadline | None = None,
+) -> Any:
     """``exporter`` with its ``export`` reporting every failed batch to ``on_failed``: the
-    SDK's processors and readers only log what they drop."""
-    if on_failed is None:
+    SDK's processors and readers only log what they drop. With ``backlog``, each batch leaves
+    it as the SDK hands it over; with ``deadline``, no export outlives it (a FAILURE)."""
+    if on_failed is None and backlog is None and deadline is None:
         return exporter
     export = exporter.export
 
     def counted(batch: Any, *args: Any, **kwargs: Any) -> Any:
+        records = _records_of(batch, kind)
+        if backlog is not None:
+            records = backlog.taken(records, len(batch))
         try:
-            result = export(batch, *args, **kwargs)
+            result = (
+                export(batch, *args, **kwargs)
+                if deadline is None
+                else deadline.run(export, batch, *args, **kwargs)
+            )
+        except ExportFailed as e:  # given up by the deadline: a failed batch, as the SDK sees it
+            if on_failed is not None:
+                on_failed(e, records)
+            return _failure(kind)
         except Exception as e:
-            on_failed(e, _records_of(batch, kind))
+            if on_failed is not None:
+                on_failed(e, records)
             raise
-        if getattr(result, "name", "SUCCESS") != "SUCCESS":
+        if on_failed is not None and getattr(result, "name", "SUCCESS") != "SUCCESS":
             size = "" if kind == "metrics" else f" of {len(batch)}"
-            on_failed(ExportFailed(f"an OTLP {kind} batch{size} was not delivered"), _records_of(batch, kind))
+            on_failed(ExportFailed(f"an OTLP {kind} batch{size} was not delivered"), records)
         return result
 
     exporter.export = counted
@@ -106,10 +277,57 @@ def _resource() -> Any:
     return resource
 
 
+class Delivery:
+    """One signal's way to the collector: our own SDK provider (vLLM's tracing, when on, keeps
+    its own), the backlog of records queued in its batch processor (none for metrics, which
+    are aggregates) and the deadline on each export. The SDK's exit hook is off: its shutdown
+    waits up to 30 s per provider for a collector that does not answer; ``close`` is bounded."""
+
+    def __init__(
+        self,
+        provider: Any,
+        on_failed: OnFailedBatch | None,
+        backlog: Backlog | None,
+        deadline: Deadline | None,
+    ) -> None:
+        self.provider = provider
+        self.on_failed = on_failed
+        self.backlog = backlog
+        self.deadline = deadline
+
+    def admit(self, key: tuple[str, int]) -> None:
+        """A record about to be queued: raises if the queue has no room for it."""
+        if self.backlog is not None:
+            self.backlog.admit(key)
+
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Deliver what is queued within ``timeout_s``; what is not is reported lost."""
+        if self.deadline is not None:  # every export from now on ends by then, or fails at once
+            self.deadline.close_by(time.monotonic() + timeout_s)
+        try:
+            if self.backlog is None:
+                self.provider.shutdown(timeout_millis=timeout_s * 1000)
+            else:
+                self.provider.shutdown()  # its worker's last exports are bounded by the deadline
+        finally:
+            left = None if self.backlog is None else self.backlog.close()
+            if left and self.on_failed is not None:
+                self.on_failed(
+                    ExportFailed(
+                        f"{sum(left.values())} OTLP records were still queued when the exporter closed"
+                    ),
+                    left,
+                )
+
+
+def _deadline(signal: str) -> Deadline:
+    return Deadline(export_timeout_s(signal) + TIMEOUT_GRACE_S)
+
+
 def build_tracer_provider(
     id_generator: Any = None, span_exporter: Any = None, on_failed: OnFailedBatch | None = None
-) -> Any:
-    """A provider of our own (vLLM's tracing, when on, keeps its own) exporting OTLP/HTTP."""
+) -> Delivery:
+    """Spans exported over OTLP/HTTP."""
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
@@ -117,13 +335,19 @@ def build_tracer_provider(
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
         span_exporter = OTLPSpanExporter()
-    provider = TracerProvider(resource=_resource(), id_generator=id_generator)
-    provider.add_span_processor(BatchSpanProcessor(count_failures(span_exporter, on_failed, "spans")))
-    return provider
+    backlog, deadline = Backlog(queue_size("BSP")), _deadline("TRACES")
+    provider = TracerProvider(resource=_resource(), id_generator=id_generator, shutdown_on_exit=False)
+    provider.add_span_processor(
+        BatchSpanProcessor(
+            count_failures(span_exporter, on_failed, "spans", backlog, deadline),
+            max_queue_size=backlog.capacity,
+        )
+    )
+    return Delivery(provider, on_failed, backlog, deadline)
 
 
-def build_logger_provider(log_exporter: Any = None, on_failed: OnFailedBatch | None = None) -> Any:
-    """A log provider of our own exporting OTLP/HTTP (``OTEL_EXPORTER_OTLP[_LOGS]_ENDPOINT``)."""
+def build_logger_provider(log_exporter: Any = None, on_failed: OnFailedBatch | None = None) -> Delivery:
+    """Log records exported over OTLP/HTTP (``OTEL_EXPORTER_OTLP[_LOGS]_ENDPOINT``)."""
     from opentelemetry.sdk._logs import LoggerProvider
     from opentelemetry.sdk._logs.export import BatchLogRecordProcessor
 
@@ -131,24 +355,33 @@ def build_logger_provider(log_exporter: Any = None, on_failed: OnFailedBatch | N
         from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
 
         log_exporter = OTLPLogExporter()
-    provider = LoggerProvider(resource=_resource())
+    backlog, deadline = Backlog(queue_size("BLRP")), _deadline("LOGS")
+    provider = LoggerProvider(resource=_resource(), shutdown_on_exit=False)
     provider.add_log_record_processor(
-        BatchLogRecordProcessor(count_failures(log_exporter, on_failed, "logs"))
+        BatchLogRecordProcessor(
+            count_failures(log_exporter, on_failed, "logs", backlog, deadline),
+            max_queue_size=backlog.capacity,
+        )
     )
-    return provider
+    return Delivery(provider, on_failed, backlog, deadline)
 
 
-def build_meter_provider(reader: Any = None, on_failed: OnFailedBatch | None = None) -> Any:
-    """A meter provider of our own exporting OTLP/HTTP every ``OTEL_METRIC_EXPORT_INTERVAL``
+def build_meter_provider(reader: Any = None, on_failed: OnFailedBatch | None = None) -> Delivery:
+    """Metrics exported over OTLP/HTTP every ``OTEL_METRIC_EXPORT_INTERVAL``
     (``OTEL_EXPORTER_OTLP[_METRICS]_ENDPOINT``; temporality from the exporter's variable)."""
     from opentelemetry.sdk.metrics import MeterProvider
 
+    deadline = None
     if reader is None:
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
         from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
-        reader = PeriodicExportingMetricReader(count_failures(OTLPMetricExporter(), on_failed, "metrics"))
-    return MeterProvider(metric_readers=[reader], resource=_resource())
+        deadline = _deadline("METRICS")
+        reader = PeriodicExportingMetricReader(
+            count_failures(OTLPMetricExporter(), on_failed, "metrics", deadline=deadline)
+        )
+    provider = MeterProvider(metric_readers=[reader], resource=_resource(), shutdown_on_exit=False)
+    return Delivery(provider, on_failed, None, deadline)
 
 
 def operation(r: RequestRecord) -> str:
@@ -260,7 +493,8 @@ def parent_context(traceparent: str | None) -> Any:
 class OtelExporter:
     def __init__(self, span_exporter: Any = None, on_failed: OnFailedBatch | None = None) -> None:
         self.ids = RecordTraceIds()
-        self.provider = build_tracer_provider(self.ids, span_exporter, on_failed)
+        self.delivery = build_tracer_provider(self.ids, span_exporter, on_failed)
+        self.provider = self.delivery.provider
         self.tracer = self.provider.get_tracer("pte_instrument")
         self.new_trace_id = self.ids.new_trace_id  # for a request that brings no trace of its own
 
@@ -281,12 +515,15 @@ class OtelExporter:
             )
         finally:
             self.ids.preset(None)
+        if not span.is_recording():  # not sampled: nothing to deliver
+            return
+        self.delivery.admit((r.model, r.engine))  # raises, the span never ended, if no room
         if error_type(r) is not None:
             span.set_status(Status(StatusCode.ERROR, f"finish reason {r.finish_reason}"))
         span.end(end_time=end_ns)
 
-    def shutdown(self) -> None:
-        self.provider.shutdown()
+    def shutdown(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        self.delivery.close(timeout_s)
 
 
 def log_attributes(r: RequestRecord) -> dict[str, Any]:
@@ -299,12 +536,14 @@ class OtelLogExporter:
     """One OTLP log record per priced request: the request log, for a collector."""
 
     def __init__(self, log_exporter: Any = None, on_failed: OnFailedBatch | None = None) -> None:
-        self.provider = build_logger_provider(log_exporter, on_failed)
+        self.delivery = build_logger_provider(log_exporter, on_failed)
+        self.provider = self.delivery.provider
         self.logger = self.provider.get_logger("pte_instrument")
 
     def export(self, r: RequestRecord) -> None:
         from opentelemetry._logs import SeverityNumber
 
+        self.delivery.admit((r.model, r.engine))  # raises if its queue has no room
         self.logger.emit(
             timestamp=int(r.finished_at * 1e9),
             severity_number=SeverityNumber.INFO,
@@ -314,8 +553,8 @@ class OtelLogExporter:
             attributes=log_attributes(r),
         )
 
-    def shutdown(self) -> None:
-        self.provider.shutdown()
+    def shutdown(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        self.delivery.close(timeout_s)
 
 
 def _histogram(meter: Any, name: str, buckets: tuple[float, ...], description: str) -> Any:
@@ -331,7 +570,8 @@ class OtelMetricsExporter:
     TTFT and time per output token are of successful requests only, as the conventions say."""
 
     def __init__(self, reader: Any = None, on_failed: OnFailedBatch | None = None) -> None:
-        self.provider = build_meter_provider(reader, on_failed)
+        self.delivery = build_meter_provider(reader, on_failed)
+        self.provider = self.delivery.provider
         meter = self.provider.get_meter("pte_instrument")
         self.duration = _histogram(
             meter,
@@ -388,5 +628,5 @@ class OtelMetricsExporter:
         if r.cost_usd is not None:
             self.cost.add(r.cost_usd, model)
 
-    def shutdown(self) -> None:
-        self.provider.shutdown()
+    def shutdown(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        self.delivery.close(timeout_s)
