@@ -32,6 +32,10 @@ from pte_instrument.wire import EngineMessage, decode_batch, encode_batch
 
 ADDRESS_ENV = "PTE_ENGINE_TRANSPORT"
 HIGH_WATER_MARK = 10_000  # queued messages per socket before sends are dropped
+# A batch is one pass's totals for one API server (a few hundred bytes each): past this, the
+# receiving socket drops it unread (and its sender's connection) rather than hold it whole,
+# whoever sent it (tcp takes any sender).
+MAX_BATCH_BYTES = 16 * 1024 * 1024
 # A Unix socket's path is at most IPC_PATH_MAX_LEN bytes (107 on Linux), and API server i
 # binds <base>-i: a base leaves room for the suffix of up to 999 API servers.
 MAX_IPC_BASE = zmq.IPC_PATH_MAX_LEN - len("-999")
@@ -133,6 +137,7 @@ class Receiver:
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.RCVHWM, HIGH_WATER_MARK)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(address)
         self._on_messages = on_messages

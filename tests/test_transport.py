@@ -160,3 +160,30 @@ def test_an_ipc_path_too_long_for_a_unix_socket_is_a_problem_named_before_any_bi
     problem = address_problem("ipc:///" + "x" * room)
     assert problem == f"an ipc:// path must be at most {room} bytes (a Unix socket's)"
     assert address_problem("ipc:///tmp/" + "é" * (room // 2)) == problem  # bytes, not characters
+
+
+def test_a_batch_past_the_size_limit_is_never_read_and_later_batches_still_arrive(tmp_path, monkeypatch):
+    """The receiving socket takes any sender (tcp for engines on other nodes): a batch past
+    MAX_BATCH_BYTES is dropped by the socket before it is held whole, and the rest go on."""
+    import zmq
+
+    from pte_instrument import transport
+
+    monkeypatch.setattr(transport, "MAX_BATCH_BYTES", 4096)
+    got: queue.Queue = queue.Queue()
+    address = f"ipc://{tmp_path}/big-0"
+    receiver = Receiver(address, got.put)
+    big = encode_batch([totals(f"big-{i}" + "x" * 100) for i in range(100)])
+    assert len(big) > 4096
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 1000)
+    push.connect(address)
+    push.send(big)
+    push.close()
+    sender = Sender(f"ipc://{tmp_path}/big")
+    sender.send([totals("small")], api_server=0)
+    batch = got.get(timeout=10)
+    assert [m.external_id for m in batch] == ["small"]
+    time.sleep(0.3)  # what else was sent has come by now
+    assert got.empty() and receiver.errors == 0
+    sender.close()
