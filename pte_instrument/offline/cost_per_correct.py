@@ -212,10 +212,8 @@ def join_runs(
 ) -> list[RunJoin]:
     """Each run's samples joined to the requests that served them (see the module's text);
     the runs are joined in the order they started, so each takes its own requests first."""
-    ids = Counter(r.request_id for r in requests)
-    by_id = {
-        r.request_id: k for k, r in enumerate(requests) if ids[r.request_id] == 1
-    }  # an id logged twice names neither
+    ids = Counter(r.request_id for r in requests)  # an id logged twice names none of its copies
+    by_id = {r.request_id: k for k, r in enumerate(requests) if ids[r.request_id] == 1}
     models = {r.model for r in requests}
     claimed: set[int] = set()
     indexes: dict[str | None, _ByDigest] = {}  # by model; None: every model's requests

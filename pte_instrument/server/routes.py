@@ -233,13 +233,9 @@ def build_router(runtime: Runtime) -> APIRouter:
     @router.api_route("/{path:path}", methods=list(HTTP_METHODS), include_in_schema=False)
     async def elsewhere(request: Request, path: str) -> Response:
         scope = request.scope
+        routes = [r for r in router.routes if getattr(r, "endpoint", None) is not elsewhere]
         allow = sorted(
-            {
-                m
-                for r in router.routes
-                if r is not elsewhere_route and r.matches(scope)[0] is Match.PARTIAL
-                for m in r.methods
-            }  # type: ignore[attr-defined]
+            {m for r in routes if r.matches(scope)[0] is Match.PARTIAL for m in getattr(r, "methods", ())}
         )
         where = quoted(scope["path"])
         if not allow:
@@ -247,5 +243,4 @@ def build_router(runtime: Runtime) -> APIRouter:
         message = f"method {quoted(request.method)} is not allowed on {where}; it takes {', '.join(allow)}"
         return named(JSONResponse({"error": message}, status_code=405, headers={"Allow": ", ".join(allow)}))
 
-    elsewhere_route = router.routes[-1]
     return router
