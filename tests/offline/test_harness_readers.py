@@ -220,15 +220,21 @@ def inspect_json_log(tmp_path_factory) -> dict:
     return json.loads((tmp / "log.json").read_text())
 
 
+def with_first_score(tmp_path, inspect_json_log: dict, raw: str):
+    """The log with sample a's score written as ``raw`` JSON text; its path."""
+    log = json.loads(json.dumps(inspect_json_log))
+    log["samples"][0]["scores"]["includes"]["value"] = "__score__"
+    path = tmp_path / "log.json"
+    path.write_text(json.dumps(log).replace('"__score__"', raw))
+    return path
+
+
 @pytest.mark.parametrize("raw", ["2", "-1", "1e300", "NaN", "Infinity", '"2"'])
 def test_an_inspect_score_outside_0_1_is_a_problem_not_a_correct_or_wrong_answer(
     tmp_path, inspect_json_log, raw
 ):
     """2 is no full score of a 0/1 scorer (and NaN no wrong answer): sample a is listed, b kept."""
-    log = json.loads(json.dumps(inspect_json_log))
-    log["samples"][0]["scores"]["includes"]["value"] = "__score__"
-    path = tmp_path / "log.json"
-    path.write_text(json.dumps(log).replace('"__score__"', raw))
+    path = with_first_score(tmp_path, inspect_json_log, raw)
     [run] = load_runs([path])
     assert [(s.key, s.correct) for s in run.samples] == [("b", False)]
     [problem] = run.problems
@@ -241,10 +247,7 @@ def test_an_inspect_score_inspect_cannot_read_is_a_problem_not_a_wrong_answer(
 ):
     """Inspect reads a string it does not know as 0 (a wrong answer), with a warning on stderr:
     the sample is listed instead, and nothing is printed beside the problem."""
-    log = json.loads(json.dumps(inspect_json_log))
-    log["samples"][0]["scores"]["includes"]["value"] = "__score__"
-    path = tmp_path / "log.json"
-    path.write_text(json.dumps(log).replace('"__score__"', raw))
+    path = with_first_score(tmp_path, inspect_json_log, raw)
     [run] = load_runs([path])
     assert [(s.key, s.correct) for s in run.samples] == [("b", False)]
     [problem] = run.problems
@@ -256,10 +259,7 @@ def test_an_inspect_score_inspect_cannot_read_is_a_problem_not_a_wrong_answer(
     ("raw", "correct"), [('"C"', True), ('"yes"', True), ('"0.0"', False), ('"N"', False)]
 )
 def test_the_strings_inspect_reads_as_scores_stay_scores(tmp_path, inspect_json_log, raw, correct):
-    log = json.loads(json.dumps(inspect_json_log))
-    log["samples"][0]["scores"]["includes"]["value"] = "__score__"
-    path = tmp_path / "log.json"
-    path.write_text(json.dumps(log).replace('"__score__"', raw))
+    path = with_first_score(tmp_path, inspect_json_log, raw)
     [run] = load_runs([path])
     assert [(s.key, s.correct) for s in run.samples] == [("a", correct), ("b", False)] and not run.problems
 
