@@ -33,6 +33,9 @@ MAX_PRICED_ONCE = 10_000  # ids priced from one side, whose other side may still
 # server's bounded id, a prefix and a suffix) and context columns (one per KV-cache group).
 MAX_ENGINES = 1024
 MAX_ENGINE_STAGES = 32
+MAX_FAULT_COUNT = 2**53  # faults one report adds to a stage (a float counter counts by one below it)
+# The stages the engine hook reports its faults under: counted by name whatever else arrives.
+HOOK_STAGES = ("engine_setup", "engine_step", "engine_finish", "engine_transport", "engine_step_log")
 MAX_ENGINE_STAGE_LEN = 64
 OTHER_ENGINE_STAGE = "engine_other"
 MAX_ENGINE_ID_LEN = 1024
@@ -91,7 +94,7 @@ class EngineInbox:
         self.refused = 0  # totals refused for their size (``_fits``)
         self.engines_refused = 0  # messages of engines past MAX_ENGINES
         self._engines: set[int] = set()  # the engines state is kept for
-        self._stages: set[str] = set()  # the fault stages counted by their own name
+        self._stages: set[str] = set(HOOK_STAGES)  # the fault stages counted by their own name
         # The ids of the totals received, in order (the first ``_arrived_base`` dropped), so
         # that each join looks up only the waiting requests whose totals came.
         self._arrived: list[str] = []
@@ -118,9 +121,14 @@ class EngineInbox:
                 elif isinstance(m, EngineFaults):  # the hook's faults since its last report
                     self.fault_said[m.engine] = True
                     for stage, n in m.counts.items():
-                        stage = self._stage(stage)
-                        self._on_engine_faults(stage, n)
+                        if n <= 0:  # a count no hook sends: nothing to add (a metric cannot go down)
+                            continue
+                        stage, n = self._stage(stage), min(n, MAX_FAULT_COUNT)
                         self.faults.counts[stage] += n
+                        try:
+                            self._on_engine_faults(stage, n)
+                        except Exception as e:  # the rest of the batch still goes in
+                            self.faults.record("engine_join", e)
                 elif isinstance(m, EngineCalibration):
                     self.calibration[m.engine] = m
                     self._on_calibration(m)
@@ -172,8 +180,8 @@ class EngineInbox:
 
     def _stage(self, stage: str) -> str:
         """The name an engine's fault stage is counted under (a metric label): its own for
-        the first ``MAX_ENGINE_STAGES - 1`` ``engine_*`` stages of a sane length, else
-        ``OTHER_ENGINE_STAGE``."""
+        the hook's stages and further ``engine_*`` stages of a sane length, up to
+        ``MAX_ENGINE_STAGES - 1`` names in all; else ``OTHER_ENGINE_STAGE``."""
         if stage in self._stages:
             return stage
         if (

@@ -38,6 +38,12 @@ class Exporter(Protocol):
     def export(self, record: RequestRecord) -> None: ...
 
 
+class RecordRefused(Exception):
+    """An exporter has no room for a record now (its queue waits on a slower collector): the
+    record is lost and counted, but the exporter is not failing, so this is no fault and does
+    not count toward its suspension (which would lose every record while the queue drains)."""
+
+
 @dataclass
 class _Suspension:
     retry_at: float
@@ -126,6 +132,9 @@ class RequestPricer:
             return
         try:
             exporter.export(record)
+        except RecordRefused:
+            self._lose(stage)
+            return
         except Exception as e:
             self.faults.record(
                 stage, e, logged=suspension is not None

@@ -20,7 +20,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from pte_instrument.cost.model import CostModel
 from pte_instrument.faults import FaultTracker, install_log_handler, log, say_configuration
-from pte_instrument.server.engine_join import EngineInbox, RequestJoin
+from pte_instrument.server.engine_join import HOOK_STAGES, EngineInbox, RequestJoin
 from pte_instrument.server.exporters.efficiency import EfficiencyExporter
 from pte_instrument.server.exporters.prometheus import LedgerMetrics, PrometheusExporter, metrics_for
 from pte_instrument.server.exporters.request_log import RequestLogWriter
@@ -51,12 +51,7 @@ STAGES = (
     "transport",
     "engine_join",
     "efficiency",
-    # reported by the engine hook (another process) with its results
-    "engine_setup",
-    "engine_step",
-    "engine_finish",
-    "engine_transport",
-    "engine_step_log",
+    *HOOK_STAGES,  # reported by the engine hook (another process) with its results
 )
 # What closing the OpenTelemetry exporters may take at exit, all together: a collector that
 # does not answer must not hold the server's shutdown (the SDK's own hook waits 30 s per provider).

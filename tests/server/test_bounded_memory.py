@@ -9,6 +9,7 @@ import time
 
 from pte_instrument.faults import FaultTracker
 from pte_instrument.server.engine_join import (
+    HOOK_STAGES,
     MAX_ENGINE_ID_LEN,
     MAX_ENGINE_RESULTS,
     MAX_ENGINE_STAGES,
@@ -62,13 +63,12 @@ def test_fault_stages_an_engine_reports_are_bounded_in_number_and_length():
     inbox.on_messages([EngineFaults(0, {f"engine_x{i}": 1}) for i in range(10_000)])
     inbox.on_messages([EngineFaults(0, {"engine_" + "y" * 2**20: 1, "not_an_engine_stage": 1})])
     stages = {stage for stage, _ in told}
-    assert len(stages) <= MAX_ENGINE_STAGES + 1 and len(faults.counts) <= MAX_ENGINE_STAGES + 1
-    assert all(len(stage) <= 64 for stage in stages)
+    others = MAX_ENGINE_STAGES - 1 - len(HOOK_STAGES)  # names left once the hook's are kept
+    assert len(stages) == 1 + others + 1  # engine_step, the first others, OTHER_ENGINE_STAGE
+    assert set(faults.counts) == stages and all(len(stage) <= 64 for stage in stages)
     assert faults.counts["engine_step"] == 2  # a stage the hook reports keeps its name
     assert sum(faults.counts.values()) == 2 + 10_000 + 2  # every fault still counted
-    assert faults.counts[OTHER_ENGINE_STAGE] == 10_000 + 2 - (
-        MAX_ENGINE_STAGES - 2
-    )  # one name is engine_step's
+    assert faults.counts[OTHER_ENGINE_STAGE] == 10_000 + 2 - others
 
 
 def test_totals_with_an_over_long_id_or_context_are_refused_counted_and_not_kept():
@@ -111,3 +111,26 @@ def test_an_orphan_of_a_finish_reason_vllm_never_gives_is_priced_under_a_bounded
     assert reasons == {"other"}
     for reason in ("stop", "length", "abort", "error", "repetition"):
         assert orphan_request(_totals("r", reason=reason), "m").finish_reason == reason
+
+
+def test_a_negative_or_huge_fault_count_from_an_engine_loses_nothing_else_of_its_batch():
+    from prometheus_client import Counter as PromCounter
+
+    faults = FaultTracker()
+    counter = PromCounter(
+        "faults", "engine faults", ["stage"], registry=None
+    )  # refuses negatives, as the runtime's
+    inbox = EngineInbox(faults, lambda stage, n: counter.labels(stage=stage).inc(n))
+    inbox.on_messages(
+        [EngineFaults(0, {"engine_step": -5, "engine_finish": 10**30}), _totals("after", engine=0)]
+    )
+    assert inbox.take(("after",), 0, "stop") is not None  # the totals behind the bad counts arrived
+    assert inbox.arrived.is_set()
+    assert faults.counts["engine_step"] == 0 and 0 < faults.counts["engine_finish"] <= 2**53
+
+
+def test_the_hooks_own_fault_stages_keep_their_names_whatever_was_sent_first():
+    inbox, faults, _ = _inbox()
+    inbox.on_messages([EngineFaults(0, {f"engine_bogus{i}": 1 for i in range(100)})])
+    inbox.on_messages([EngineFaults(0, dict.fromkeys(HOOK_STAGES, 1))])
+    assert all(faults.counts[s] == 1 for s in HOOK_STAGES)

@@ -201,3 +201,76 @@ def test_the_server_exits_promptly_while_the_collector_hangs(collector, tmp_path
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_an_export_runs_in_the_context_that_suppresses_instrumentation():
+    """The SDK's worker marks its exports so that HTTP instrumentation does not trace them;
+    the export's own thread (the deadline's) keeps that mark."""
+    from opentelemetry.context import _SUPPRESS_INSTRUMENTATION_KEY, attach, detach, get_value, set_value
+
+    from pte_instrument.server.exporters.otel import Deadline
+
+    token = attach(set_value(_SUPPRESS_INSTRUMENTATION_KEY, True))
+    try:
+        assert Deadline(5.0).run(lambda: get_value(_SUPPRESS_INSTRUMENTATION_KEY)) is True
+    finally:
+        detach(token)
+
+
+def test_a_span_the_sampler_records_but_does_not_sample_takes_no_room_in_the_queue(monkeypatch):
+    """Only sampled spans reach the batch processor's queue: a record-only sampler's spans
+    must not fill the backlog (every later record would be refused)."""
+    from opentelemetry.sdk.trace.sampling import Decision, Sampler, SamplingResult
+
+    class RecordOnly(Sampler):
+        def should_sample(self, *args, **kwargs):
+            return SamplingResult(Decision.RECORD_ONLY)
+
+        def get_description(self) -> str:
+            return "record only"
+
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    monkeypatch.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "4")
+    monkeypatch.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "2")
+    exporter = OtelExporter(span_exporter=InMemorySpanExporter())
+    exporter.tracer.sampler = RecordOnly()
+    for i in range(10):
+        exporter.export(record(i))  # none refused
+    assert len(exporter.delivery.backlog) == 0
+    exporter.shutdown(timeout_s=1.0)
+
+
+@pytest.mark.parametrize(
+    ("value", "size"), [("inf", 2048), ("1e9", 2048), ("1e300", 2048), ("abc", 2048), ("16", 16)]
+)
+def test_the_queue_size_is_read_as_the_sdk_reads_it(monkeypatch, value, size):
+    from pte_instrument.server.exporters.otel import queue_size
+
+    monkeypatch.setenv("OTEL_BSP_MAX_QUEUE_SIZE", value)
+    assert queue_size("BSP") == size
+
+
+@pytest.mark.parametrize("value", ["inf", "1e300", "nan", "-1", "0"])
+def test_an_export_timeout_past_any_sane_value_is_bounded(monkeypatch, value):
+    from pte_instrument.server.exporters.otel import export_timeout_s
+
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", value)
+    assert 0 < export_timeout_s("TRACES") <= 3600
+
+
+def test_a_record_that_fails_to_queue_gives_its_room_back():
+    """The pricer counts such a record lost; the backlog must not hold it too (it would be
+    counted lost again at close, and take room from the records after it)."""
+    from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter
+
+    exporter = OtelLogExporter(log_exporter=InMemoryLogRecordExporter())
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the SDK could not take the record")
+
+    exporter.logger.emit = broken
+    with pytest.raises(RuntimeError):
+        exporter.export(record(0))
+    assert len(exporter.delivery.backlog) == 0
+    exporter.shutdown(timeout_s=1.0)

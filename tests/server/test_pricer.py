@@ -306,3 +306,26 @@ def test_the_gauge_help_states_the_suspension_threshold_and_back_off():
     spec = next(s for s in FAMILIES if s.name == "pte_exporter_enabled")
     assert f"failed {MAX_CONSECUTIVE_FAULTS} times in a row" in spec.help
     assert f"{MAX_RETRY_S:g} s" in spec.help
+
+
+def test_a_record_an_exporter_has_no_room_for_is_lost_without_a_fault_or_a_suspension(tmp_path):
+    """A full queue in front of a collector that is slower than a burst is back pressure,
+    not a failing exporter: each record it refuses is counted lost, and the exporter is
+    neither suspended (it would lose every record while its queue drains) nor a fault."""
+    from pte_instrument.server.pricer import RecordRefused
+
+    state = {"full": True}
+
+    class Queued:
+        def export(self, record):
+            if state["full"]:
+                raise RecordRefused("the queue is full")
+
+    acc, registry, _ = make(tmp_path, extra=[("queued", Queued())])
+    for i in range(MAX_CONSECUTIVE_FAULTS + 10):
+        acc.on_finished(req(i))
+    state["full"] = False
+    acc.on_finished(req(10_000))
+    assert acc.suspended == [] and acc.lost["queued"] == MAX_CONSECUTIVE_FAULTS + 10
+    assert acc.delivered["queued"] == 1
+    assert registry.get_sample_value("pte_plugin_faults_total", {"stage": "queued"}) in (None, 0.0)

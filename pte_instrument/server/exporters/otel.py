@@ -8,11 +8,12 @@ export interval)."""
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as gen_ai
@@ -21,6 +22,7 @@ from opentelemetry.semconv._incubating.metrics import gen_ai_metrics
 from opentelemetry.semconv.attributes.error_attributes import ERROR_TYPE
 from opentelemetry.semconv.attributes.service_attributes import SERVICE_NAME
 
+from pte_instrument.server.pricer import RecordRefused
 from pte_instrument.server.records import GPU_SECONDS_TERMS, RequestRecord
 
 LOG_EVENT = "pte.request"  # the event name of a priced-request log record
@@ -63,31 +65,37 @@ OnFailedBatch = Callable[[Exception, Counter[tuple[str, int]]], None]
 
 DEFAULT_QUEUE_SIZE = 2048  # the SDK's batch processors' default
 DEFAULT_TIMEOUT_S = 10.0  # the OTLP exporters' default (OTEL_EXPORTER_OTLP_TIMEOUT)
+MAX_TIMEOUT_S = 3600.0  # longer is no timeout an export is waited for
 TIMEOUT_GRACE_S = 1.0  # past the exporter's own timeout before an export is given up
 CLOSE_TIMEOUT_S = 5.0  # what closing an exporter may take, its last batches' delivery included
 
 
-def _env_number(variables: tuple[str, ...], default: float) -> float:
-    """The first of ``variables`` set to a positive number, else ``default`` (the SDK warns
-    about a bad value itself)."""
-    for variable in variables:
-        with contextlib.suppress(ValueError):
-            value = float(os.environ.get(variable) or "nan")
-            if value > 0:
-                return value
-    return default
+def _env(variable: str) -> str | None:
+    return os.environ.get(variable) or None
 
 
 def queue_size(processor: str) -> int:
-    """The batch processor's queue size, ``OTEL_{BSP,BLRP}_MAX_QUEUE_SIZE`` as the SDK reads it."""
-    return int(_env_number((f"OTEL_{processor}_MAX_QUEUE_SIZE",), DEFAULT_QUEUE_SIZE))
+    """The batch processor's queue size, ``OTEL_{BSP,BLRP}_MAX_QUEUE_SIZE`` as the SDK reads it:
+    a whole number above 0, else its default (the size is handed to the processor, which then
+    reads no variable of its own)."""
+    try:
+        size = int(_env(f"OTEL_{processor}_MAX_QUEUE_SIZE") or DEFAULT_QUEUE_SIZE)
+    except ValueError:
+        return DEFAULT_QUEUE_SIZE
+    return size if size > 0 else DEFAULT_QUEUE_SIZE
 
 
 def export_timeout_s(signal: str) -> float:
-    """The OTLP/HTTP exporter's timeout for ``signal`` (``TRACES``, ``LOGS``, ``METRICS``)."""
-    return _env_number(
-        (f"OTEL_EXPORTER_OTLP_{signal}_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT"), DEFAULT_TIMEOUT_S
-    )
+    """The OTLP/HTTP exporter's timeout for ``signal`` (``TRACES``, ``LOGS``, ``METRICS``), in
+    seconds as the Python SDK reads it (the per-signal variable, else the general one), bounded
+    to what a deadline can wait: a number that is not one, or not in (0, MAX_TIMEOUT_S], is the
+    default."""
+    raw = _env(f"OTEL_EXPORTER_OTLP_{signal}_TIMEOUT") or _env("OTEL_EXPORTER_OTLP_TIMEOUT")
+    try:
+        timeout = float(raw or DEFAULT_TIMEOUT_S)
+    except ValueError:
+        return DEFAULT_TIMEOUT_S
+    return timeout if 0 < timeout <= MAX_TIMEOUT_S else DEFAULT_TIMEOUT_S
 
 
 class Backlog:
@@ -112,11 +120,18 @@ class Backlog:
             if self._closed:
                 raise ExportFailed("the OTLP exporter is shut down")
             if self._n >= self.capacity:
-                raise ExportFailed(
+                raise RecordRefused(
                     f"the OTLP batch queue is full ({self.capacity} records wait for the collector)"
                 )
             self._held[key] += 1
             self._n += 1
+
+    def release(self, key: tuple[str, int]) -> None:
+        """A record admitted that never reached the queue."""
+        with self._lock:
+            if self._held[key] > 0:
+                self._held[key] -= 1
+                self._n -= 1
 
     def taken(self, records: Counter[tuple[str, int]], n: int) -> Counter[tuple[str, int]]:
         """``n`` records left the queue for an export, ``records`` by key: those of them the
@@ -181,7 +196,10 @@ class Deadline:
                 out.append(result)
                 self._cond.notify_all()
 
-        thread = threading.Thread(target=call, name="pte-otlp-export", daemon=True)
+        # in the caller's context: the SDK's worker marks it so that HTTP instrumentation
+        # does not trace the export itself
+        context = contextvars.copy_context()
+        thread = threading.Thread(target=context.run, args=(call,), name="pte-otlp-export", daemon=True)
         thread.start()
         with self._cond:
             while not out and (left := self._end(start) - time.monotonic()) > 0:
@@ -295,10 +313,19 @@ class Delivery:
         self.backlog = backlog
         self.deadline = deadline
 
-    def admit(self, key: tuple[str, int]) -> None:
-        """A record about to be queued: raises if the queue has no room for it."""
-        if self.backlog is not None:
-            self.backlog.admit(key)
+    @contextlib.contextmanager
+    def admitted(self, key: tuple[str, int]) -> Iterator[None]:
+        """Around queueing a record: raises ``RecordRefused`` first if the queue has no room
+        for it; a record that fails to queue (it is counted lost) gives its room back."""
+        if self.backlog is None:
+            yield
+            return
+        self.backlog.admit(key)
+        try:
+            yield
+        except BaseException:
+            self.backlog.release(key)
+            raise
 
     def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
         """Deliver what is queued within ``timeout_s``; what is not is reported lost."""
@@ -515,12 +542,12 @@ class OtelExporter:
             )
         finally:
             self.ids.preset(None)
-        if not span.is_recording():  # not sampled: nothing to deliver
+        if not span.get_span_context().trace_flags.sampled:  # the processor queues sampled spans only
             return
-        self.delivery.admit((r.model, r.engine))  # raises, the span never ended, if no room
-        if error_type(r) is not None:
-            span.set_status(Status(StatusCode.ERROR, f"finish reason {r.finish_reason}"))
-        span.end(end_time=end_ns)
+        with self.delivery.admitted((r.model, r.engine)):  # raises, the span never ended, if no room
+            if error_type(r) is not None:
+                span.set_status(Status(StatusCode.ERROR, f"finish reason {r.finish_reason}"))
+            span.end(end_time=end_ns)
 
     def shutdown(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
         self.delivery.close(timeout_s)
@@ -543,15 +570,15 @@ class OtelLogExporter:
     def export(self, r: RequestRecord) -> None:
         from opentelemetry._logs import SeverityNumber
 
-        self.delivery.admit((r.model, r.engine))  # raises if its queue has no room
-        self.logger.emit(
-            timestamp=int(r.finished_at * 1e9),
-            severity_number=SeverityNumber.INFO,
-            severity_text="INFO",
-            event_name=LOG_EVENT,
-            body=f"{r.model} request {r.request_id} priced: {r.pte_served:.6g} PTE served",
-            attributes=log_attributes(r),
-        )
+        with self.delivery.admitted((r.model, r.engine)):  # raises if its queue has no room
+            self.logger.emit(
+                timestamp=int(r.finished_at * 1e9),
+                severity_number=SeverityNumber.INFO,
+                severity_text="INFO",
+                event_name=LOG_EVENT,
+                body=f"{r.model} request {r.request_id} priced: {r.pte_served:.6g} PTE served",
+                attributes=log_attributes(r),
+            )
 
     def shutdown(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
         self.delivery.close(timeout_s)
