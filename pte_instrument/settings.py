@@ -265,7 +265,10 @@ def _session_store(raw: str, _: list[str]) -> str:
     (nothing the store wrote could be read back), and another URL a relative file path."""
     if raw == ":memory:":
         raise Invalid("is SQLite's in-memory name, which each connection sees empty")
-    if "://" in raw and not raw.startswith(("redis://", "rediss://")):
+    scheme = raw.partition("://")[0].lower() if "://" in raw else None
+    if scheme == "unix":
+        raise Invalid("is Redis over a Unix socket, which the store does not take (redis://host:port)")
+    if scheme is not None and scheme not in ("redis", "rediss"):
         raise Invalid("is a URL, and not a redis://… or rediss://… one")
     return raw
 

@@ -155,7 +155,6 @@ def test_a_digit_that_is_not_ascii_is_named_in_one_line_not_raised(name, raw):
     "store",
     [
         ":memory:",  # SQLite's: every connection of the store would see an empty database of its own
-        "REDIS://redis.internal:6379/0",  # not redis://: it would be a relative file path
         "valkey://redis.internal:6379",
         "unix:///run/redis.sock",
     ],
@@ -164,6 +163,19 @@ def test_a_session_store_that_is_neither_a_file_nor_a_redis_url_is_named_and_the
     s = Settings.from_env({"PTE_SESSION_STORE": store})
     assert s.session_store == Settings.from_env({}).session_store
     assert len(s.errors) == 1 and s.errors[0].startswith(f"PTE_SESSION_STORE={store!r} ")
+
+
+@pytest.mark.parametrize("store", ["REDIS://redis.internal:6379/0", "Rediss://redis.internal:6380"])
+def test_a_redis_url_is_one_whatever_the_case_of_its_scheme(store):
+    from pte_instrument.server.redis_store import is_redis_url
+
+    s = Settings.from_env({"PTE_SESSION_STORE": store})
+    assert s.session_store == store and not s.errors and is_redis_url(store)
+
+
+def test_redis_over_a_unix_socket_is_said_to_be_unsupported():
+    s = Settings.from_env({"PTE_SESSION_STORE": "unix:///run/redis.sock"})
+    assert len(s.errors) == 1 and "a Unix socket" in s.errors[0]
 
 
 GOOD_FIT = {"format": "pte-step-time", "version": 1, "a": 1e-5, "b": 1e-8, "w": 1e-3, "o": 1e-3}

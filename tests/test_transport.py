@@ -178,12 +178,11 @@ def test_a_batch_past_the_size_limit_is_never_read_and_later_batches_still_arriv
     push = zmq.Context.instance().socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 1000)
     push.connect(address)
-    push.send(big)
+    push.send(big)  # first: without the limit it is the first batch received
     push.close()
     sender = Sender(f"ipc://{tmp_path}/big")
     sender.send([totals("small")], api_server=0)
     batch = got.get(timeout=10)
     assert [m.external_id for m in batch] == ["small"]
-    time.sleep(0.3)  # what else was sent has come by now
-    assert got.empty() and receiver.errors == 0
+    assert receiver.errors == 0
     sender.close()

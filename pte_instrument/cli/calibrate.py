@@ -25,6 +25,7 @@ import csv
 import gzip
 import io
 import math
+import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from itertools import chain
@@ -114,7 +115,7 @@ def _lines(path: Path) -> Iterator[str]:
             yield from text
         except UnicodeDecodeError:
             raise UsageError(f"{path} is not UTF-8 text") from None
-        except (OSError, EOFError) as e:  # a corrupt or truncated .gz
+        except (OSError, EOFError, zlib.error) as e:  # a corrupt or truncated .gz
             raise UsageError(f"cannot read {path}: {e}") from None
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import zlib
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -66,7 +67,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     problems: Counter[str] = Counter()
     try:
         table = A.request_table(A.load_jsonl(requests_path, problems), problems)
-    except (OSError, EOFError) as e:  # a .gz that is not gzip, or cut short
+    except (OSError, EOFError, zlib.error) as e:  # a .gz that is not gzip, corrupt, or cut short
         raise UsageError(f"cannot read {requests_path}: {e}") from None
     usable = A.usable_requests(table)
     if len(usable) < 3:
@@ -87,7 +88,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
             problems=problems,
             requests=table,
         )
-    except (OSError, EOFError) as e:
+    except (OSError, EOFError, zlib.error) as e:
         raise UsageError(f"cannot read {steps_path or requests_path}: {e}") from None
     if problems["not_object"]:
         n = problems["not_object"]

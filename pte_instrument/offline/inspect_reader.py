@@ -62,31 +62,21 @@ def read(path: str | Path, *, metric: str | None = None, key: bytes | None = Non
     return [_read_log(p, metric, key) for p in _logs(Path(path))]
 
 
-class _Unread(logging.Filter):
-    """Inspect's converter reads a value it does not know as 0, a wrong answer, and says so
-    only in a warning of its logger: caught here (and not printed), the value is no score."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen = False
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        self.seen = True
-        return False
-
-
 def _score_value(value: Any) -> float:
     from inspect_ai.scorer import value_to_float
 
     if isinstance(value, dict | list):
         raise ValueError(f"a score of several values ({value!r}): name one scorer with --metric")
-    unread, logger = _Unread(), logging.getLogger(value_to_float.__module__)
-    logger.addFilter(unread)
+    # Inspect's converter reads a value it does not know as 0, a wrong answer, and says so only
+    # in a warning of its logger: its warning method is taken over for the call (a filter would
+    # see nothing where the user's logging configuration turns warnings off), and not printed.
+    logger, said = logging.getLogger(value_to_float.__module__), []
+    logger.warning = lambda *args, **kwargs: said.append(args)  # type: ignore[method-assign]
     try:
         score = float(value_to_float()(value))
     finally:
-        logger.removeFilter(unread)
-    if unread.seen:
+        del logger.warning
+    if said:
         raise ValueError("not a score Inspect can read")
     if not 0 <= score <= 1:  # 2 would be a full score, NaN a wrong answer: neither is a score
         raise ValueError("not a score in [0, 1]")

@@ -748,7 +748,7 @@ class RedisSessionLedger(SessionLedger):
 
 
 def is_redis_url(store: str | None) -> bool:
-    return store is not None and store.startswith(("redis://", "rediss://"))
+    return store is not None and store.lower().startswith(("redis://", "rediss://"))  # schemes know no case
 
 
 def open_ledger(store: str | None, timeout_s: float = TIMEOUT_S, **kwargs: Any) -> SessionLedger:

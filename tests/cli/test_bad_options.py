@@ -288,3 +288,26 @@ def test_validate_names_the_log_that_is_torn_gzip(tmp_path, capsys, which):
     logs = [str(torn)] if which == "request log" else [str(request_log(tmp_path)), str(torn)]
     argv = ["validate", *logs, "--out", str(tmp_path / "out"), "--no-plots", "--bootstrap", "10"]
     assert str(torn) in one_line_error(argv, capsys)
+
+
+def corrupt_gzip(tmp_path: Path) -> Path:
+    """A whole gzip file with bytes of its deflate stream changed: zlib.error, not EOFError."""
+    data = bytearray((RUN / "steps.jsonl.gz").read_bytes())
+    for k in range(200, 260):
+        data[k] ^= 0xFF
+    path = tmp_path / "corrupt.jsonl.gz"
+    path.write_bytes(bytes(data))
+    return path
+
+
+@pytest.mark.parametrize("which", ["request log", "step log"])
+def test_validate_names_the_log_whose_gzip_is_corrupt(tmp_path, capsys, which):
+    bad = corrupt_gzip(tmp_path)
+    logs = [str(bad)] if which == "request log" else [str(request_log(tmp_path)), str(bad)]
+    argv = ["validate", *logs, "--out", str(tmp_path / "out"), "--no-plots", "--bootstrap", "10"]
+    assert str(bad) in one_line_error(argv, capsys)
+
+
+def test_calibrate_names_the_step_log_whose_gzip_is_corrupt(tmp_path, capsys):
+    bad = corrupt_gzip(tmp_path)
+    assert str(bad) in one_line_error(["calibrate", str(bad)], capsys)

@@ -301,3 +301,17 @@ def test_an_inspect_sample_id_twice_in_one_epoch_drops_both_and_lists_them(tmp_p
         (f"{path}#sample 2", "a"),
     ]
     assert f"also at {path}#sample 2" in run.problems[0].reason
+
+
+def test_a_score_inspect_cannot_read_is_found_whatever_the_logging_configuration(tmp_path, inspect_json_log):
+    """The unreadable score is seen through Inspect's warning: it must be seen with warnings
+    off, as a user's logging configuration may have them."""
+    import logging
+
+    path = with_first_score(tmp_path, inspect_json_log, '"maybe"')
+    logging.disable(logging.WARNING)
+    try:
+        [run] = load_runs([path])
+    finally:
+        logging.disable(logging.NOTSET)
+    assert [s.key for s in run.samples] == ["b"] and "not a score Inspect can read" in run.problems[0].reason
