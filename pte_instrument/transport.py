@@ -73,7 +73,10 @@ def ensure_address(setting: tuple[str | None, str | None]) -> str:
 
         say_configuration([problem])
     if addr is None:
-        path = os.path.join(tempfile.gettempdir(), f"pte-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        name = f"pte-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        path = os.path.join(tempfile.gettempdir(), name)
+        if len(path.encode("utf-8", "surrogateescape")) > MAX_IPC_BASE:  # a long TMPDIR: no socket there
+            path = os.path.join("/tmp", name)
         addr = os.environ[ADDRESS_ENV] = f"ipc://{path}"
     return addr
 

@@ -186,3 +186,14 @@ def test_a_batch_past_the_size_limit_is_never_read_and_later_batches_still_arriv
     assert [m.external_id for m in batch] == ["small"]
     assert receiver.errors == 0
     sender.close()
+
+
+def test_the_base_made_for_a_server_fits_a_unix_socket_under_a_long_temporary_directory(monkeypatch):
+    import tempfile
+
+    from pte_instrument.transport import ADDRESS_ENV, MAX_IPC_BASE, address_problem, ensure_address
+
+    monkeypatch.delenv(ADDRESS_ENV, raising=False)
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: "/tmp/" + "d" * 120)
+    address = ensure_address((None, None))
+    assert address_problem(address) is None and len(address.removeprefix("ipc://")) <= MAX_IPC_BASE
