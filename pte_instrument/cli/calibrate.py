@@ -428,7 +428,7 @@ def _print_report(report: dict[str, Any], path: str) -> None:
         ratio = measured / theory_v if measured is not None and theory_v else None
         interval = f"{_fmt(ci[0])} – {_fmt(ci[1])}" if ci else ""
         table.add_row(label, _fmt(theory_v), _fmt(measured), interval, _fmt(ratio, 3))
-    console = Console()
+    console = Console(markup=False)  # a path is text, whatever brackets it holds
     console.print(table)
     hs = report["at_host_speed"]
     lines = [

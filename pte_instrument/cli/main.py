@@ -72,7 +72,7 @@ def cmd_gamma(args: argparse.Namespace) -> int:
     if info["moe_experts"]:
         rows.append(["MoE", f"{info['moe_experts_per_token']} of {info['moe_experts']} experts per token"])
     rows += [["assumed", a] for a in info["assumed"]]
-    Console().print(_table(f"γ for {args.model}", ["quantity", "value"], rows))
+    Console(markup=False).print(_table(f"γ for {args.model}", ["quantity", "value"], rows))
     return 0
 
 
@@ -109,7 +109,9 @@ def cmd_devices(args: argparse.Namespace) -> int:
         ]
         for d in data
     ]
-    Console().print(_table("device profiles", ["name", "bf16 TFLOP/s", "GB/s", "HOI", "source"], rows))
+    Console(markup=False).print(
+        _table("device profiles", ["name", "bf16 TFLOP/s", "GB/s", "HOI", "source"], rows)
+    )
     return 0
 
 
@@ -125,7 +127,7 @@ def cmd_tenant_hash(args: argparse.Namespace) -> int:
     if args.json:
         print_json({"tenant": tenant})
         return 0
-    Console().print(_table("tenant of the API key", ["PTE_TENANTS entry"], [[tenant]]))
+    Console(markup=False).print(_table("tenant of the API key", ["PTE_TENANTS entry"], [[tenant]]))
     return 0
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from pte_instrument.cli.errors import UsageError, print_json, report_warning, whole_number
 
@@ -121,13 +122,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
             )
         )
         return 0
-    console = Console()
+    console = Console(markup=False)  # paths and names are text, whatever brackets they hold
     console.print(_phase_table(phases, analysis))
     console.print(_request_table(analysis))
     console.print(_target_table(targets))
     for x in targets:
         if x["met"] is False and x.get("diagnosis"):
-            console.print(f"[bold]{x['name']}[/bold] missed: {x['diagnosis']}", highlight=False)
+            console.print(Text.assemble((x["name"], "bold"), f" missed: {x['diagnosis']}"), highlight=False)
     console.print(f"report: {', '.join(str(f) for f in files)}")
     return 0
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from pte_instrument.devtools.redis_server import RedisServer
 from pte_instrument.devtools.serving import VllmServer
@@ -84,8 +85,11 @@ def run_demo(
     """``replicas`` > 1: that many vLLM servers sharing one session store on a redis-server
     the demo starts, and sessions whose turns move between them (routing tax)."""
     # Tables are wide; do not squeeze them to 80 columns when piped to a file or CI log.
-    console = Console(width=None if sys.stdout.isatty() else 160)
-    console.print(f"[bold]Building the tiny model[/] in {model_dir} (random weights, seed 0)…")
+    # markup off: paths and URLs are text, whatever brackets they hold
+    console = Console(width=None if sys.stdout.isatty() else 160, markup=False)
+    console.print(
+        Text.assemble(("Building the tiny model", "bold"), f" in {model_dir} (random weights, seed 0)…")
+    )
     build_model(model_dir, "tiny", seed=0)
     with tempfile.TemporaryDirectory(prefix="pte-demo-") as tmp, contextlib.ExitStack() as running:
         env = {"VLLM_PLUGINS": "pte", "VLLM_SERVER_DEV_MODE": "1"}
@@ -110,7 +114,11 @@ def run_demo(
             )
             for i, log in enumerate(logs)
         ]
-        console.print("[bold]Starting vLLM[/] (CPU build) with pte-instrument; this takes about a minute…")
+        console.print(
+            Text.assemble(
+                ("Starting vLLM", "bold"), " (CPU build) with pte-instrument; this takes about a minute…"
+            )
+        )
         for server in servers:  # side by side
             running.callback(server.stop)
             server.launch()
@@ -156,7 +164,7 @@ def run_demo(
         if records:
             r = records[0]
             console.print(f"γ = {r['gamma']:.6g} on device profile {r['device']} (HOI {r['hoi']:.1f}).")
-        console.print(f"\n[bold]The plugin's series on {servers[0].url}/metrics[/]:")
+        console.print(Text.assemble("\n", (f"The plugin's series on {servers[0].url}/metrics", "bold"), ":"))
         for line in metrics.splitlines():
             if line.startswith("pte_") and "_created" not in line and "_bucket" not in line:
                 print(line)

@@ -32,7 +32,8 @@ def print_cost_report(report: CostReport, file: IO[str] | None = None) -> None:
     from rich.table import Table
 
     out = file or sys.stdout
-    console = Console(file=out, width=None if out.isatty() else PLAIN_WIDTH, soft_wrap=False)
+    # markup off: run labels, task names and problems are the inputs' text, printed as it is
+    console = Console(file=out, width=None if out.isatty() else PLAIN_WIDTH, soft_wrap=False, markup=False)
 
     def table(title: str, names: tuple[str, ...], columns: tuple[str, ...]) -> Table:
         """A table whose first ``names`` columns are text (left) and the rest figures (right)."""

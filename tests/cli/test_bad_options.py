@@ -311,3 +311,19 @@ def test_validate_names_the_log_whose_gzip_is_corrupt(tmp_path, capsys, which):
 def test_calibrate_names_the_step_log_whose_gzip_is_corrupt(tmp_path, capsys):
     bad = corrupt_gzip(tmp_path)
     assert str(bad) in one_line_error(["calibrate", str(bad)], capsys)
+
+
+def test_paths_that_look_like_markup_are_printed_as_they_are(tmp_path, capsys):
+    """``[/x]`` in a path is text, not a closing tag of rich's markup (which raised)."""
+    odd = tmp_path / "d[" / "x]"
+    odd.mkdir(parents=True)
+    steps = odd / "steps.jsonl.gz"
+    steps.write_bytes((RUN / "steps.jsonl.gz").read_bytes())
+    assert main(["calibrate", str(steps), "--bootstrap", "0"]) == 0
+    assert str(steps) in "".join(capsys.readouterr().out.split())  # the title wraps where it may
+    out = tmp_path / "out[" / "y]"
+    assert (
+        main(["validate", str(request_log(tmp_path)), "--out", str(out), "--no-plots", "--bootstrap", "10"])
+        == 0
+    )
+    assert str(out) in "".join(capsys.readouterr().out.split())

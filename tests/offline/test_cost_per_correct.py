@@ -268,3 +268,19 @@ def test_the_request_log_reader_names_a_request_id_logged_more_than_once(tmp_pat
         problem.reason
         == "request_id 'r' is logged 3 times (lines 1, 3, 4): joined by what it sent, not by its id"
     )
+
+
+def test_the_terminal_report_prints_names_from_the_inputs_as_they_are_never_as_markup():
+    """Run labels, task names and problems come from files anyone may write: text like
+    ``[/x]`` is printed as it is (rich would take it as a closing tag, and raise)."""
+    import io
+
+    from pte_instrument.offline.cost_render import print_cost_report
+
+    requests = [req("a0", "d0", 1, 4), req("b0", "d0", 51, 6)]
+    ra = run("[bold]a[/x]", [sample("0", 1, Call("d0"), task="t[/y]")], 0, 10)
+    rb = run("b", [sample("0", 1, Call("d0"), task="t[/y]")], 50, 60)
+    report = cost_report(join_runs([ra, rb], requests), "b", "log.jsonl", n_boot=0)
+    out = io.StringIO()
+    print_cost_report(report, out)
+    assert "│ [bold]a[/x] │" in out.getvalue()  # verbatim, not bold
