@@ -260,15 +260,19 @@ def _tenants(raw: str, lines: list[str]) -> frozenset[str]:
     return frozenset(names)
 
 
+def is_redis_url(store: str | None) -> bool:
+    """Whether a session store names a Redis server (a URL's scheme knows no case)."""
+    return store is not None and store.lower().startswith(("redis://", "rediss://"))
+
+
 def _session_store(raw: str, _: list[str]) -> str:
     """A file, or a Redis URL. SQLite's ``:memory:`` would be an empty database per connection
     (nothing the store wrote could be read back), and another URL a relative file path."""
     if raw == ":memory:":
         raise Invalid("is SQLite's in-memory name, which each connection sees empty")
-    scheme = raw.partition("://")[0].lower() if "://" in raw else None
-    if scheme == "unix":
+    if raw.lower().startswith("unix://"):
         raise Invalid("is Redis over a Unix socket, which the store does not take (redis://host:port)")
-    if scheme is not None and scheme not in ("redis", "rediss"):
+    if "://" in raw and not is_redis_url(raw):
         raise Invalid("is a URL, and not a redis://… or rediss://… one")
     return raw
 

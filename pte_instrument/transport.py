@@ -74,10 +74,10 @@ def ensure_address(setting: tuple[str | None, str | None]) -> str:
         say_configuration([problem])
     if addr is None:
         name = f"pte-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        path = os.path.join(tempfile.gettempdir(), name)
-        if len(path.encode("utf-8", "surrogateescape")) > MAX_IPC_BASE:  # a long TMPDIR: no socket there
-            path = os.path.join("/tmp", name)
-        addr = os.environ[ADDRESS_ENV] = f"ipc://{path}"
+        addr = f"ipc://{os.path.join(tempfile.gettempdir(), name)}"
+        if address_problem(addr) is not None:  # a TMPDIR too long for a Unix socket's path
+            addr = f"ipc://{os.path.join('/tmp', name)}"
+        os.environ[ADDRESS_ENV] = addr
     return addr
 
 

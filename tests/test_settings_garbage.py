@@ -167,7 +167,7 @@ def test_a_session_store_that_is_neither_a_file_nor_a_redis_url_is_named_and_the
 
 @pytest.mark.parametrize("store", ["REDIS://redis.internal:6379/0", "Rediss://redis.internal:6380"])
 def test_a_redis_url_is_one_whatever_the_case_of_its_scheme(store):
-    from pte_instrument.server.redis_store import is_redis_url
+    from pte_instrument.settings import is_redis_url
 
     s = Settings.from_env({"PTE_SESSION_STORE": store})
     assert s.session_store == store and not s.errors and is_redis_url(store)

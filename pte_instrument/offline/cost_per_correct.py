@@ -44,6 +44,7 @@ from pte_instrument.offline.harness_runs import Run, Sample, task_reference
 from pte_instrument.offline.records import LARGEST_VALUE, EvalRecord, Problem, RecordError
 from pte_instrument.offline.request_log import log_lines
 from pte_instrument.offline.statistics import count_chunks
+from pte_instrument.server.request_tags import quoted
 
 SCHEMA = "pte-cost-per-correct/1"
 SLACK_S = 2.0  # a run's window is widened by this on each side (harness clocks log whole seconds)
@@ -121,8 +122,7 @@ def _reused_ids(path: Path, requests: list[LoggedRequest], line_of: list[int]) -
     problems = []
     for rid, ns in lines.items():
         shown = ", ".join(map(str, ns[:5])) + (", …" if len(ns) > 5 else "")
-        name = repr(rid) if len(rid) <= 80 else repr(rid[:80]) + "…"
-        reason = f"request_id {name} is logged {len(ns)} times (lines {shown}): joined by what it sent, not by its id"
+        reason = f"request_id {quoted(rid, 80)} is logged {len(ns)} times (lines {shown}): joined by what it sent, not by its id"
         problems.append(Problem(f"{path}:{ns[0]}", reason, action="kept"))
     return problems
 

@@ -46,7 +46,7 @@ from pte_instrument.server.session_store import (
 )
 from pte_instrument.server.sessions import SessionLedger, Tail, turn_ids, turn_row
 from pte_instrument.server.turn_order import PEER_ALIVE_S, WRITER_GONE_S
-from pte_instrument.settings import Settings
+from pte_instrument.settings import Settings, is_redis_url
 
 TIMEOUT_S = Settings.session_store_timeout_s  # the setting's default: a longer command has failed
 FIRST_BACKOFF_S, MAX_BACKOFF_S = 1.0, 30.0
@@ -745,10 +745,6 @@ class RedisSessionLedger(SessionLedger):
             waiting -= len(group)
             self._lost(len(group), StoreError(f"more than {bound} observations waited for the store"))
         self._kept_observed.extend(observed)
-
-
-def is_redis_url(store: str | None) -> bool:
-    return store is not None and store.lower().startswith(("redis://", "rediss://"))  # schemes know no case
 
 
 def open_ledger(store: str | None, timeout_s: float = TIMEOUT_S, **kwargs: Any) -> SessionLedger:

@@ -27,11 +27,11 @@ from pte_instrument.server.exporters.request_log import RequestLogWriter
 from pte_instrument.server.live_efficiency import LiveEfficiency
 from pte_instrument.server.lora import LoraNames
 from pte_instrument.server.records import FinishedRequest
-from pte_instrument.server.redis_store import is_redis_url, open_ledger
+from pte_instrument.server.redis_store import open_ledger
 from pte_instrument.server.request_tags import PendingTags, RequestTag
 from pte_instrument.server.sessions import SessionLedger, StoreError
 from pte_instrument.server.tenants import TenantPolicy
-from pte_instrument.settings import Settings
+from pte_instrument.settings import Settings, is_redis_url
 from pte_instrument.transport import Receiver, address_for
 from pte_instrument.wire import EngineCalibration
 

@@ -254,13 +254,11 @@ def count_failures(
                 if deadline is None
                 else deadline.run(export, batch, *args, **kwargs)
             )
-        except ExportFailed as e:  # given up by the deadline: a failed batch, as the SDK sees it
-            if on_failed is not None:
-                on_failed(e, records)
-            return _failure(kind)
         except Exception as e:
             if on_failed is not None:
                 on_failed(e, records)
+            if isinstance(e, ExportFailed):  # given up by the deadline: a failed batch, as the SDK sees it
+                return _failure(kind)
             raise
         if on_failed is not None and getattr(result, "name", "SUCCESS") != "SUCCESS":
             size = "" if kind == "metrics" else f" of {len(batch)}"
@@ -351,6 +349,22 @@ def _deadline(signal: str) -> Deadline:
     return Deadline(export_timeout_s(signal) + TIMEOUT_GRACE_S)
 
 
+def _batched(
+    processor_class: Any,
+    exporter: Any,
+    on_failed: OnFailedBatch | None,
+    kind: str,
+    processor: str,
+    signal: str,
+) -> tuple[Any, Backlog, Deadline]:
+    """A batch processor of ``processor_class`` over ``exporter`` (``processor``: the prefix of
+    its variables, ``signal``: the exporter's), with the backlog of its queue and the deadline
+    on its exports."""
+    backlog, deadline = Backlog(queue_size(processor)), _deadline(signal)
+    exporting = count_failures(exporter, on_failed, kind, backlog, deadline)
+    return processor_class(exporting, max_queue_size=backlog.capacity), backlog, deadline
+
+
 def build_tracer_provider(
     id_generator: Any = None, span_exporter: Any = None, on_failed: OnFailedBatch | None = None
 ) -> Delivery:
@@ -362,14 +376,11 @@ def build_tracer_provider(
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
         span_exporter = OTLPSpanExporter()
-    backlog, deadline = Backlog(queue_size("BSP")), _deadline("TRACES")
-    provider = TracerProvider(resource=_resource(), id_generator=id_generator, shutdown_on_exit=False)
-    provider.add_span_processor(
-        BatchSpanProcessor(
-            count_failures(span_exporter, on_failed, "spans", backlog, deadline),
-            max_queue_size=backlog.capacity,
-        )
+    batch, backlog, deadline = _batched(
+        BatchSpanProcessor, span_exporter, on_failed, "spans", "BSP", "TRACES"
     )
+    provider = TracerProvider(resource=_resource(), id_generator=id_generator, shutdown_on_exit=False)
+    provider.add_span_processor(batch)
     return Delivery(provider, on_failed, backlog, deadline)
 
 
@@ -382,14 +393,11 @@ def build_logger_provider(log_exporter: Any = None, on_failed: OnFailedBatch | N
         from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
 
         log_exporter = OTLPLogExporter()
-    backlog, deadline = Backlog(queue_size("BLRP")), _deadline("LOGS")
-    provider = LoggerProvider(resource=_resource(), shutdown_on_exit=False)
-    provider.add_log_record_processor(
-        BatchLogRecordProcessor(
-            count_failures(log_exporter, on_failed, "logs", backlog, deadline),
-            max_queue_size=backlog.capacity,
-        )
+    batch, backlog, deadline = _batched(
+        BatchLogRecordProcessor, log_exporter, on_failed, "logs", "BLRP", "LOGS"
     )
+    provider = LoggerProvider(resource=_resource(), shutdown_on_exit=False)
+    provider.add_log_record_processor(batch)
     return Delivery(provider, on_failed, backlog, deadline)
 
 
