@@ -193,7 +193,10 @@ def test_the_base_made_for_a_server_fits_a_unix_socket_under_a_long_temporary_di
 
     from pte_instrument.transport import ADDRESS_ENV, MAX_IPC_BASE, address_problem, ensure_address
 
-    monkeypatch.delenv(ADDRESS_ENV, raising=False)
+    # set, then removed: the base ensure_address exports is taken back after the test (a later
+    # test's hooks would otherwise start pricing processes and senders toward it)
+    monkeypatch.setenv(ADDRESS_ENV, "")
+    monkeypatch.delenv(ADDRESS_ENV)
     monkeypatch.setattr(tempfile, "gettempdir", lambda: "/tmp/" + "d" * 120)
     address = ensure_address((None, None))
     assert address_problem(address) is None and len(address.removeprefix("ipc://")) <= MAX_IPC_BASE
