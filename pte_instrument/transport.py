@@ -24,6 +24,7 @@ import os
 import tempfile
 import threading
 import uuid
+import weakref
 from collections.abc import Callable
 
 import zmq
@@ -99,6 +100,9 @@ class Sender:
         self._socks: dict[int, zmq.Socket] = {}
         self.dropped = 0  # messages
         self.dropped_batches = 0
+        # A sender dropped unclosed is closed as close() would: left to pyzmq, a sender collected
+        # in a reference cycle terms its context while its sockets are still open, for ever.
+        self._closer = weakref.finalize(self, _close, self._ctx, self._socks, CLOSE_WAIT_S)
 
     def _socket(self, api_server: int) -> zmq.Socket:
         sock = self._socks.get(api_server)
@@ -122,9 +126,14 @@ class Sender:
     def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
         """Deliver what is queued, for at most ``wait_s`` (an API server that is gone gets
         nothing), then end: a process that exits right after loses nothing it sent."""
-        for sock in self._socks.values():
-            sock.close(linger=int(wait_s * 1000))
-        self._ctx.term()
+        self._closer.detach()
+        _close(self._ctx, self._socks, wait_s)
+
+
+def _close(ctx: zmq.Context, socks: dict[int, zmq.Socket], wait_s: float) -> None:
+    for sock in socks.values():
+        sock.close(linger=int(wait_s * 1000))
+    ctx.term()
 
 
 class Receiver:

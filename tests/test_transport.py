@@ -200,3 +200,32 @@ def test_the_base_made_for_a_server_fits_a_unix_socket_under_a_long_temporary_di
     monkeypatch.setattr(tempfile, "gettempdir", lambda: "/tmp/" + "d" * 120)
     address = ensure_address((None, None))
     assert address_problem(address) is None and len(address.removeprefix("ipc://")) <= MAX_IPC_BASE
+
+
+def test_a_sender_collected_in_a_reference_cycle_without_close_neither_hangs_nor_loses_its_batch(tmp_path):
+    """An owner dropped without closing its sender, in a cycle the garbage collector breaks:
+    pyzmq's own clean-up terms the context while the sockets it can no longer see are open,
+    and waits for ever. The sender is closed as ``close()`` would, and what it queued arrives."""
+    import subprocess
+    import sys
+
+    base = f"ipc://{tmp_path}/pte-{uuid.uuid4().hex[:6]}"
+    inbox: queue.Queue = queue.Queue()
+    receiver = Receiver(address_for(base, 0), inbox.put)
+    script = (
+        "import gc\n"
+        "from pte_instrument.transport import Sender\n"
+        "from pte_instrument.wire import RequestTotals\n"
+        "class Owner:\n"
+        "    pass\n"
+        "owner = Owner()\n"
+        f"owner.sender = Sender({base!r})\n"
+        "owner.me = owner\n"
+        "owner.sender.send([RequestTotals('r', 'r', engine=0, finish_reason='stop')])\n"
+        "del owner\n"
+        "gc.collect()\n"
+        "print('collected', flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=20)
+    assert done.returncode == 0 and "collected" in done.stdout, done.stderr
+    assert [m.request_id for m in inbox.get(timeout=5)] == ["r"] and receiver.errors == 0
