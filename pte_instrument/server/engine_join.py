@@ -268,10 +268,15 @@ def _fits(totals: RequestTotals) -> bool:
 
 
 def with_engine_totals(request: FinishedRequest, totals: RequestTotals) -> FinishedRequest:
+    child = totals.child_index
+    if child is not None and request.request_id == child_request_id(totals.external_id, child):
+        # vLLM reports a child's finish under its parent's id: this one is no child, but a
+        # request whose own id reads like one (a Responses API request_id ``<n>_…``)
+        child = None
     return replace(
         request,
-        request_id=child_request_id(request.request_id, totals.child_index),
-        child_index=totals.child_index,
+        request_id=child_request_id(request.request_id, child),
+        child_index=child,
         recomputed_tokens=int(totals.recompute),
         engine_totals=totals,
     )
@@ -387,9 +392,14 @@ class RequestJoin:
                     if _consume(self._priced_without_engine, totals.external_id):
                         continue  # already priced: one entry per request
                     _count(self._priced_from_engine, totals.external_id)
-                    request = self.tag(orphan_request(totals, self.model))
+                    # tagged under its full id: the child's, or an id that only reads like one
+                    request = orphan_request(totals, self.model)
                     ready.append(
-                        replace(request, request_id=child_request_id(totals.external_id, totals.child_index))
+                        self.tag(
+                            replace(
+                                request, request_id=child_request_id(totals.external_id, totals.child_index)
+                            )
+                        )
                     )
                 except Exception as e:
                     self.faults.record("engine_join", e)

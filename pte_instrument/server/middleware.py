@@ -8,7 +8,9 @@ the route's GenAI operation and the caller's W3C ``traceparent``; makes sure the
 carries an ``X-Request-Id`` (vLLM names its request after it), and remembers request → tag
 until the request finishes: the tag goes a grace period after the HTTP exchange ends
 (``PendingTags.settle``), so every engine request of one HTTP request (``n > 1``, a list of
-prompts) carries it. An ``X-Request-Id`` longer than ``MAX_REQUEST_ID_LEN`` bytes, on any
+prompts) carries it. The Responses API names a request after its body's ``request_id``
+alone: one sent without it gets one written into its body, as vLLM would have drawn it, so
+that its tag can be found. An ``X-Request-Id`` longer than ``MAX_REQUEST_ID_LEN`` bytes, on any
 POST, goes on as its digest (``bounded_request_id``), and so does the body's ``request_id``
 (vLLM's name for a request sent without the header): the request log and the session store
 keep vLLM's name for each request, and a client's id would otherwise be of any length."""
@@ -18,6 +20,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Callable, Container
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
@@ -41,15 +44,33 @@ from pte_instrument.server.routes import authorized
 from pte_instrument.server.runtime import Runtime
 from pte_instrument.settings import BENCHMARK_HEADER
 
-# Paths whose requests reach the engine and so finish in the stat logger, with the GenAI
-# operation (OpenTelemetry's well-known values) each one performs; the Responses API is
-# the chat API's successor.
-OPERATIONS = {
-    "/v1/chat/completions": Operation.CHAT.value,
-    "/v1/completions": Operation.TEXT_COMPLETION.value,
-    "/v1/responses": Operation.CHAT.value,
+# How vLLM names a route's requests (the spelling the tag is kept under): after the
+# X-Request-Id, else the body's request_id; after the body's request_id alone (the Responses
+# API, which reads no header and names a request ``resp_<uuid>`` without one); after the
+# X-Request-Id alone (the Anthropic Messages API, whose body has no request_id).
+HEADER_OR_BODY, BODY, HEADER = "header_or_body", "body", "header"
+
+
+@dataclass(frozen=True)
+class Route:
+    """A route whose requests reach the engine, and so finish in the stat logger."""
+
+    # the GenAI operation it performs (OpenTelemetry's well-known values); None: by its body
+    operation: str | None
+    names: str  # HEADER_OR_BODY, BODY or HEADER
+
+
+# Every route of vLLM's that generates, with its operation: the Responses and Messages APIs
+# are chat APIs; the chat batch API runs one chat per conversation; SageMaker's /invocations
+# runs a chat or a completion, by its body.
+ROUTES = {
+    "/v1/chat/completions": Route(Operation.CHAT.value, HEADER_OR_BODY),
+    "/v1/chat/completions/batch": Route(Operation.CHAT.value, HEADER_OR_BODY),
+    "/v1/completions": Route(Operation.TEXT_COMPLETION.value, HEADER_OR_BODY),
+    "/v1/responses": Route(Operation.CHAT.value, BODY),
+    "/v1/messages": Route(Operation.CHAT.value, HEADER),
+    "/invocations": Route(None, HEADER_OR_BODY),
 }
-GENERATION_PATHS = tuple(OPERATIONS)
 PLUGIN_ROUTES = "/pte/"
 MAX_MODEL_NAME_LEN = 256  # a longer "model" is kept for no adapter (accounted to the base model)
 
@@ -99,23 +120,27 @@ class TaggingMiddleware:
         if scope["type"] == "http" and scope["method"] == "POST":
             try:
                 # every route that reaches the engine: vLLM names the request after the
-                # X-Request-Id, else after the body's request_id
+                # X-Request-Id, else after the body's request_id (a route may read one alone)
                 name = self._bound_request_id(scope)
                 # vLLM refuses a request without the API key before it reads the body: so here.
                 # Each body is read once; receive is its replay from then on, so that a fault
                 # after it still passes the body on.
                 if self._authorized(scope, scope["headers"]):
-                    generation = scope["path"].endswith(GENERATION_PATHS)
+                    route = _route(scope["path"])
                     wanted = None
-                    if generation and self._wants_body(scope["headers"]):
-                        wanted, receive = await _body_fields(receive, _BODY_FIELDS)
-                    if name is None and _names_after_body(scope, generation):
-                        fields: _RequestId | None = wanted
-                        if fields is None:
-                            fields, receive = await _body_fields(receive, _REQUEST_ID)
-                        name = self._bound_body_request_id(scope, fields.request_id)
-                    if generation:
-                        key = self._tag(scope, wanted, name)
+                    if route is not None and route.names == BODY:
+                        wanted, receive, name = await self._named_by_body(scope, receive)
+                    else:
+                        if route is not None and self._wants_body(scope["headers"]):
+                            wanted, receive = await _body_fields(receive, _BODY_FIELDS)
+                        after_body = route is None or route.names == HEADER_OR_BODY
+                        if name is None and after_body and _names_after_body(scope, route is not None):
+                            fields: _RequestId | None = wanted
+                            if fields is None:
+                                fields, receive = await _body_fields(receive, _REQUEST_ID)
+                            name = self._bound_body_request_id(scope, fields.request_id)
+                    if route is not None:
+                        key = self._tag(scope, route, wanted, name)
             except Exception as e:  # never fail the request for the plugin's sake
                 self.runtime.faults.record("middleware", e)
         if key is None:
@@ -150,6 +175,34 @@ class TaggingMiddleware:
         self._say_long_id("A request_id in the body")
         return digest.decode("ascii")
 
+    async def _named_by_body(self, scope: Scope, receive: Receive) -> tuple[_BodyFields, Receive, str | None]:
+        """The body's fields, its replay, and the name vLLM gives a request of a route that names
+        it after its body alone (the Responses API): the body's ``request_id``, or, when it has
+        none, one written into it here, as vLLM would have drawn it (``resp_<uuid>``); None:
+        none to tag it under (a body that is no JSON object, an id over ``MAX_REQUEST_ID_LEN``
+        bytes, which vLLM reads whole)."""
+        data, end = await _read_body(receive)
+        fields, name = _BodyFields(), None
+        try:
+            try:  # a JSON object in UTF-8: a member can be written into it
+                fields, writable = _BODY_FIELDS.decode(data), True
+            except (msgspec.DecodeError, RecursionError):
+                fields, writable = _decode(data, _BODY_FIELDS), False
+            if isinstance(fields.request_id, str):
+                if len(fields.request_id.encode("utf-8", "surrogatepass")) <= MAX_REQUEST_ID_LEN:
+                    name = fields.request_id
+            elif fields.request_id is None and writable:
+                name, written = _with_request_id(data)
+                scope["headers"] = [
+                    (k, str(len(written)).encode("ascii") if k == b"content-length" else v)
+                    for k, v in scope["headers"]
+                ]
+                data = written
+        except Exception as e:  # the body still goes on, as sent, and untagged
+            self.runtime.faults.record("middleware", e)
+            name = None
+        return fields, _replayed(data, end, receive), name
+
     def _say_long_id(self, what: str) -> None:
         if not self._said_long_id:
             self._said_long_id = True
@@ -165,7 +218,7 @@ class TaggingMiddleware:
         user = self.runtime.settings.session_from_user and not any(k == self.header for k, _ in headers)
         return user or self.runtime.lora_names.enabled or self.digests
 
-    def _tag(self, scope: Scope, fields: _BodyFields | None, name: str | None) -> str | None:
+    def _tag(self, scope: Scope, route: Route, fields: _BodyFields | None, name: str | None) -> str | None:
         """The request key its tag is kept under (None: nothing to tag). ``fields``: the
         body's (None: not read, ``_wants_body``); ``name``: what vLLM is to name the request
         after (None: vLLM's own choice)."""
@@ -197,13 +250,14 @@ class TaggingMiddleware:
         operation = traceparent = None
         if self.runtime.takes_traces:  # spans or OTel metrics: every request's route and trace
             raw_parent = next((v for k, v in headers if k == b"traceparent"), None)
-            path = scope["path"]
-            operation = next((op for p, op in OPERATIONS.items() if path.endswith(p)), None)
+            operation = route.operation
             traceparent = parse_traceparent(raw_parent) if raw_parent is not None else None
         tag = RequestTag(session_id, benchmark, tenant, model, operation, traceparent, digests)
         if tag == UNTAGGED:  # nothing to remember
             return None
         if name is None:  # named here, so that the tag can be found under vLLM's name
+            if route.names == BODY:  # a body no name could be written into
+                return None
             name = uuid.uuid4().hex
             scope["headers"] = [*headers, (b"x-request-id", name.encode("ascii"))]
         self.runtime.pending.put(name, tag)
@@ -251,10 +305,13 @@ def _served(scope: Scope) -> bool:
     return any(route.matches(scope)[0] is Match.FULL for route in routes)
 
 
-async def _body_fields(receive: Receive, decoder: msgspec.json.Decoder[Fields]) -> tuple[Fields, Receive]:
-    """Read the whole body for the fields ``decoder`` takes, then replay it downstream, every
-    byte as sent, as one message (a body sent a few bytes per message is held once, not as a
-    message per few bytes), followed by what cut it short (a disconnect), if anything did."""
+def _route(path: str) -> Route | None:
+    """The generation route ``path`` is (None: none; a prefix before it is a root path)."""
+    return next((route for p, route in ROUTES.items() if path.endswith(p)), None)
+
+
+async def _read_body(receive: Receive) -> tuple[bytes, Message | None]:
+    """The whole body, and what cut it short (a disconnect), if anything did."""
     body = bytearray()
     end: Message | None = None
     while True:
@@ -265,8 +322,13 @@ async def _body_fields(receive: Receive, decoder: msgspec.json.Decoder[Fields]) 
         body += message.get("body", b"")
         if not message.get("more_body", False):
             break
-    data = bytes(body)
-    del body
+    return bytes(body), end
+
+
+def _replayed(data: bytes, end: Message | None, receive: Receive) -> Receive:
+    """``receive`` with a body read whole given back first, as one message (a body sent a few
+    bytes per message is held once, not as a message per few bytes), followed by what cut
+    it short, if anything did."""
     messages: list[Message] = []
     if data or end is None:
         messages.append({"type": "http.request", "body": data, "more_body": end is not None})
@@ -276,7 +338,23 @@ async def _body_fields(receive: Receive, decoder: msgspec.json.Decoder[Fields]) 
     async def replay() -> Message:
         return messages.pop(0) if messages else await receive()
 
-    return _decode(data, decoder), replay
+    return replay
+
+
+async def _body_fields(receive: Receive, decoder: msgspec.json.Decoder[Fields]) -> tuple[Fields, Receive]:
+    """Read the whole body for the fields ``decoder`` takes, then replay it downstream, every
+    byte as sent (``_replayed``)."""
+    data, end = await _read_body(receive)
+    return _decode(data, decoder), _replayed(data, end, receive)
+
+
+def _with_request_id(data: bytes) -> tuple[str, bytes]:
+    """A fresh ``request_id`` (vLLM's own spelling, ``resp_<uuid>``) and the JSON object
+    ``data`` (in UTF-8) with it written in as its first member."""
+    name = f"resp_{uuid.uuid4().hex}"
+    rest = data.lstrip(b" \t\r\n")[1:]  # after the opening brace
+    comma = b"" if rest.lstrip(b" \t\r\n").startswith(b"}") else b","
+    return name, b'{"request_id":"' + name.encode("ascii") + b'"' + comma + rest
 
 
 def _decode(data: bytes, decoder: msgspec.json.Decoder[Fields]) -> Fields:

@@ -165,12 +165,26 @@ def finished_counts(request: Any) -> dict[str, float]:
 def request_keys(request_id: str) -> tuple[str, ...]:
     """Spellings of the X-Request-Id the session middleware registered: vLLM names a
     request ``<kind>-<X-Request-Id>`` (``chatcmpl-…``) and the completions API appends
-    ``-<prompt index>`` (``cmpl-<id>-0``)."""
+    ``-<prompt index>`` (``cmpl-<id>-0``); the chat batch API appends ``_<conversation>``
+    (``chatcmpl-<id>_0``), and the Responses API names each engine request of a response
+    ``<request_id>_<n>`` after the body's ``request_id`` (``resp_<uuid>_0``). A request the
+    engine hook took for a parallel-sampling child (``<index>_<…>``: a Responses API
+    ``request_id`` of that form) is also known by the name the hook gave it."""
+    keys = [request_id]
     _kind, sep, base = request_id.partition("-")
-    if not sep:
-        return (request_id,)
-    head, dash, index = base.rpartition("-")
-    return (request_id, base, head) if dash and index.isdigit() else (request_id, base)
+    if sep:
+        keys.append(base)
+        head, dash, index = base.rpartition("-")
+        if dash and index.isdigit():
+            keys.append(head)
+    for key in keys[:]:
+        head, underscore, index = key.rpartition("_")
+        if underscore and head and index.isdigit():
+            keys.append(head)
+    external, child = external_request_id(request_id)
+    if child is not None:
+        keys.append(external)
+    return tuple(dict.fromkeys(keys))
 
 
 def prompt_index(request_id: str) -> int | None:

@@ -487,11 +487,13 @@ def traced(runtime: Runtime) -> Runtime:
 )
 def test_with_opentelemetry_every_request_carries_its_route_and_trace(traced, path, operation):
     c = tagged_client(traced, 200)
-    c.post(path, json={}, headers={"X-Request-Id": "r1", "traceparent": TRACEPARENT})
+    # the id in both places: the Responses API names a request after its body's alone
+    c.post(path, json={"request_id": "r1"}, headers={"X-Request-Id": "r1", "traceparent": TRACEPARENT})
     assert traced.pending.claim("r1") == RequestTag(
         None, "none", operation=operation, traceparent=TRACEPARENT
     )
-    c.post(path, json={}, headers={"X-Request-Id": "r2", "X-Session-Id": "s", "traceparent": "garbage"})
+    headers = {"X-Request-Id": "r2", "X-Session-Id": "s", "traceparent": "garbage"}
+    c.post(path, json={"request_id": "r2"}, headers=headers)
     assert traced.pending.claim("r2") == RequestTag("s", "none", operation=operation)  # served, not joined
 
 
