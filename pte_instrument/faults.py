@@ -55,7 +55,8 @@ class FaultTracker:
                 self._on_fault(stage)
         if logged:
             return
-        if n == 1 and isinstance(exc, OSError):  # disk, permissions: the message says it all
+        # disk, permissions, or an error whose class says its message names the place and why
+        if n == 1 and (isinstance(exc, OSError) or getattr(exc, "says_it_all", False)):
             log.error("pte-instrument: fault in stage %r (serving continues): %s", stage, exc)
         elif n == 1:
             log.error("pte-instrument: fault in stage %r (serving continues)", stage, exc_info=exc)

@@ -39,6 +39,7 @@ from pte_instrument.server.session_store import (
     COUNTED,
     OUTCOME_COUNTS,
     SERVER_ALIVE_S,
+    SORT_KEYS,
     SUMMED,
     BatchWriter,
     Commit,
@@ -59,13 +60,55 @@ CLOSE_BUDGET_S = 0.5
 # How long a close call's sessions are held for the writer that has not read its reply:
 # past the longest back-off, so that its next call finds them.
 CLOSED_HELD_S = 300
+REFUSED = -2  # the add script's turn number for a turn it did not apply (a key of the wrong type)
 PREFIX = "pte:"
 
+# The live sessions by each sort key of ``/pte/sessions``: zsets by:<key> the scripts keep, so
+# that a page is read in O(log n) rather than by sorting every live session in one command,
+# which holds Redis for every replica (0.1 s at 100,000 sessions).
+_SORTED = "local SORTED = {" + ", ".join(f"'{k}'" for k in SORT_KEYS) + "}\n"
+
+# Each script first checks that the keys it writes hold what it writes to them (or nothing):
+# an error half-way through a script keeps what it wrote before it (its request marked applied,
+# its totals added), and a key someone else put under the prefix with another type would make
+# a turn count half, or stop every batch. Returns a message naming the first that does not.
+_WRONG_TYPE = """
+local function wrong_type(wanted)
+  for i = 1, #wanted, 2 do
+    local found = redis.call('TYPE', wanted[i])['ok']
+    if found ~= 'none' and found ~= wanted[i + 1] then
+      return 'key ' .. wanted[i] .. ' holds a ' .. found .. ', not a ' .. wanted[i + 1]
+    end
+  end
+  return false
+end
+"""
+
 # KEYS: none (standalone Redis). ARGV: prefix, now, max_turns, seen_ttl, the turn (JSON).
-# Returns {turn number (0: no session; -1: applied before), opened, rows dropped}.
-_ADD = """
+# Returns {turn number (0: no session; -1: applied before; -2: not applied), opened, rows
+# dropped}, and for -2 why (a key of the wrong type).
+_ADD = (
+    _WRONG_TYPE
+    + _SORTED
+    + """
 local p, now, max_turns = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local r = cjson.decode(ARGV[5])
+local wanted = {p .. 'seen:' .. r.request_id, 'string', p .. 'totals:model:' .. r.model, 'hash', p .. 'models', 'set'}
+if r.tenant then
+  for _, k in ipairs({p .. 'totals:tenant:' .. r.tenant, 'hash', p .. 'tenants', 'set'}) do table.insert(wanted, k) end
+end
+if r.lora then
+  for _, k in ipairs({p .. 'totals:lora:' .. r.lora, 'hash', p .. 'loras', 'set'}) do table.insert(wanted, k) end
+end
+if r.session_id then
+  for _, k in ipairs({p .. 's:' .. r.session_id, 'hash', p .. 't:' .. r.session_id, 'list', p .. 'counters', 'hash',
+                      p .. 'touched', 'string', p .. 'live', 'zset', p .. 'seen', 'zset'}) do
+    table.insert(wanted, k)
+  end
+  for _, k in ipairs(SORTED) do table.insert(wanted, p .. 'by:' .. k); table.insert(wanted, 'zset') end
+end
+local wrong = wrong_type(wanted)
+if wrong then return {-2, 0, 0, wrong} end
 if not redis.call('SET', p .. 'seen:' .. r.request_id, 1, 'NX', 'EX', ARGV[4]) then
   return {-1, 0, 0}
 end
@@ -94,6 +137,7 @@ elseif seq == 1 then
   redis.call('HSET', s, 'last_prompt', 0, 'last_output', 0)
 end
 add(s, r.sums)
+for _, k in ipairs(SORTED) do redis.call('ZADD', p .. 'by:' .. k, redis.call('HGET', s, k) or 0, r.session_id) end
 -- the row numbered by the store: its place among the session's turns as they landed
 redis.call('RPUSH', t, '{"turn":' .. seq .. ',' .. string.sub(r.row, 2))
 local dropped = 0
@@ -109,6 +153,7 @@ redis.call('ZADD', p .. 'seen', now, r.session_id)
 if seq == 1 then redis.call('HINCRBY', p .. 'counters', 'sessions_opened', 1) end
 return {seq, seq == 1 and 1 or 0, dropped}
 """
+)
 
 # ARGV: prefix, idle cut-off (last seen before it), max live sessions, chunk, the writer's id,
 # this call's id, the id of the writer's latest call whose reply it read, held_ttl. Closes at
@@ -116,18 +161,30 @@ return {seq, seq == 1 and 1 or 0, dropped}
 # under closing:<writer> until the writer's next call says it read that reply; one that does
 # not gets it again, in the chunk. Returns {more to close (0/1), live count, the closed
 # sessions as JSON: [id, reason, [field, value, …]] each}; JSON is much quicker to read.
-_CLOSE = """
+_CLOSE = (
+    _WRONG_TYPE
+    + _SORTED
+    + """
 local p, cutoff, max_live, chunk = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local held = p .. 'closing:' .. ARGV[5]
 local closed = {}
 local before = redis.call('HMGET', held, 'call', 'closed')
 if before[1] and before[1] ~= ARGV[7] then closed = cjson.decode(before[2]) end
+local wanted = {held, 'hash', p .. 'live', 'zset', p .. 'seen', 'zset', p .. 'counters', 'hash'}
+for _, k in ipairs(SORTED) do table.insert(wanted, p .. 'by:' .. k); table.insert(wanted, 'zset') end
+local wrong = wrong_type(wanted)
+if wrong then return redis.error_reply(wrong) end
 local function close(sid, reason)
-  local s = p .. 's:' .. sid
-  local fields = redis.call('HGETALL', s)
-  redis.call('DEL', s, p .. 't:' .. sid)
+  -- someone else's key where the session's was: closed without its sums, the key left alone
+  local s, t, fields = p .. 's:' .. sid, p .. 't:' .. sid, {}
+  if redis.call('TYPE', s)['ok'] == 'hash' then
+    fields = redis.call('HGETALL', s)
+    redis.call('DEL', s)
+  end
+  if redis.call('TYPE', t)['ok'] == 'list' then redis.call('DEL', t) end
   redis.call('ZREM', p .. 'live', sid)
   redis.call('ZREM', p .. 'seen', sid)
+  for _, k in ipairs(SORTED) do redis.call('ZREM', p .. 'by:' .. k, sid) end
   redis.call('HINCRBY', p .. 'counters', reason == 'idle' and 'sessions_expired' or 'sessions_evicted', 1)
   table.insert(closed, {sid, reason, fields})
 end
@@ -152,13 +209,25 @@ local live = redis.call('ZCARD', p .. 'live')
 local more = live > max_live or redis.call('ZCOUNT', p .. 'seen', '-inf', '(' .. cutoff) > 0
 return {more and 1 or 0, live, json}
 """
+)
 
 # ARGV: prefix, window, seen_ttl, the group's id, then (request id, session id or '', model,
 # benchmark, output tokens, truncated) per finished request; a group is applied once. The
 # window's requests: hash r:<id> and zset recent (by seq); a session's: zset rs:<session>.
-# Counts per cell: hash outcomes, fields <model>\\x1f<benchmark>\\x1f<count>.
-_OBSERVE = """
+# Counts per cell: hash outcomes, fields <model>\\x1f<benchmark>\\x1f<count>. Returns 0, or
+# why the group was not applied (a key of the wrong type).
+_OBSERVE = (
+    _WRONG_TYPE
+    + """
 local p, window = ARGV[1], tonumber(ARGV[2])
+local wanted = {p .. 'obs:' .. ARGV[4], 'string', p .. 'outcomes', 'hash', p .. 'recent', 'zset',
+                p .. 'recent:seq', 'string'}
+for i = 5, #ARGV, 6 do
+  table.insert(wanted, p .. 'r:' .. ARGV[i]); table.insert(wanted, 'hash')
+  if ARGV[i + 1] ~= '' then table.insert(wanted, p .. 'rs:' .. ARGV[i + 1]); table.insert(wanted, 'zset') end
+end
+local wrong = wrong_type(wanted)
+if wrong then return wrong end
 if not redis.call('SET', p .. 'obs:' .. ARGV[4], 1, 'NX', 'EX', ARGV[3]) then return 0 end
 local seq
 local function cell(model, benchmark, name, n)
@@ -190,6 +259,7 @@ if seq then
 end
 return 0
 """
+)
 
 # ARGV: prefix, correct (0/1), session id ('' for none), then the request ids (spellings of
 # one id). Returns JSON: null (none in the window), [] (already labeled) or the outcome.
@@ -314,16 +384,20 @@ class RedisStore(BatchWriter):
         return time.monotonic() >= self._down_until
 
     @contextlib.contextmanager
-    def reading(self) -> Iterator[Any]:
+    def reading(self, write: bool = False) -> Iterator[Any]:
         """The client, for one read or write; a failure is a :class:`StoreError`, and starts
-        (or lengthens) the back-off."""
+        (or lengthens) the back-off. Only a write that answers ends it: a Redis that refuses
+        writes (out of memory, a read-only replica) still answers reads."""
         if not self.available:
             raise StoreError(f"session store {self.path} is unreachable; tried again shortly")
         try:
             yield self.client
         except self._errors as e:
-            self._failed(e)
+            if not _wrong_type(e):  # one key someone else holds: the store itself answers
+                self._failed(e)
             raise StoreError(f"session store {self.path}: {type(e).__name__}: {e}") from None
+        if not write:
+            return
         with self._lock:
             if self._backoff:
                 log.warning("pte-instrument: session store %s is reachable again", self.path)
@@ -356,7 +430,7 @@ class RedisStore(BatchWriter):
         return self
 
     def _release(self, conn: Any) -> None:
-        with contextlib.suppress(Exception), self.reading() as r:
+        with contextlib.suppress(Exception), self.reading(write=True) as r:
             r.zrem(self.prefix + "servers", self.server_id)
             r.hdel(self.prefix + "writers", self.writer_id)
 
@@ -373,7 +447,7 @@ class RedisStore(BatchWriter):
 
     def beat(self, watermark: float) -> None:
         """Publish this writer's watermark, with nothing else to write."""
-        with self.reading() as r:
+        with self.reading(write=True) as r:
             pipe = r.pipeline(transaction=False)
             self._publish(pipe, watermark)
             self._peers_published(pipe.execute()[-1])
@@ -409,15 +483,15 @@ class RedisStore(BatchWriter):
         idle_before: float,
         limits: tuple[int, int, int],
         watermark: float,
-    ) -> tuple[list[list[int]], Closing]:
+    ) -> tuple[list[list[Any]], list[Any], Closing]:
         """The batch's turns (each with its session's tail), groups of finished requests for
         the feedback window (each group applied once, by its id), then a first chunk of the
         sessions to close (``close_chunk``), in one round trip. ``limits``: max turns per
         session, the feedback window, max live sessions; ``watermark``: this writer's, as of
-        the batch (``turn_order``). Returns each turn's (number, opened, rows dropped), and
-        the chunk."""
+        the batch (``turn_order``). Returns each turn's (number, opened, rows dropped; -2 and
+        why for one not applied), each group's 0 (or why it was not applied), and the chunk."""
         max_turns, window, max_live = limits
-        with self.reading() as r:
+        with self.reading(write=True) as r:
             pipe = r.pipeline(transaction=False)
             for record, tail in adds:
                 payload = json.dumps(_turn(record, tail))
@@ -433,14 +507,15 @@ class RedisStore(BatchWriter):
             self._publish(pipe, watermark)
             results = pipe.execute()
         self._peers_published(results[-1])
-        return results[: len(adds)], _closing(call, results[-4])
+        n = len(adds)
+        return results[:n], results[n : n + len(observed)], _closing(call, results[-4])
 
     def close_chunk(self, idle_before: float, max_live: int) -> Closing:
         """Close at most ``CLOSE_CHUNK`` sessions: those last seen before ``idle_before``, then
         the least recently active past ``max_live``. The sessions of the writer's latest call,
         if its reply was not read (``closing_read``), come again, first."""
         call, args = self._close_args(idle_before, max_live)
-        with self.reading() as r:
+        with self.reading(write=True) as r:
             return _closing(call, self.scripts["close"](args=args, client=r))
 
     def _close_args(self, idle_before: float, max_live: int) -> tuple[str, list[Any]]:
@@ -449,7 +524,7 @@ class RedisStore(BatchWriter):
         return call, [*args, CLOSED_HELD_S]
 
     def label(self, correct: bool, request_ids: list[str], session_id: str | None) -> Any:
-        with self.reading() as r:
+        with self.reading(write=True) as r:
             args = [self.prefix, int(bool(correct)), session_id or "", *request_ids]
             return json.loads(self.scripts["label"](args=args, client=r))
 
@@ -465,28 +540,31 @@ class RedisStore(BatchWriter):
             pipe = r.pipeline(transaction=False)
             for sid in session_ids:
                 pipe.hmget(self.prefix + "s:" + sid, _TAIL)
-            rows = pipe.execute()
-        return [None if row[0] is None else _tail(*row) for row in rows]
+            rows = _answers(pipe.execute(raise_on_error=False))
+        return [None if row is None or row[0] is None else _tail(*row) for row in rows]
 
     def session(self, session_id: str) -> dict[str, Any] | None:
         with self.reading() as r:
             pipe = r.pipeline(transaction=True)
             pipe.hgetall(self.prefix + "s:" + session_id)
             pipe.lrange(self.prefix + "t:" + session_id, 0, -1)
-            fields, rows = pipe.execute()
-        if not fields:
+            fields, rows = _answers(pipe.execute(raise_on_error=False))
+        if not fields or rows is None:
             return None
         return {**session_summary(session_id, fields), "turn_rows": [json.loads(row) for row in rows]}
 
     def top(self, limit: int, offset: int, key: str) -> tuple[int, list[dict[str, Any]]]:
-        live = self.prefix + "live"
+        live, index = self.prefix + "live", self.prefix + "by:" + key
         with self.reading() as r:
             total = r.zcard(live)
-            ids = r.sort(live, by=f"{self.prefix}s:*->{key}", start=offset, num=limit, desc=True)
+            if key in SORT_KEYS and r.zcard(index) >= total:  # ties: the ids descending, as SORT
+                ids = r.zrevrange(index, offset, offset + limit - 1)
+            else:  # a key not indexed, or sessions written before the index: each sorted here
+                ids = r.sort(live, by=f"{self.prefix}s:*->{key}", start=offset, num=limit, desc=True)
             pipe = r.pipeline(transaction=False)
             for sid in ids:
                 pipe.hgetall(self.prefix + "s:" + sid)
-            rows = pipe.execute()
+            rows = _answers(pipe.execute(raise_on_error=False))
         return total, [session_summary(sid, f) for sid, f in zip(ids, rows, strict=True) if f]
 
     def totals(self, kind: str) -> dict[str, dict[str, Any]]:
@@ -542,6 +620,21 @@ def _closing(call: str, reply: list[Any]) -> Closing:
         for sid, reason, f in json.loads(closed)
     ]
     return Closing(call, summaries, int(live), bool(more))
+
+
+def _wrong_type(e: Exception) -> bool:
+    """Redis refused a command on a key holding another type than the command's."""
+    return type(e).__name__ == "ResponseError" and "WRONGTYPE" in str(e)
+
+
+def _answers(results: list[Any]) -> list[Any]:
+    """A pipeline's answers (run with ``raise_on_error=False``), None for a command on a key
+    someone else put under the prefix with another type (no session of the store's is there);
+    any other error is raised."""
+    for x in results:
+        if isinstance(x, Exception) and not _wrong_type(x):
+            raise x
+    return [None if isinstance(x, Exception) else x for x in results]
 
 
 _TAIL = ("n_turns", "last_prompt", "last_output", "last_finished_at", "last_replica")
@@ -682,7 +775,7 @@ class RedisSessionLedger(SessionLedger):
             return
         idle_before = now - self.idle_ttl_s if expire else 0.0
         try:
-            turns, closing = store.commit_batch(
+            turns, groups, closing = store.commit_batch(
                 [(record, tail) for _, record, tail in adds],
                 observed,
                 now,
@@ -696,15 +789,20 @@ class RedisSessionLedger(SessionLedger):
             if adds or observed:
                 self._error(StoreError(f"session store {self.path}: a batch kept for its return ({e})"))
             return
-        for _, record, tail in adds:
+        for (_, record, tail), (seq, opened, dropped, *why) in zip(adds, turns, strict=True):
+            if seq == REFUSED:  # not applied, and not to be sent again: it would be refused again
+                self._lost(1, StoreError(f"request {record.request_id} not stored: {why[0]}"))
+                continue
             if tail is not None:
                 self._recent[record.session_id] = tail
                 self._recent.move_to_end(record.session_id)
-        while len(self._recent) > self.RECENT_TAILS:
-            self._recent.popitem(last=False)
-        for _, opened, dropped in turns:
             self.stats.sessions_opened += opened
             self.stats.turns_dropped += dropped
+        while len(self._recent) > self.RECENT_TAILS:
+            self._recent.popitem(last=False)
+        for (_, group), why in zip(observed, groups, strict=True):
+            if why != 0:
+                self._lost(len(group), StoreError(f"finished requests not observed: {why}"))
         self._settle(adds)
         self._closed(closing)
         # The rest of a mass closing, a chunk per call, for a while; then the next batch goes on.

@@ -24,21 +24,11 @@ from pte_instrument.server.exporters.exposition import AcceptError, exposition
 from pte_instrument.server.live_efficiency import FeedbackError
 from pte_instrument.server.request_tags import quoted, validate_session_id
 from pte_instrument.server.runtime import Runtime
-from pte_instrument.server.session_store import StoreError
+from pte_instrument.server.session_store import SORT_KEYS, StoreError
 
 HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 MAX_PAGE = 1000
 MAX_BODY_BYTES = 64 * 1024  # a feedback body is a few ids: anything larger is refused unread
-SORT_KEYS = (
-    "pte_served",
-    "pte_eviction_tax",
-    "pte_routing_tax",
-    "pte_reference",
-    "prompt_tokens",
-    "output_tokens",
-    "gpu_seconds",
-    "cost_usd",
-)
 
 
 class RouteError(Exception):

@@ -67,6 +67,17 @@ TURN_FIELDS = (
 )
 
 SUMMED = ("prompt_tokens", "cached_tokens", "output_tokens", *TURN_PTE, "pause_s", *TURN_SECONDS)
+# The sums ``/pte/sessions`` sorts sessions by.
+SORT_KEYS = (
+    "pte_served",
+    "pte_eviction_tax",
+    "pte_routing_tax",
+    "pte_reference",
+    "prompt_tokens",
+    "output_tokens",
+    "gpu_seconds",
+    "cost_usd",
+)
 
 SCHEMA_VERSION = 1
 SCHEMA = f"""
@@ -122,6 +133,8 @@ SUMMARY_COLUMNS = ("id", "model", "n_turns", "turns_dropped", "first_seen", "las
 class StoreError(RuntimeError):
     """The session store cannot be opened or used (the message names the file and why)."""
 
+    says_it_all = True  # a fault line shows the message, without a traceback
+
 
 def file_id(path: Path) -> tuple[int, int] | None:
     """(device, inode) of the file at ``path``; None when there is none."""
@@ -138,6 +151,13 @@ def connect(path: Path) -> sqlite3.Connection:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         db = sqlite3.connect(path, timeout=OPEN_TIMEOUT_S, isolation_level=None, check_same_thread=False)
+        foreign = _foreign_tables(db)
+        if foreign:
+            db.close()
+            raise StoreError(
+                f"the session store {path} is a SQLite database of something else, not a session store "
+                f"(its tables: {', '.join(foreign)}); it is left untouched"
+            )
         _turn_to_wal(db)
         db.execute("PRAGMA synchronous = NORMAL")  # WAL: a process crash loses nothing committed
         db.executescript(SCHEMA)
@@ -152,6 +172,13 @@ def connect(path: Path) -> sqlite3.Connection:
             f"the session store {path} has schema {version!r}, this version reads {SCHEMA_VERSION}"
         )
     return db
+
+
+def _foreign_tables(db: sqlite3.Connection, shown: int = 5) -> list[str]:
+    """The first tables of a database that has tables and no ``meta`` (a session store's
+    first, created before any other): someone else's; none for a store or an empty file."""
+    names = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")]
+    return [] if not names or "meta" in names else names[:shown]
 
 
 def _turn_to_wal(db: sqlite3.Connection) -> None:
@@ -213,6 +240,7 @@ class BatchWriter:
         self._queue: queue.Queue[Any] = queue.Queue(max_queued)
         self._writer: threading.Thread | None = None
         self._writer_lock = threading.Lock()
+        self._stalled: threading.Event | None = None  # the latest flush that timed out
 
     def put(self, item: tuple[Any, ...]) -> bool:
         """Queue an item for the next batch; False (and nothing queued) when the queue is full."""
@@ -228,7 +256,12 @@ class BatchWriter:
         self.put(("expire",))
 
     def flush(self, timeout: float = 10.0) -> bool:
-        """Wait until everything queued before now is committed (or failed); False on timeout."""
+        """Wait until everything queued before now is committed (or failed); False on timeout,
+        and at once while the writer has not reached a flush that timed out before (a store
+        another process holds locked): a read that flushes first waits for it once, not each."""
+        stalled = self._stalled
+        if stalled is not None and not stalled.is_set():
+            return False
         done = threading.Event()
         deadline = time.monotonic() + timeout
         try:  # a full queue drains: wait for room rather than give up
@@ -236,7 +269,10 @@ class BatchWriter:
         except queue.Full:
             return False
         self._ensure_writer()
-        return done.wait(max(0.0, deadline - time.monotonic()))
+        if done.wait(max(0.0, deadline - time.monotonic())):
+            return True
+        self._stalled = done
+        return False
 
     def start(self) -> None:
         """Start the writer, so that the other writers hear from this one from now on."""

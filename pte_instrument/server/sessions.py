@@ -223,12 +223,12 @@ class SessionLedger:
         """Label the first of ``request_ids`` in the window, or all of ``session_id``'s
         requests in it, as one instance: its outcome; None if none is in the window; [] if
         already labeled. One transaction, so two API servers cannot label one instance twice."""
-        self.flush()
+        self._caught_up()
         return self.store.label(correct, request_ids, session_id)
 
     def outcomes(self) -> dict[tuple[str, str], dict[str, int]]:
         """The live efficiency's counts per (model, benchmark), host-wide."""
-        self.flush()
+        self._caught_up()
         return self.store.outcomes()
 
     def expire(self) -> None:
@@ -244,6 +244,19 @@ class SessionLedger:
         """Commit what is queued, stop the writer and close the store."""
         self.store.close()
 
+    def _caught_up(self) -> None:
+        """Before a read: this process's queued writes committed. A writer that is not there
+        within ``READ_WAIT_S`` (another process holds the store locked, the disk is slow) is a
+        fault, said, and the read answers what is committed."""
+        if not self.flush(READ_WAIT_S):
+            self._error(
+                StoreError(
+                    f"session store {self.path}: this process's writes have not committed within "
+                    f"{READ_WAIT_S:g} s (another process holding the file locked?); reads answer what "
+                    "is committed meanwhile"
+                )
+            )
+
     # --- reads for the routes: this process's queued turns first, then the host's store ---
 
     def other_servers(self) -> list[str]:
@@ -251,7 +264,7 @@ class SessionLedger:
 
     def get(self, session_id: str) -> dict[str, Any] | None:
         """The session's summary and its turn rows; None if it is not live."""
-        self.flush()
+        self._caught_up()
         return self.store.session(session_id)
 
     def top(
@@ -260,28 +273,28 @@ class SessionLedger:
         """Live sessions by descending ``key`` (a summed field), paginated; also the total count."""
         if key not in SUMMED:
             raise ValueError(f"cannot sort sessions by {key!r}")
-        self.flush()
+        self._caught_up()
         return self.store.top(limit, offset, key)
 
     def model_totals(self) -> dict[str, dict[str, float]]:
         """Per-model sums over every request the host priced (``MODEL_TOTALS``)."""
-        self.flush()
+        self._caught_up()
         return self.store.totals("model")
 
     def tenant_totals(self) -> dict[str, dict[str, float]]:
         """Per-tenant sums (``MODEL_TOTALS``) over every request the host priced with tenants on."""
-        self.flush()
+        self._caught_up()
         return self.store.totals("tenant")
 
     def lora_totals(self) -> dict[str, dict[str, Any]]:
         """Per-adapter sums (``MODEL_TOTALS``, and the base ``model``) over every request the
         host priced for a LoRA adapter; they are part of their base model's totals too."""
-        self.flush()
+        self._caught_up()
         return self.store.totals("lora")
 
     def host_stats(self) -> dict[str, int]:
         """Counts over every process of the host since the store was created."""
-        self.flush()
+        self._caught_up()
         return self.store.host_stats()
 
     # --- the writer's transactions ---
@@ -420,6 +433,8 @@ def computed_context(r: RequestRecord) -> int:
     only its cached prefix and the part it prefilled (none for one never run)."""
     return min(r.prompt_tokens, r.cached_tokens + r.computed_prefill_tokens)
 
+
+READ_WAIT_S = 10.0  # how long a read waits for this process's queued writes to commit
 
 # Idle sessions closed per transaction: the transaction holds the store's write lock for every
 # API server on the host, and the closed sessions' summaries until it commits.
