@@ -318,8 +318,10 @@ def _harness_efficiency(args: argparse.Namespace, pool: list[str] | None) -> int
                 f"{s['label']}: {s['samples_unmatched']} of {s['samples']} samples not joined, "
                 f"{s['requests_unmatched']} of the {s['requests_in_window']} requests in its window joined to no sample",
             )
-    if not records:
+    if not any(j.joined for j in joins):
         raise UsageError("no sample joined to the request log (see the lines above)")
+    # Joined samples that generated no token (every request aborted, or answered empty) have
+    # a cost per correct answer but no place in the decomposition (T > 0): it is left empty.
     order = {name: k for k, name in enumerate(names)}
     results = _decompose(
         args,

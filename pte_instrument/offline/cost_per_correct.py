@@ -42,9 +42,8 @@ import numpy as np
 from pte_instrument.offline.decomposition import Estimate, _estimates, _rng
 from pte_instrument.offline.harness_runs import Run, Sample, task_reference
 from pte_instrument.offline.records import LARGEST_VALUE, EvalRecord, Problem, RecordError
-from pte_instrument.offline.request_log import log_lines
+from pte_instrument.offline.request_log import log_lines, repeated_ids
 from pte_instrument.offline.statistics import count_chunks
-from pte_instrument.server.request_tags import quoted
 
 SCHEMA = "pte-cost-per-correct/1"
 SLACK_S = 2.0  # a run's window is widened by this on each side (harness clocks log whole seconds)
@@ -111,20 +110,10 @@ def read_request_log(path: str | Path) -> tuple[list[LoggedRequest], list[Proble
 
 
 def _reused_ids(path: Path, requests: list[LoggedRequest], line_of: list[int]) -> list[Problem]:
-    """A request id logged more than once (a client's reused ``X-Request-Id``, logs of two
-    servers together): every copy is a request served and is kept, but the id names none of
-    them for certain, so ``join_runs`` joins them by what they sent."""
-    counts = Counter(r.request_id for r in requests)
-    lines: dict[str, list[int]] = {}
-    for r, n in zip(requests, line_of, strict=True):
-        if counts[r.request_id] > 1:
-            lines.setdefault(r.request_id, []).append(n)
-    problems = []
-    for rid, ns in lines.items():
-        shown = ", ".join(map(str, ns[:5])) + (", …" if len(ns) > 5 else "")
-        reason = f"request_id {quoted(rid, 80)} is logged {len(ns)} times (lines {shown}): joined by what it sent, not by its id"
-        problems.append(Problem(f"{path}:{ns[0]}", reason, action="kept"))
-    return problems
+    """A request id logged more than once: every copy is kept, but the id names none of them
+    for certain, so ``join_runs`` joins them by what they sent."""
+    ids = ((r.request_id, n) for r, n in zip(requests, line_of, strict=True))
+    return repeated_ids(path, ids, "joined by what it sent, not by its id")
 
 
 # =========================================================================== join

@@ -10,6 +10,7 @@ A call answered from Inspect's own cache never reached the server and is not one
 from __future__ import annotations
 
 import logging
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -65,8 +66,11 @@ def read(path: str | Path, *, metric: str | None = None, key: bytes | None = Non
 def _score_value(value: Any) -> float:
     from inspect_ai.scorer import value_to_float
 
-    if isinstance(value, dict | list):
-        raise ValueError(f"a score of several values ({value!r}): name one scorer with --metric")
+    if isinstance(value, dict):
+        keys = ", ".join(map(str, value))
+        raise ValueError(f"a score of several values: name one of them with --metric ({keys})")
+    if isinstance(value, list):
+        raise ValueError("a score of several values: name a scorer of one value with --metric")
     # Inspect's converter reads a value it does not know as 0, a wrong answer, and says so only
     # in a warning of its logger: its warning method is taken over for the call (a filter would
     # see nothing where the user's logging configuration turns warnings off), and not printed.
@@ -112,7 +116,34 @@ def _one_line(e: Exception) -> str:
     return " ".join(str(e).split())
 
 
+def _scores(log: Any) -> dict[str, tuple[str, str | None]]:
+    """Each score the log names → (its scorer, the key of its value): a scorer of one value
+    is named by itself (key None); one whose values are dicts (``{"x": …, "y": …}``) by each
+    key. From the results, or, where the evaluation did not finish, the task's scorers."""
+    if log.results is not None and log.results.scores:
+        return {s.name: (s.scorer, None if s.name == s.scorer else s.name) for s in log.results.scores}
+    out: dict[str, tuple[str, str | None]] = {}
+    for scorer in log.eval.scorers or ():
+        if isinstance(scorer.metrics, dict):  # a dict of metrics per key of its values
+            out.update({k: (scorer.name, k) for k in scorer.metrics})
+        else:
+            out[scorer.name] = (scorer.name, None)
+    return out
+
+
+def _one_value(value: Any, key: str | None) -> Any:
+    if key is None:
+        return value
+    if not isinstance(value, dict) or key not in value:
+        raise ValueError(f"no value {key!r} in it")
+    return value[key]
+
+
 def _read_log(path: Path, metric: str | None, key: bytes | None) -> Run:
+    if path.suffix == ".eval" and not zipfile.is_zipfile(path):
+        raise HarnessError(
+            f"cannot read Inspect log {path}: not a whole .eval archive (cut short, or still being written)"
+        )
     try:
         log = _reader()(str(path), resolve_attachments=True)
     except HarnessError:
@@ -121,30 +152,47 @@ def _read_log(path: Path, metric: str | None, key: bytes | None) -> Run:
         raise HarnessError(f"cannot read Inspect log {path}: {_one_line(e)}") from None
     task = str(log.eval.task)
     model = str(log.eval.model).rpartition("/")[2]  # "openai-api/<provider>/<model>": the name sent
-    scorers = [s.name for s in (log.results.scores if log.results else [])]
-    chosen = metric or (scorers[0] if scorers else None)
+    scores = _scores(log)
+    chosen = metric or next(iter(scores), None)
     if chosen is None:
         raise HarnessError(f"{path}: the log has no scores (was the evaluation scored?)")
+    scorer, value_key = scores.get(chosen, (chosen, None))
     samples: list[Sample] = []
     problems: list[Problem] = []
+    if log.status != "success":  # an error or a cancel stopped it: what it logged still counts
+        why = f": {' '.join(str(log.error.message).split())}" if log.error is not None else ""
+        problems.append(
+            Problem(
+                str(path),
+                f"the evaluation did not finish (status {log.status}{why})",
+                model,
+                task,
+                action="kept",
+            )
+        )
+    unscored = failed = 0
     for k, s in enumerate(log.samples or ()):
         where = f"{path}#sample {k + 1}"
         sid = str(s.id)
-        score = (s.scores or {}).get(chosen)
+        score = (s.scores or {}).get(scorer)
         if score is None:
-            problems.append(Problem(where, f"no score of {chosen!r}", model, task, sid))
+            if s.error is not None:  # it never reached its scorer
+                reason, failed = f"the sample failed: {' '.join(str(s.error.message).split())}", failed + 1
+            else:
+                reason, unscored = f"no score of {chosen!r}", unscored + 1
+            problems.append(Problem(where, reason, model, task, sid))
             continue
         try:
-            value = _score_value(score.value)
+            value = _score_value(_one_value(score.value, value_key))
         except Exception as e:  # Inspect's own conversion of a value it does not know
             problems.append(Problem(where, f"score {score.value!r}: {e}", model, task, sid))
             continue
         answer = s.output.completion if s.output is not None else None
         samples.append(Sample(task, sid, int(s.epoch), value, _calls(s, key), answer, where))
-    if not samples and not problems:
+    if not log.samples:
         raise HarnessError(f"{path}: the log holds no samples (status {log.status})")
-    if samples == [] and all("no score of" in p.reason for p in problems):
-        raise HarnessError(f"{path}: no sample has a score of {chosen!r} (scorers: {', '.join(scorers)})")
+    if not samples and unscored and unscored + failed == len(log.samples):  # a score of no name here
+        raise HarnessError(f"{path}: no sample has a score of {chosen!r} (scores: {', '.join(scores)})")
     return Run(
         model,
         HARNESS,

@@ -132,18 +132,27 @@ def _read_run(results_file: Path, metric: str | None, filter_name: str | None, k
             why = "no metric listed" if chosen is None else "no samples file (run lm_eval with --log_samples)"
             problems.append(Problem(str(results_file), f"task {task!r} skipped: {why}", model, task))
             continue
+        try:
+            read, bad = _read_samples(files[0], task, chosen, filter_name, chat, model, key)
+        except _NoScores as e:  # a --metric or --filter another task of the run has
+            problems.append(Problem(str(files[0]), f"task {task!r} skipped: {e}", model, task))
+            continue
         metrics[task] = chosen
-        read, bad = _read_samples(files[0], task, chosen, filter_name, chat, model, key)
         samples += read
         problems += bad
     if not metrics:
-        raise HarnessError(f"{results_file}: no task with logged samples and a metric")
+        first = f" ({problems[0].reason})" if problems else ""
+        raise HarnessError(f"{results_file}: no task with logged samples and a metric{first}")
     started = results.get("date")  # unix time the evaluation began
     start = float(started) if _is_time(started) else None
     # The results file is named by the local time it was written, once the last response came
     # (its total_evaluation_time_seconds counts from before the model loaded: too late an end).
     end = _local_time(stamp)
     return Run(model, HARNESS, model, str(results_file), metrics, start, end, tuple(samples), tuple(problems))
+
+
+class _NoScores(ValueError):
+    """A task's samples file has no score of the metric (and filter) asked for."""
 
 
 def _object(v: Any) -> dict[str, Any]:
@@ -206,5 +215,5 @@ def _read_samples(
             continue
         samples.append(Sample(task, doc, 1, float(value), calls, _answer(row), where))
     if not seen_metric:
-        raise HarnessError(f"{path}: no sample with filter {chosen_filter!r} has metric {metric!r}")
+        raise _NoScores(f"no sample with filter {chosen_filter!r} has metric {metric!r}")
     return samples, problems

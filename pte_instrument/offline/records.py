@@ -13,6 +13,7 @@ import csv
 import functools
 import json
 import math
+import re
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -47,6 +48,7 @@ PTE_FIELDS = ("pte_served", "pte_reference", "pte_ideal")
 # No count, workload, PTE or second of one answer or request is this large: past 2**53 a float
 # stops counting by one, and a few such values sum to infinity (E0 0, totals that JSON refuses).
 LARGEST_VALUE = 2.0**53
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 _TRUE = {"true", "t", "yes", "y", "1"}
 _FALSE = {"false", "f", "no", "n", "0"}
 T = TypeVar("T")
@@ -143,16 +145,25 @@ def iter_rows(path: str | Path) -> Iterator[tuple[str, Mapping[str, Any] | _RowE
 
 def json_loads(text: str) -> Any:
     """``json.loads``, with input nested past the interpreter's recursion limit (the json
-    module recurses once per level), or an integer longer than it converts (a plain
-    ValueError), reported as bad JSON like any other."""
+    module recurses once per level), an integer longer than it converts (a plain
+    ValueError), or a lone surrogate (``"\\ud800"``: JSON spells it, but it is no Unicode
+    text, and printing a report that holds it fails) reported as bad JSON like any other."""
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except RecursionError:
         raise json.JSONDecodeError("nested too deeply", text, 0) from None
     except json.JSONDecodeError:
         raise
     except ValueError:  # an integer literal past the interpreter's digit limit
         raise json.JSONDecodeError("a number with too many digits", text, 0) from None
+    if _SURROGATE_ESCAPE.search(text):  # only an escape makes one: UTF-8 input holds none
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise json.JSONDecodeError(
+                "a lone surrogate (\\ud800-\\udfff): not Unicode text", text, 0
+            ) from None
+    return value
 
 
 def _iter_json(p: Path) -> Iterator[tuple[str, Mapping[str, Any] | _RowError]]:

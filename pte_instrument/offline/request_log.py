@@ -30,6 +30,7 @@ from pte_instrument.offline.records import (
 )
 from pte_instrument.offline.render import fmt, md_table, problems_markdown
 from pte_instrument.server.records import TIMED
+from pte_instrument.server.request_tags import quoted
 
 SCHEMA = "pte-request-log-report/1"
 Kind = Literal["requests", "trajectories"]
@@ -141,7 +142,11 @@ def totals(lines: Iterable[RequestLine]) -> Totals:
 
 def log_lines(p: Path) -> Iterator[str]:
     """The file's lines, gunzipped when it is gzip (by its first bytes, whatever its name);
-    an unreadable, corrupt or non-UTF-8 file is a :class:`RecordError`."""
+    an unreadable, corrupt or non-UTF-8 file is a :class:`RecordError`, and so is one that is
+    not a regular file: a pipe is read more than once (its first bytes, then its lines; and
+    ``pte report`` tells its kind first), and one with no writer would never answer."""
+    if p.exists() and not p.is_dir() and not p.is_file():
+        raise RecordError(f"cannot read {p}: not a regular file (a pipe?): save it to a file first")
     lineno = 0
     try:
         with p.open("rb") as fh:
@@ -238,8 +243,27 @@ def load_request_log(path: str | Path, strict: bool = False) -> RequestLogLoad:
         _LineError,
         lambda row: (_soft(row, "model"), None, _soft(row, "request_id")),
     )
+    problems += repeated_ids(
+        p, [(r.request_id, int(r.where.rpartition(":")[2])) for r in lines], "each copy is counted"
+    )
     refuse_bad_load(problems, strict, bool(lines), "request-log line", "request-log lines", str(p))
     return RequestLogLoad(tuple(lines), tuple(problems), rows, str(p))
+
+
+def repeated_ids(path: Path, ids: Iterable[tuple[str, int]], consequence: str) -> list[Problem]:
+    """One kept problem per request id logged more than once (a client's reused
+    ``X-Request-Id``, a log read together with a copy of itself), naming its lines: every copy
+    may be a request served, so none is dropped, but no total counts them silently."""
+    lines: defaultdict[str, list[int]] = defaultdict(list)
+    for rid, n in ids:
+        lines[rid].append(n)
+    problems = []
+    for rid, ns in lines.items():
+        if len(ns) > 1:
+            shown = ", ".join(map(str, ns[:5])) + (", …" if len(ns) > 5 else "")
+            reason = f"request_id {quoted(rid, 80)} is logged {len(ns)} times (lines {shown}): {consequence}"
+            problems.append(Problem(f"{path}:{ns[0]}", reason, action="kept"))
+    return problems
 
 
 def _soft(row: Mapping[str, Any], name: str) -> str | None:
