@@ -12,7 +12,7 @@ process's latest turns; then it is tried again. The turns and feedback-window ob
 a failed batch, and those made meanwhile, are kept (as many of each as the writer's queue
 holds, the oldest lost first, counted) and sent again with the next batch: each turn, and each
 batch's observations, is applied once, so what a first try did write is not counted twice.
-Sessions due to close are closed a few hundred per script, so that none holds Redis for long
+Sessions due to close are closed a hundred or so per script, so that none holds Redis for long
 however many are due at once; a script's sessions are held for its writer until it says it
 read them, so that a lost reply loses none of them (they are told closed once).
 One Redis server (or a primary), not a cluster: the scripts touch keys they do not declare."""
@@ -53,7 +53,7 @@ TIMEOUT_S = Settings.session_store_timeout_s  # the setting's default: a longer 
 FIRST_BACKOFF_S, MAX_BACKOFF_S = 1.0, 30.0
 SEEN_TTL_S = 600  # how long a request id is remembered, so that it is applied once
 # Sessions one close script closes at most: a few ms of Redis's time, however many are due.
-CLOSE_CHUNK = 256
+CLOSE_CHUNK = 128
 # How long one batch of the writer goes on closing chunks; the rest close with the next batch,
 # so that the turns queued meanwhile are written.
 CLOSE_BUDGET_S = 0.5
@@ -174,18 +174,17 @@ local wanted = {held, 'hash', p .. 'live', 'zset', p .. 'seen', 'zset', p .. 'co
 for _, k in ipairs(SORTED) do table.insert(wanted, p .. 'by:' .. k); table.insert(wanted, 'zset') end
 local wrong = wrong_type(wanted)
 if wrong then return redis.error_reply(wrong) end
+local ids, counts = {}, {idle = 0, evicted = 0}  -- this call's: the index and counters at the end
 local function close(sid, reason)
   -- someone else's key where the session's was: closed without its sums, the key left alone
-  local s, t, fields = p .. 's:' .. sid, p .. 't:' .. sid, {}
-  if redis.call('TYPE', s)['ok'] == 'hash' then
-    fields = redis.call('HGETALL', s)
-    redis.call('DEL', s)
-  end
+  local s, t = p .. 's:' .. sid, p .. 't:' .. sid
+  local fields = redis.pcall('HGETALL', s)
+  if fields.err then fields = {} else redis.call('DEL', s) end
   if redis.call('TYPE', t)['ok'] == 'list' then redis.call('DEL', t) end
   redis.call('ZREM', p .. 'live', sid)
   redis.call('ZREM', p .. 'seen', sid)
-  for _, k in ipairs(SORTED) do redis.call('ZREM', p .. 'by:' .. k, sid) end
-  redis.call('HINCRBY', p .. 'counters', reason == 'idle' and 'sessions_expired' or 'sessions_evicted', 1)
+  table.insert(ids, sid)
+  counts[reason] = counts[reason] + 1
   table.insert(closed, {sid, reason, fields})
 end
 if chunk > #closed then
@@ -197,6 +196,11 @@ if over > 0 and chunk > #closed then
   for _, sid in ipairs(redis.call('ZRANGE', p .. 'live', 0, math.min(over, chunk - #closed) - 1)) do
     close(sid, 'evicted')
   end
+end
+if #ids > 0 then
+  for _, k in ipairs(SORTED) do redis.call('ZREM', p .. 'by:' .. k, unpack(ids)) end
+  redis.call('HINCRBY', p .. 'counters', 'sessions_expired', counts.idle)
+  redis.call('HINCRBY', p .. 'counters', 'sessions_evicted', counts.evicted)
 end
 local json = '[]'
 redis.call('DEL', held)
