@@ -9,6 +9,10 @@ from typing import Any, get_args, get_type_hints
 from pte_instrument.cost.model import CostModel, TurnTokens, price_turn
 from pte_instrument.wire import RequestTotals
 
+# The engine's step-by-step PTE of a request whose work all reached its client is its closed
+# form up to rounding (relative differences of ~1e-15 a step): below this, no work past the end.
+PAST_END_ROUNDING = 1e-9
+
 
 @dataclass(frozen=True)
 class FinishedRequest:
@@ -102,9 +106,12 @@ class RequestRecord:
     arrived_at: float | None = None  # unix time vLLM received it
     child_index: int | None = None  # parallel sampling (n > 1): which sample; request_id is <index>_<parent>
     # Work done and thrown away, beside served PTE (which it does not change): speculative
-    # drafts rejected, and the part of an aborted request's work the client never received.
+    # drafts rejected, the part of an aborted request's work the client never received, and
+    # the engine's work past the end of what another request's client received (tokens after
+    # a stop string the API server saw, drafts accepted past max_tokens).
     pte_wasted_rejected_drafts: float = 0.0
     pte_wasted_aborted: float = 0.0
+    pte_wasted_past_end: float = 0.0
     # Exact engine-side accounting (None without the scheduler hook).
     engine_pte_served: float | None = None
     engine_pte_roofline: float | None = None
@@ -195,9 +202,13 @@ def price_request(
     missed = cost.eviction_tax  # reusable prefix prefilled again: routing's doing if the turn moved
     moved = req.replica is not None and req.previous_replica not in (None, req.replica)
     pte_routing_tax = missed if moved else 0.0
-    wasted_aborted = 0.0
-    if totals is not None and req.finish_reason == "abort":  # its last step's work was never returned
-        wasted_aborted = max(0.0, totals.pte_served - totals.pte_rejected - cost.served)
+    wasted_aborted = wasted_past_end = 0.0
+    if totals is not None:  # the engine's work beyond the charge was never returned
+        beyond = totals.pte_served - totals.pte_rejected - cost.served
+        if req.finish_reason == "abort":  # its last step's
+            wasted_aborted = max(0.0, beyond)
+        elif beyond > PAST_END_ROUNDING * totals.pte_served:  # not the step sums' rounding
+            wasted_past_end = beyond
     return RequestRecord(
         request_id=req.request_id,
         session_id=req.session_id,
@@ -244,6 +255,7 @@ def price_request(
         prompt_digest=req.prompt_digest,
         pte_wasted_rejected_drafts=totals.pte_rejected if totals is not None else 0.0,
         pte_wasted_aborted=wasted_aborted,
+        pte_wasted_past_end=wasted_past_end,
         **_engine_fields(totals),
         **_seconds(totals, req.queued_s, usd_per_gpu_second),
     )

@@ -150,6 +150,22 @@ def test_a_completion_shape_is_priced_as_vllm_counted_it(served, shape):
     check_priced_as_answered(entries, r.json()["usage"], prompts_in(body), n, session)
 
 
+def test_the_work_a_stop_string_request_ran_past_its_end_is_counted_as_waste(served):
+    """vLLM's API server sees a stop string and then aborts the request in the engine, which
+    has meanwhile run on: what it ran past the client's last token is waste, not served."""
+    _, log, _ = served
+    body = COMPLETIONS["a stop string hit at once"]
+    rids = [post(served, "/v1/completions", body, f"stop-{k}")[0] for k in range(6)]
+    entries = [e for rid in rids for e in records(log, named(rid), 1)]
+    assert len(entries) == len(rids) and all(e["finish_reason"] == "stop" for e in entries)
+    for e in entries:
+        beyond = e["engine_pte_served"] - e["pte_wasted_rejected_drafts"] - e["pte_served"]
+        assert beyond >= -1e-9 * e["engine_pte_served"]
+        assert e["pte_wasted_past_end"] == pytest.approx(max(beyond, 0.0), abs=1e-9 * e["engine_pte_served"])
+        assert (e["pte_wasted_past_end"] > 0) == (e["engine_decode_tokens"] > e["output_tokens"])
+    assert any(e["engine_decode_tokens"] > e["output_tokens"] for e in entries)  # the engine ran on
+
+
 STREAMED = {
     "completions, n=3": ("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "n": 3, "temperature": 1.0}),
     "completions, two prompts": ("/v1/completions", {"prompt": [PROMPT, "agent"], "max_tokens": 4}),
@@ -491,6 +507,9 @@ def test_the_metrics_agree_with_the_request_log(served):
     assert metric_sum(metrics, "pte_output_tokens_total") == sum(e["output_tokens"] for e in entries)
     assert metric_sum(metrics, "pte_prompt_tokens_total") == sum(e["prompt_tokens"] for e in entries)
     assert metric_sum(metrics, "pte_served_pte_total") == pytest.approx(sum(e["pte_served"] for e in entries))
+    for reason in ("rejected_drafts", "aborted", "past_end"):
+        wasted = sum(e[f"pte_wasted_{reason}"] for e in entries)
+        assert metric_sum(metrics, "pte_wasted_pte_total", reason=reason) == pytest.approx(wasted)
     assert len({e["engine_request_id"] for e in entries}) == len(entries)  # none priced twice
     s = summary(client)
     assert s["request_log"]["written"] == len(entries) and s["request_log"]["lost"] == 0

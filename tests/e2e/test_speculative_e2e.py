@@ -98,3 +98,4 @@ def test_drafts_and_rejections_per_request_add_up_to_vllms_counters_and_price_wh
         assert rec["engine_pte_served"] == pytest.approx(
             rec["pte_served"] + rec["pte_wasted_rejected_drafts"] + extra, rel=1e-9
         )
+        assert rec["pte_wasted_past_end"] == pytest.approx(extra, abs=1e-9)

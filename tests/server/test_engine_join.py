@@ -142,6 +142,26 @@ def test_wasted_work_is_counted_beside_served():
     assert price_request(COST, done, 0.0).pte_wasted_aborted == 0  # only an abort throws its last step away
 
 
+def test_work_past_the_end_the_client_received_is_counted_beside_served():
+    # a stop string the API server saw after output 3: the engine had already run a 4th
+    # position (reads 13) before the abort reached it, and drafts past max_tokens alike
+    served = 10 + 0.01 * (10 + 11 + 12)
+    t = totals("chatcmpl-s", 3, reason="abort", pte_served=served + 0.13 + 0.25, pte_rejected=0.25)
+    record = price_request(COST, FinishedRequest("chatcmpl-s", "m", 10, 0, 3, "stop", engine_totals=t), 0.0)
+    assert record.pte_served == pytest.approx(served)  # unchanged
+    assert record.pte_wasted_past_end == pytest.approx(0.13)
+    assert (record.pte_wasted_aborted, record.pte_wasted_rejected_drafts) == (0, pytest.approx(0.25))
+    # the engine's step sums round apart from the closed form: no waste of the order of rounding
+    exact = totals("chatcmpl-e", 3, pte_served=served * (1 + 1e-13))
+    record = price_request(
+        COST, FinishedRequest("chatcmpl-e", "m", 10, 0, 3, "length", engine_totals=exact), 0.0
+    )
+    assert record.pte_wasted_past_end == 0
+    # an abort's step in flight stays the abort's
+    aborted = FinishedRequest("chatcmpl-a", "m", 10, 0, 3, "abort", engine_totals=t)
+    assert price_request(COST, aborted, 0.0).pte_wasted_past_end == 0
+
+
 def test_requests_ready_together_are_priced_in_arrival_order():
     _, join, priced, _ = make_join(hook=False)
     now = time.monotonic()

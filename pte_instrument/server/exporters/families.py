@@ -145,7 +145,8 @@ FAMILIES: tuple[FamilySpec, ...] = (
                "Speculative draft tokens rejected: wasted work.", REQ),
     FamilySpec("wasted", "pte_wasted_pte", "counter",
                "PTE of work done and thrown away, by reason (rejected_drafts: speculative tokens "
-               "rejected; aborted: work of an aborted request its client never received). Not part of served PTE.",
+               "rejected; aborted: work of an aborted request its client never received; past_end: work past "
+               "the end of what a finished request's client received). Not part of served PTE.",
                (*REQ, "reason")),
     # --- seconds and money (docs/cost-model.md §5b; with the scheduler hook) ---
     FamilySpec("gpu_seconds", "pte_gpu_seconds", "counter",

@@ -246,6 +246,7 @@ _ENGINE = (
     _Feed("spec_rejected", "engine_rejected_tokens"),
     _Feed("wasted", "pte_wasted_rejected_drafts", "rejected_drafts"),
     _Feed("wasted", "pte_wasted_aborted", "aborted"),
+    _Feed("wasted", "pte_wasted_past_end", "past_end"),
     _Feed("engine_gap", lambda r: r.engine_pte_served - r.pte_served),
 )
 _ENGINE_SECONDS = (
