@@ -226,9 +226,10 @@ ALERTS: tuple[Alert, ...] = (
         "warning",
         "{{ $labels.model_name }}: engine and request-level PTE differ by {{ $value | humanizePercentage }}",
         "The step hook's exact served PTE and the stat logger's estimate of the same requests "
-        "disagree. With speculative decoding the engine's is higher by the rejected drafts' reads "
-        '(pte_wasted_pte_total{reason="rejected_drafts"}); otherwise check that the vLLM release '
-        "passes scripts/vllm_contract.py.",
+        "disagree. The engine's is higher by the work it threw away: rejected speculative drafts, and "
+        "what it ran past a stop string the API server saw or past max_tokens "
+        '(pte_wasted_pte_total{reason=~"rejected_drafts|past_end"}); otherwise check that the vLLM '
+        "release passes scripts/vllm_contract.py.",
     ),
     Alert(
         "PteGammaDrift",
