@@ -116,7 +116,7 @@ class TaggingMiddleware:
         return authorized(value.decode("latin-1"), self.runtime.api_keys)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        key = None
+        key, background = None, False
         if scope["type"] == "http" and scope["method"] == "POST":
             try:
                 # every route that reaches the engine: vLLM names the request after the
@@ -141,15 +141,27 @@ class TaggingMiddleware:
                             name = self._bound_body_request_id(scope, fields.request_id)
                     if route is not None:
                         key = self._tag(scope, route, wanted, name)
+                        # a background response runs on after its answer, as long as it takes:
+                        # accepted, its tag stays to the tags' age limit
+                        background = route.names == BODY and wanted is not None and wanted.background is True
             except Exception as e:  # never fail the request for the plugin's sake
                 self.runtime.faults.record("middleware", e)
         if key is None:
             await self.app(scope, receive, send)
             return
+        accepted = False
+
+        async def send_seen(message: Message) -> None:
+            nonlocal accepted
+            if message["type"] == "http.response.start":
+                accepted = message["status"] < 300
+            await send(message)
+
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, send_seen if background else send)
         finally:  # answered, rejected or cut off: what the engine did, it reports within the grace
-            self.runtime.pending.settle(key)
+            if not (background and accepted):
+                self.runtime.pending.settle(key)
 
     def _bound_request_id(self, scope: Scope) -> str | None:
         """The ``X-Request-Id`` vLLM is to read (None: none sent), an over-long one replaced
@@ -278,6 +290,7 @@ class _BodyFields(_RequestId):
     user: Any = None
     messages: Any = None  # chat: digested
     prompt: Any = None  # completions: digested
+    background: Any = None  # Responses API: answered at once, generated afterwards
 
 
 _REQUEST_ID = msgspec.json.Decoder(_RequestId)

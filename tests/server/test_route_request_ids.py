@@ -78,9 +78,10 @@ def _in(request: FinishedRequest, tag: RequestTag) -> FinishedRequest:
 
 
 def body_seen(
-    runtime: Runtime, path: str, body: bytes, headers: dict[str, str]
+    runtime: Runtime, path: str, body: bytes, headers: dict[str, str], status: int = 200
 ) -> tuple[bytes, dict[str, str]]:
-    """What the app behind the middleware receives: the body and the headers."""
+    """What the app behind the middleware (answering ``status``) receives: the body and the
+    headers."""
     seen: dict[str, Any] = {}
 
     async def app(scope, receive, send):
@@ -91,7 +92,7 @@ def body_seen(
             if not message.get("more_body"):
                 break
         seen["body"], seen["headers"] = data, {k.decode(): v.decode() for k, v in scope["headers"]}
-        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.start", "status": status, "headers": []})
         await send({"type": "http.response.body", "body": b"{}"})
 
     TestClient(TaggingMiddleware(app, runtime)).post(path, content=body, headers=headers)
@@ -141,3 +142,23 @@ def test_an_anthropic_messages_request_is_named_after_its_header_alone():
     assert runtime.pending.claim(*request_keys(f"chatcmpl-{headers['x-request-id']}")) == RequestTag(
         "s1", "none"
     )
+
+
+@pytest.mark.parametrize(
+    ("background", "status", "kept"), [(True, 200, True), (False, 200, False), (True, 400, False)]
+)
+def test_a_background_response_keeps_its_tag_while_the_engine_may_still_run_it(background, status, kept):
+    """A background response is answered at once and generated afterwards, for as long as it
+    takes: its tag must outlive the grace that follows an answered request (one refused goes
+    with the grace, counted)."""
+    clock = [0.0]
+    runtime = Runtime(Settings(), registry=CollectorRegistry())
+    runtime.pending = PendingTags(clock=lambda: clock[0])
+    sent = json.dumps({"request_id": "resp_bg", "input": "hi", "background": background}).encode()
+    body_seen(runtime, "/v1/responses", sent, {"X-Session-Id": "s1"}, status)
+    clock[0] += 10 * runtime.pending.grace_s
+    assert runtime.pending.dropped == int(not kept)
+    found = runtime.pending.claim(*request_keys("resp_bg_0"))
+    assert found == (RequestTag("s1", "none") if kept else None)
+    clock[0] += runtime.pending.max_age_s  # bounded all the same
+    assert len(runtime.pending) == 0
