@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import importlib
 import os
 import threading
 import time
@@ -56,7 +57,10 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 
 
 class ExportFailed(RuntimeError):
-    """A batch the OTLP exporter reported as not delivered (collector away, refused, timed out)."""
+    """A batch the OTLP exporter reported as not delivered (collector away, refused, timed out),
+    or the part of one the collector rejected."""
+
+    says_it_all = True  # a fault line shows the message, without a traceback
 
 
 # Told of each batch not delivered: why, and how many records it held by (model, engine)
@@ -215,6 +219,148 @@ class Deadline:
         return value
 
 
+# The HTTP answers to the export running on this thread (None: no export is watched here).
+_answers = threading.local()
+# What the collector answers a batch it took part of: the response message of each signal,
+# and its field that counts the items rejected.
+PARTIAL_SUCCESS = {
+    "spans": ("trace.v1.trace_service_pb2", "ExportTraceServiceResponse", "rejected_spans"),
+    "logs": ("logs.v1.logs_service_pb2", "ExportLogsServiceResponse", "rejected_log_records"),
+    "metrics": ("metrics.v1.metrics_service_pb2", "ExportMetricsServiceResponse", "rejected_data_points"),
+}
+BATCH_SIZE_VARIABLE = {"spans": "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "logs": "OTEL_BLRP_MAX_EXPORT_BATCH_SIZE"}
+MAX_REASON_CHARS = 300  # of a collector's or client's words quoted in a fault line
+
+
+def _watch_answers(exporter: Any) -> None:
+    """Keep each HTTP answer an OTLP/HTTP exporter gets, for the export it belongs to: the SDK
+    reads only the status, so that a redirect (which it does not follow) and a partial success
+    (whose rejected items it does not read) are both a success to it. An exporter that is not
+    the SDK's (no such transport) is left as it is."""
+    transport = getattr(getattr(exporter, "_client", None), "_transport", None)
+    request = getattr(transport, "request", None)
+    if request is None:
+        return
+    _keep_certificate(getattr(transport, "_session", None))
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        answer = request(*args, **kwargs)
+        answers = getattr(_answers, "list", None)
+        if answers is not None:
+            answers.append(answer)
+        return answer
+
+    transport.request = watched
+
+
+def _keep_certificate(session: Any) -> None:
+    """Make the exporter's CA bundle (``OTEL_EXPORTER_OTLP[_…]_CERTIFICATE``, the session's
+    ``verify``) hold for its requests: requests lets ``REQUESTS_CA_BUNDLE`` or ``CURL_CA_BUNDLE``
+    replace a session's own, so that wherever an image sets either, the collector's CA went
+    unused and every batch failed its certificate check."""
+    merge = getattr(session, "merge_environment_settings", None)
+    if merge is None or getattr(session, "verify", True) is True:  # no CA bundle of the exporter's
+        return
+
+    def merged(*args: Any, **kwargs: Any) -> Any:
+        settings = merge(*args, **kwargs)
+        settings["verify"] = session.verify
+        return settings
+
+    session.merge_environment_settings = merged
+
+
+def _one_line(text: object) -> str:
+    words = " ".join(str(text).split())
+    return words if len(words) <= MAX_REASON_CHARS else words[: MAX_REASON_CHARS - 1] + "…"
+
+
+def _status(answer: Any) -> int | None:
+    status = getattr(answer, "status_code", None)
+    return status if isinstance(status, int) else None
+
+
+def _why(answers: list[Any], kind: str) -> str:
+    """Why a batch was not delivered, from the last answer to it (none: the SDK's log says)."""
+    if not answers:
+        return ""
+    answer = answers[-1]
+    status = _status(answer)
+    if status is None:
+        error = getattr(answer, "error", None)
+        if isinstance(error, UnicodeEncodeError):  # http.client sends header values in Latin-1 only
+            return f": a header value HTTP cannot carry (OTEL_EXPORTER_OTLP_HEADERS?): {_one_line(error)}"
+        return "" if error is None else f": {_one_line(error)}"
+    why = f": the collector answered {status} {_one_line(getattr(answer, 'reason', '') or '')}".rstrip()
+    if status == 413 and kind in BATCH_SIZE_VARIABLE:
+        why += f" (a smaller {BATCH_SIZE_VARIABLE[kind]} sends smaller batches)"
+    return why
+
+
+def _redirect(answers: list[Any]) -> str | None:
+    """What a redirect answer said, if the batch got one: the SDK does not follow it, so the
+    batch went nowhere, though the SDK counts any status below 400 a success."""
+    for answer in answers:
+        status = _status(answer)
+        if status is not None and 300 <= status < 400:
+            try:
+                location = answer.headers().get("location")
+            except Exception:
+                location = None
+            to = f" to {_one_line(location)}" if location else ""
+            return (
+                f"the collector answered {status} {_one_line(getattr(answer, 'reason', '') or '')}{to}, a "
+                "redirect, which OTLP exporters do not follow: set the endpoint to the address it names"
+            )
+    return None
+
+
+def _rejected(answers: list[Any], kind: str) -> tuple[int, str]:
+    """How many items the collector's successful answers say it rejected (an OTLP partial
+    success), and its words about why."""
+    module, response_class, field = PARTIAL_SUCCESS[kind]
+    rejected, why = 0, ""
+    for answer in answers:
+        status = _status(answer)
+        if status is None or not 200 <= status < 300:
+            continue
+        try:
+            body = answer.content()
+            if not body:
+                continue
+            content_type = answer.headers().get("content-type", "").partition(";")[0].strip().lower()
+            response = getattr(
+                importlib.import_module(f"opentelemetry.proto.collector.{module}"), response_class
+            )()
+            if content_type.endswith("json"):  # the OTLP/JSON answer, if a collector sends one
+                from google.protobuf import json_format
+
+                json_format.Parse(body, response, ignore_unknown_fields=True)
+            elif content_type in ("", "application/x-protobuf", "application/protobuf"):
+                response.ParseFromString(body)
+            else:
+                continue
+        except Exception:  # no OTLP answer (a proxy's page): the status says the batch was taken
+            continue
+        n = max(0, int(getattr(response.partial_success, field)))
+        rejected += n
+        if n and response.partial_success.error_message:
+            why = _one_line(response.partial_success.error_message)
+    return rejected, why
+
+
+def _some(records: Counter[tuple[str, int]], n: int) -> Counter[tuple[str, int]]:
+    """``n`` of ``records``: the collector does not say which items it rejected, so they are
+    charged to the batch's (model, engine) in the batch's order."""
+    out: Counter[tuple[str, int]] = Counter()
+    for key, count in records.items():
+        if n <= 0:
+            break
+        out[key] = min(count, n)
+        n -= out[key]
+    return out
+
+
 def _failure(kind: str) -> Any:
     """The SDK's FAILURE result for an exporter of ``kind``."""
     if kind == "spans":
@@ -242,17 +388,26 @@ def count_failures(
     it as the SDK hands it over; with ``deadline``, no export outlives it (a FAILURE)."""
     if on_failed is None and backlog is None and deadline is None:
         return exporter
+    _watch_answers(exporter)
     export = exporter.export
+
+    def answered(batch: Any, *args: Any, **kwargs: Any) -> tuple[Any, list[Any]]:
+        """The export's result, and the collector's answers to it (on the thread it runs on)."""
+        _answers.list = answers = []
+        try:
+            return export(batch, *args, **kwargs), answers
+        finally:
+            _answers.list = None
 
     def counted(batch: Any, *args: Any, **kwargs: Any) -> Any:
         records = _records_of(batch, kind)
         if backlog is not None:
             records = backlog.taken(records, len(batch))
         try:
-            result = (
-                export(batch, *args, **kwargs)
+            result, answers = (
+                answered(batch, *args, **kwargs)
                 if deadline is None
-                else deadline.run(export, batch, *args, **kwargs)
+                else deadline.run(answered, batch, *args, **kwargs)
             )
         except Exception as e:
             if on_failed is not None:
@@ -260,9 +415,27 @@ def count_failures(
             if isinstance(e, ExportFailed):  # given up by the deadline: a failed batch, as the SDK sees it
                 return _failure(kind)
             raise
-        if on_failed is not None and getattr(result, "name", "SUCCESS") != "SUCCESS":
-            size = "" if kind == "metrics" else f" of {len(batch)}"
-            on_failed(ExportFailed(f"an OTLP {kind} batch{size} was not delivered"), records)
+        size = "" if kind == "metrics" else f" of {len(batch)}"
+        if getattr(result, "name", "SUCCESS") != "SUCCESS":
+            if on_failed is not None:
+                on_failed(
+                    ExportFailed(f"an OTLP {kind} batch{size} was not delivered{_why(answers, kind)}"),
+                    records,
+                )
+            return result
+        redirect = _redirect(answers)
+        if redirect is not None:
+            if on_failed is not None:
+                on_failed(ExportFailed(f"an OTLP {kind} batch{size} was not delivered: {redirect}"), records)
+            return _failure(kind)
+        rejected, why = _rejected(answers, kind)
+        if rejected and on_failed is not None:  # a success still: OTLP says not to send it again
+            if kind == "metrics":
+                what, lost = f"{rejected} metric data points of an OTLP metrics batch", Counter()
+            else:
+                rejected = min(rejected, len(batch))
+                what, lost = f"{rejected} of an OTLP {kind} batch{size}", _some(records, rejected)
+            on_failed(ExportFailed(f"the collector rejected {what}{': ' + why if why else ''}"), lost)
         return result
 
     exporter.export = counted
