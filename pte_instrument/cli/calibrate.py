@@ -35,7 +35,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from pte_instrument.cli.errors import UsageError, print_json, report_warning, whole_number
+from pte_instrument.cli.errors import UsageError, nonempty, print_json, report_warning, whole_number
 from pte_instrument.cost.architecture import (
     ArchitectureError,
     KVGroup,
@@ -184,6 +184,13 @@ def _read_step_log(path: Path, lines: Iterator[str], offset: int = 0) -> Steps:
 def _read_csv(path: Path, lines: Iterator[str], offset: int = 0) -> Steps:
     reader = csv.DictReader(lines)
     columns = [c.strip() for c in reader.fieldnames or []]
+    for c in (*CSV_REQUIRED, "memory_bound", *CSV_ROOFLINE):
+        where = [k + 1 for k, name in enumerate(columns) if name == c]
+        if len(where) > 1:  # which one the fit should read is anyone's guess: refuse, as for records
+            raise UsageError(
+                f"{path}: column {c} appears {len(where)} times in the header (columns "
+                f"{', '.join(map(str, where))}); keep one"
+            )
     missing = [c for c in CSV_REQUIRED if c not in columns]
     if missing:
         raise UsageError(
@@ -456,13 +463,46 @@ def _pct(v: float | None) -> str:
     return "–" if v is None else f"{v:.1%}"
 
 
+def _save_target(save: str, inputs: dict[str, Path]) -> Path:
+    """The file ``--save`` writes: ``save`` itself, or the file it links to (a link is written
+    through, as ``cp`` does: the link stays, its target gets the model), refused where it is
+    one of ``inputs`` (what it names → path), which the command reads."""
+    p = Path(save)
+    if save == "-":
+        raise UsageError(
+            "--save -: the model is not written to standard output; give a file name (./- for a file named -)"
+        )
+    if p.is_symlink():
+        try:
+            p = p.resolve(strict=False)
+        except (OSError, RuntimeError) as e:  # a loop of links
+            raise UsageError(f"cannot write {save}: {e}") from None
+        if p.is_symlink():  # resolve gives up on a loop of links and returns a link of it
+            raise UsageError(f"cannot write {save}: a loop of symbolic links")
+    for what, src in inputs.items():
+        if p.exists() and src.exists() and p.samefile(src):  # it would replace a file the fit read
+            raise UsageError(f"--save {save} is {what}; save the model to another file")
+    return p
+
+
+def _config_path(model_dir: str) -> Path:
+    p = Path(model_dir)
+    return p / "config.json" if p.is_dir() else p
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     if args.save is not None and not args.save:
         raise UsageError("--save needs a file name")
+    if args.kv_cache_dtype is not None and not args.model_dir:
+        # the theory from a step log's header has its KV bytes already: the dtype would do nothing
+        raise UsageError("--kv-cache-dtype applies only with --model-dir")
     steps = read_steps(args.steps)
-    save = Path(args.save) if args.save is not None else None
-    if save is not None and save.exists() and save.samefile(args.steps):  # it would replace the steps read
-        raise UsageError(f"--save {args.save} is the step log read; save the model to another file")
+    save = None
+    if args.save is not None:
+        inputs = {"the step log read": Path(args.steps)}
+        if args.model_dir:
+            inputs["the model's config read"] = _config_path(args.model_dir)
+        save = _save_target(args.save, inputs)
     if steps.n < MIN_STEPS:
         raise UsageError(
             f"{args.steps}: {steps.n} usable step(s) (dt_s > 0, tokens > 0, values within ±2**53); "
@@ -497,12 +537,26 @@ def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("steps", help="the plugin's step log (JSONL, .gz too) or a CSV of steps")
     p.add_argument(
-        "--model-dir", help="model directory or config.json for the theory (else the log's header)"
+        "steps", type=nonempty("path"), help="the plugin's step log (JSONL, .gz too) or a CSV of steps"
     )
-    p.add_argument("--device", default=None, help=f"device profile: auto, measured, {', '.join(PROFILES)}")
-    p.add_argument("--kv-cache-dtype", default=None, help="KV cache dtype with --model-dir (auto, fp8…)")
+    p.add_argument(
+        "--model-dir",
+        type=nonempty("path"),
+        help="model directory or config.json for the theory (else the log's header)",
+    )
+    p.add_argument(
+        "--device",
+        type=nonempty("device name"),
+        default=None,
+        help=f"device profile: auto, measured, {', '.join(PROFILES)}",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        type=nonempty("dtype"),
+        default=None,
+        help="KV cache dtype with --model-dir (auto, fp8…)",
+    )
     p.add_argument(
         "--bootstrap",
         type=whole_number(0, 100_000),
@@ -510,7 +564,11 @@ def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
         help=f"bootstrap resamples for the intervals (default {DEFAULT_BOOTSTRAP}; 0: none)",
     )
     p.add_argument("--seed", type=whole_number(0), default=0)
-    p.add_argument("--save", help="write the calibrated model here (JSON; PTE_CALIBRATION reads it)")
+    p.add_argument(
+        "--save",
+        help="write the calibrated model here (JSON; PTE_CALIBRATION reads it); a symbolic link is "
+        "written through: the link stays, the file it points to gets the model",
+    )
     p.add_argument("--json", action="store_true", help="stable JSON (sorted keys) instead of the table")
     p.set_defaults(func=cmd_calibrate)
     return p

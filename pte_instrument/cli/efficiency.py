@@ -12,9 +12,20 @@ import math
 import sys
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
-from pte_instrument.cli.errors import UsageError, print_json, report_error, report_warning, whole_number
+from pte_instrument.cli.errors import (
+    UsageError,
+    name_list,
+    nonempty,
+    output_path,
+    print_json,
+    report_error,
+    report_warning,
+    whole_number,
+)
+from pte_instrument.cli.outputs import check_folder, staged_folder
 from pte_instrument.cost.architecture import ArchitectureError, KVGroup, ModelShape, load_config, parse_shape
 from pte_instrument.cost.devices import DeviceProfile, UnknownDeviceError, resolve_device
 from pte_instrument.cost.model import CostModel
@@ -43,17 +54,21 @@ def _warn_problems(command: str, problems: list[Any]) -> None:
         report_warning(command, f"… and {len(problems) - MAX_WARNINGS} more (listed in the report)")
 
 
-def _write_plots(command: str, plot: Any, data: Any, out_dir: str) -> None:
-    """Write one command's plots, naming each file on stderr; a plotting problem (no
-    matplotlib) is bad input like any other."""
+def _write_plots(command: str, plots: list[tuple[Any, Any]], out_dir: str, inputs: list[str]) -> None:
+    """Write one command's plots (each ``plot(data, folder)`` of ``plots``) into ``out_dir``,
+    all or none, naming each file on stderr; a plotting problem (no matplotlib) is bad input
+    like any other."""
     from pte_instrument.offline.plots import PlotError
 
     try:
-        paths = plot(data, out_dir)
+        with staged_folder(out_dir, "--plots", inputs) as staging:
+            names = [path.name for plot, data in plots for path in plot(data, staging)]
     except PlotError as e:
         raise UsageError(str(e)) from None
-    for path in paths:
-        print(f"pte {command}: wrote {path}", file=sys.stderr)
+    except OSError as e:  # a full or read-only disk, a file size limit
+        raise UsageError(f"cannot write the plots to {out_dir}: {e.strerror or e}; nothing written") from None
+    for name in names:
+        print(f"pte {command}: wrote {Path(out_dir) / name}", file=sys.stderr)
 
 
 def _run(command: str, fn: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
@@ -70,7 +85,7 @@ def _output_options(
 ) -> argparse.ArgumentParser:
     """The options both commands share, and the command run under the one error convention."""
     p.add_argument("--json", action="store_true", help="stable JSON on stdout")
-    p.add_argument("--plots", metavar="DIR", help="write PNG plots to DIR")
+    p.add_argument("--plots", metavar="DIR", type=output_path, help="write PNG plots to DIR (all or none)")
     p.set_defaults(func=lambda args: _run(command, fn, args))
     return p
 
@@ -95,14 +110,18 @@ def add_efficiency_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "records",
         nargs="+",
+        type=nonempty("path"),
         help="evaluation record file(s) (.jsonl, .csv, .parquet), or harness outputs: "
         "lm-eval output directories or results_*.json files, Inspect AI logs or log directories",
     )
     p.add_argument(
         "--reference",
+        type=nonempty("name"),
         help="the reference model (records) or run (harness outputs: default the first) for Δlog terms",
     )
-    p.add_argument("--benchmark", help="analyse only this benchmark or task (default: every one)")
+    p.add_argument(
+        "--benchmark", type=nonempty("name"), help="analyse only this benchmark or task (default: every one)"
+    )
     p.add_argument(
         "--workload",
         choices=("native", "solver"),
@@ -110,7 +129,9 @@ def add_efficiency_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="workload source (default: native where the records carry it)",
     )
     p.add_argument(
-        "--pool", help="comma-separated reference pool for --workload solver (default: every model)"
+        "--pool",
+        type=name_list,
+        help="comma-separated reference pool for --workload solver (default: every model)",
     )
     p.add_argument(
         "--bootstrap",
@@ -127,6 +148,7 @@ def add_efficiency_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_non_negative, default=0)
     p.add_argument(
         "--request-log",
+        type=nonempty("path"),
         help="the plugin's request log (PTE_REQUEST_LOG): records take PTE from it by request_id or "
         "session_id; harness samples are joined to their requests in it (required with harness outputs)",
     )
@@ -136,24 +158,44 @@ def add_efficiency_parser(subparsers: Any) -> argparse.ArgumentParser:
     harness = p.add_argument_group("harness outputs")
     harness.add_argument(
         "--metric",
+        type=nonempty("name"),
         help="the metric (lm-eval) or scorer (Inspect AI) whose full score is a correct answer "
         "(default: each task's first, its primary one)",
     )
     harness.add_argument(
-        "--filter", help="lm-eval: the filter whose scores count (default: the first in each samples file)"
+        "--filter",
+        type=nonempty("name"),
+        help="lm-eval: the filter whose scores count (default: the first in each samples file)",
     )
     harness.add_argument(
         "--labels",
+        type=name_list,
         help="comma-separated names of the runs, in the order read (default: the model's name, "
         "numbered where runs share one)",
     )
     return _output_options(p, "efficiency", _efficiency)
 
 
+def _each_once(paths: list[str]) -> None:
+    """Refuse a file or folder given twice (by another name or a link too): its records would
+    all be duplicates of each other, and every copy of a duplicate is dropped."""
+    seen: list[Path] = []
+    for name in paths:
+        p = Path(name)
+        if p.exists():
+            for q in seen:
+                if p.samefile(q):
+                    raise UsageError(f"{p} is {q} again: give each input once")
+            seen.append(p)
+
+
 def _efficiency(args: argparse.Namespace) -> int:
-    pool = [m.strip() for m in args.pool.split(",") if m.strip()] if args.pool else None
+    _each_once(args.records)
+    pool = args.pool
     if pool is not None and args.workload != "solver":
         raise UsageError("--pool applies only with --workload solver")
+    if args.plots:  # refused now, not after the analysis
+        check_folder(args.plots, "--plots")
     from pte_instrument.offline.harness_outputs import is_harness_output
 
     harness = [is_harness_output(p) for p in args.records]
@@ -226,11 +268,13 @@ def _print_efficiency(
     if args.plots:
         from pte_instrument.offline.plots import efficiency_plots
 
-        _write_plots("efficiency", efficiency_plots, results, args.plots)
+        plots: list[tuple[Any, Any]] = [(efficiency_plots, results)]
         if cost is not None:
             from pte_instrument.offline.cost_render import cost_plots
 
-            _write_plots("efficiency", cost_plots, cost, args.plots)
+            plots.append((cost_plots, cost))
+        inputs = [*args.records, *([args.request_log] if args.request_log else [])]
+        _write_plots("efficiency", plots, args.plots, inputs)
     if args.json:
         settings = {
             "reference": reference,
@@ -258,6 +302,7 @@ def _harness_efficiency(args: argparse.Namespace, pool: list[str] | None) -> int
     from pte_instrument.offline.cost_per_correct import cost_report, eval_records, join_runs, read_request_log
     from pte_instrument.offline.harness_outputs import load_runs
     from pte_instrument.offline.harness_runs import task_reference
+    from pte_instrument.offline.lm_eval_reader import is_output as is_lm_eval_output
     from pte_instrument.prompt_digest import key_bytes
     from pte_instrument.settings import read
 
@@ -265,7 +310,9 @@ def _harness_efficiency(args: argparse.Namespace, pool: list[str] | None) -> int
         raise UsageError(
             "harness outputs need --request-log: the plugin's request log of the server they ran against"
         )
-    labels = [x.strip() for x in args.labels.split(",")] if args.labels else None
+    if args.filter is not None and not any(is_lm_eval_output(p) for p in args.records):
+        raise UsageError("--filter applies only to lm-eval outputs (Inspect AI logs have no filters)")
+    labels = args.labels
     key, _ = read("PTE_PROMPT_DIGEST_KEY")
     runs = load_runs(
         args.records,
@@ -397,13 +444,23 @@ def add_report_parser(subparsers: Any) -> argparse.ArgumentParser:
         "the top sessions (already priced by the server: no cost options).",
     )
     p.add_argument(
-        "log", metavar="LOG", help="trajectory JSONL file, or the plugin's request log (.jsonl, .gz)"
+        "log",
+        metavar="LOG",
+        type=nonempty("path"),
+        help="trajectory JSONL file, or the plugin's request log (.jsonl, .gz)",
     )
     cost = p.add_mutually_exclusive_group()
-    cost.add_argument("--model-dir", help="trajectories: model directory or config.json (γ from its shape)")
+    cost.add_argument(
+        "--model-dir",
+        type=nonempty("path"),
+        help="trajectories: model directory or config.json (γ from its shape)",
+    )
     cost.add_argument("--gamma", type=_positive_float, help="trajectories: use this γ directly")
     p.add_argument(
-        "--device", default=None, help="trajectories: device profile with --model-dir (default auto)"
+        "--device",
+        type=nonempty("device name"),
+        default=None,
+        help="trajectories: device profile with --model-dir (default auto)",
     )
     p.add_argument(
         "--variant",
@@ -454,6 +511,8 @@ def _report(args: argparse.Namespace) -> int:
         args.report_parser.error(
             f"{args.log} is a trajectory log: one of the arguments --model-dir --gamma is required"
         )
+    if args.gamma is not None and args.device is not None:  # γ given: no device to price with
+        raise UsageError("--device applies only with --model-dir (--gamma is γ on its own device)")
     return _report_trajectories(args)
 
 
@@ -479,6 +538,8 @@ def _report_trajectories(args: argparse.Namespace) -> int:
     from pte_instrument.offline.patterns import load_trajectories, trajectory_report
     from pte_instrument.offline.render import trajectory_json, trajectory_markdown
 
+    if args.plots:  # refused now, not after the analysis
+        check_folder(args.plots, "--plots")
     variant = args.variant or "served"
     bootstrap = DEFAULT_BOOTSTRAP if args.bootstrap is None else args.bootstrap
     seed = 0 if args.seed is None else args.seed
@@ -499,7 +560,7 @@ def _report_trajectories(args: argparse.Namespace) -> int:
     if args.plots:
         from pte_instrument.offline.plots import trajectory_plots
 
-        _write_plots("report", trajectory_plots, groups, args.plots)
+        _write_plots("report", [(trajectory_plots, groups)], args.plots, [args.log])
     if args.json:
         settings = {"variant": variant, "bootstrap": bootstrap, "seed": seed}
         print_json(trajectory_json(groups, cost, loaded.summary(), settings))

@@ -25,6 +25,38 @@ class UsageError(Exception):
     """Bad input from the user: reported in one line, never as a traceback."""
 
 
+class OutputError(Exception):
+    """Standard output could not be written (a full disk, a reader that left): reported in one
+    line by the ``pte`` entry point, or not at all for a reader that left."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(error.strerror or str(error))
+        self.error = error
+
+
+class GuardedOutput:
+    """A text stream (standard output) whose write errors are :class:`OutputError`, told apart
+    from the errors of the files a command reads and writes; everything else is the stream's."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as e:
+            raise OutputError(e) from None
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as e:
+            raise OutputError(e) from None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 def report_error(command: str, message: object) -> int:
     """Print ``pte <command>: error: <message>`` on stderr; return :data:`EXIT_BAD_INPUT`."""
     print(f"pte {command}: error: {message}", file=sys.stderr)
@@ -57,3 +89,38 @@ def whole_number(low: int, high: int | None = None) -> Callable[[str], int]:
         return n
 
     return parse
+
+
+def nonempty(what: str = "value") -> Callable[[str], str]:
+    """An argparse ``type``: any string but the empty one. An empty string (``--plots ""``, an
+    unset shell variable) is no value at all: without this it reads as "not given" and the
+    command goes on with its default, silently."""
+
+    def parse(v: str) -> str:
+        if not v:
+            raise argparse.ArgumentTypeError(f"an empty {what}")
+        return v
+
+    return parse
+
+
+def output_path(v: str) -> str:
+    """An argparse ``type`` for a file or folder a command writes: neither empty nor ``-``,
+    which is no file name here (these outputs do not go to standard output; ``./-`` names a
+    file called ``-``)."""
+    if not v:
+        raise argparse.ArgumentTypeError("an empty path")
+    if v == "-":
+        raise argparse.ArgumentTypeError(
+            "- is not standard output here: give a path (./- for a file named -)"
+        )
+    return v
+
+
+def name_list(v: str) -> list[str]:
+    """An argparse ``type``: comma-separated names, each stripped; an empty one (``a,,b``,
+    ``,``, a trailing comma) is refused rather than dropped."""
+    names = [x.strip() for x in v.split(",")]
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"an empty name in {v!r} (comma-separated names)")
+    return names

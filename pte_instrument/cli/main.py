@@ -6,12 +6,14 @@
 :mod:`pte_instrument.cli.efficiency`, ``bench`` in :mod:`pte_instrument.cli.bench`,
 ``calibrate`` in :mod:`pte_instrument.cli.calibrate`, ``validate`` in
 :mod:`pte_instrument.cli.validate`. Those modules import only
-:mod:`pte_instrument.cli.errors` of this package, never this module."""
+:mod:`pte_instrument.cli.errors` and :mod:`pte_instrument.cli.outputs` (output folders
+written all or none) of this package, never this module."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from typing import Any
 
@@ -21,7 +23,16 @@ from rich.table import Table
 from pte_instrument.cli.bench import add_bench_parser
 from pte_instrument.cli.calibrate import add_calibrate_parser
 from pte_instrument.cli.efficiency import add_efficiency_parser, add_report_parser
-from pte_instrument.cli.errors import UsageError, print_json, report_error, report_warning, whole_number
+from pte_instrument.cli.errors import (
+    GuardedOutput,
+    OutputError,
+    UsageError,
+    nonempty,
+    print_json,
+    report_error,
+    report_warning,
+    whole_number,
+)
 from pte_instrument.cli.validate import add_validate_parser
 from pte_instrument.cost.architecture import ArchitectureError, load_config, parse_shape
 from pte_instrument.cost.devices import PROFILES, UnknownDeviceError, measure_profile, resolve_device
@@ -77,6 +88,8 @@ def cmd_gamma(args: argparse.Namespace) -> int:
 
 
 def cmd_devices(args: argparse.Namespace) -> int:
+    if args.measure_device is not None and not args.measure:
+        raise UsageError("--measure-device applies only with --measure")
     profiles = list(PROFILES.values())
     if args.measure:
         try:
@@ -158,18 +171,28 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("gamma", help="γ of a model on a device, with its breakdown")
-    g.add_argument("model", help="model directory or config.json")
-    g.add_argument("--device", default="auto", help=f"device profile: auto, measured, {', '.join(PROFILES)}")
+    g.add_argument("model", type=nonempty("path"), help="model directory or config.json")
+    g.add_argument(
+        "--device",
+        type=nonempty("device name"),
+        default="auto",
+        help=f"device profile: auto, measured, {', '.join(PROFILES)}",
+    )
     g.add_argument("--hoi", type=float, help="override the hardware operational intensity (FLOP/byte)")
     g.add_argument("--n-active", type=float, help="override N_active (e.g. the model card's figure)")
-    g.add_argument("--kv-cache-dtype", default=None, help="KV cache dtype (auto, fp8, bfloat16…)")
+    g.add_argument(
+        "--kv-cache-dtype", type=nonempty("dtype"), default=None, help="KV cache dtype (auto, fp8, bfloat16…)"
+    )
     g.add_argument("--json", action="store_true")
     g.set_defaults(func=cmd_gamma)
 
     d = sub.add_parser("devices", help="device profiles (datasheet, and measured with --measure)")
     d.add_argument("--measure", action="store_true", help="also time a bf16 matmul and a copy here")
     d.add_argument(
-        "--measure-device", default=None, help="torch device to measure (default cuda if present, else cpu)"
+        "--measure-device",
+        type=nonempty("device name"),
+        default=None,
+        help="torch device to measure (default cuda if present, else cpu)",
     )
     d.add_argument("--json", action="store_true")
     d.set_defaults(func=cmd_devices)
@@ -185,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser(
         "demo", help="serve the tiny model with the plugin, run an agent workload, print the PTE report"
     )
-    m.add_argument("--model-dir", default="models/tiny")
+    m.add_argument("--model-dir", type=nonempty("path"), default="models/tiny")
     m.add_argument("--port", type=whole_number(0, MAX_PORT), default=0, help="0: pick a free port")
     m.add_argument("--sessions", type=whole_number(1), default=3)
     m.add_argument("--turns", type=whole_number(1), default=4)
@@ -208,12 +231,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+EXIT_READER_LEFT = 128 + signal.SIGPIPE  # what a shell reports for a command a closed pipe stopped
+
+
+def _drop_stdout(stream: Any) -> None:
+    """Point the process's standard output at the null device: what the stream still buffers
+    would fail again at exit, with a message of the interpreter's own."""
+    try:
+        fd = stream.fileno()
+    except (OSError, ValueError):  # not a file (a test's capture)
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, fd)
+    os.close(null)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    stdout = sys.stdout
+    sys.stdout = GuardedOutput(stdout)  # type: ignore[assignment]
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # here, not at exit: a failure is this command's to report
+        return code
     except UsageError as e:
         return report_error(args.command, e)
+    except OutputError as e:
+        _drop_stdout(stdout)
+        if isinstance(e.error, BrokenPipeError):  # `pte … | head`: the reader has what it wanted
+            return EXIT_READER_LEFT
+        return report_error(args.command, f"cannot write to standard output: {e}")
+    finally:
+        sys.stdout = stdout
 
 
 if __name__ == "__main__":

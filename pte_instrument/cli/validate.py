@@ -6,7 +6,8 @@ than token counts? The same analysis as the latency bench, on the plugin's reque
 bootstrap intervals at step and request level, the step-time model's error, the seconds
 checks, and for each target missed what dominates the miss. Without the bench's phases the
 requests are split by what the log shows: those that had the engine to themselves (alone)
-and the others (under load). Writes ``report.json``, ``report.md`` and the plots to ``--out``.
+and the others (under load). Writes ``report.json``, ``report.md`` and the plots to ``--out``,
+all or none (:mod:`pte_instrument.cli.outputs`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,15 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from pte_instrument.cli.errors import UsageError, print_json, report_warning, whole_number
+from pte_instrument.cli.errors import (
+    UsageError,
+    nonempty,
+    output_path,
+    print_json,
+    report_warning,
+    whole_number,
+)
+from pte_instrument.cli.outputs import check_folder, staged_folder
 
 REPORT_FILES = ("report.json", "report.md")  # what write_report writes into --out, beside its plots
 
@@ -33,11 +42,23 @@ def add_validate_parser(sub: Any) -> None:
         "validate",
         help="does PTE track wall-clock time on this server? the latency validation of its request and step logs",
     )
-    v.add_argument("request_log", help="the plugin's request log (PTE_REQUEST_LOG; .jsonl or .jsonl.gz)")
     v.add_argument(
-        "step_log", nargs="?", help="the engine hook's step log (PTE_STEP_LOG), for the step level"
+        "request_log",
+        type=nonempty("path"),
+        help="the plugin's request log (PTE_REQUEST_LOG; .jsonl or .jsonl.gz)",
     )
-    v.add_argument("--out", default="pte-validation", help="folder for report.json, report.md and the plots")
+    v.add_argument(
+        "step_log",
+        nargs="?",
+        type=nonempty("path"),
+        help="the engine hook's step log (PTE_STEP_LOG), for the step level",
+    )
+    v.add_argument(
+        "--out",
+        type=output_path,
+        default="pte-validation",
+        help="folder for report.json, report.md and the plots (written all or none)",
+    )
     v.add_argument("--bootstrap", type=whole_number(10, 100_000), default=1000, help="bootstrap resamples")
     v.add_argument("--seed", type=whole_number(0), default=0)
     v.add_argument("--no-plots", action="store_true", help="no PNG plots (matplotlib not needed)")
@@ -63,8 +84,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
             (out / name).exists() and (out / name).samefile(path) for name in REPORT_FILES
         ):
             raise UsageError(f"--out {out} would write its report over {path}, a log it reads")
-    if out.exists() and not out.is_dir():  # refused now, not after the analysis
-        raise UsageError(f"--out {out} is a file, not a folder")
+    check_folder(out, "--out")  # refused now, not after the analysis
     problems: Counter[str] = Counter()
     try:
         table = A.request_table(A.load_jsonl(requests_path, problems), problems)
@@ -105,10 +125,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
         "source": {"request_log": str(requests_path), "step_log": str(steps_path) if steps_path else None},
         "phases": [p.to_dict() for p in phases],
     }
+    logs = [p for p in (requests_path, steps_path) if p is not None]
     try:
-        files = write_report(analysis, meta, out, plots=not args.no_plots)
-    except OSError as e:  # --out under a file, or on a full or read-only disk
-        raise UsageError(f"cannot write the report to {out}: {e.strerror or e}") from None
+        with staged_folder(out, "--out", logs) as staging:
+            written = write_report(analysis, meta, staging, plots=not args.no_plots)
+    except OSError as e:  # a full or read-only disk, a file size limit
+        raise UsageError(f"cannot write the report to {out}: {e.strerror or e}; nothing written") from None
+    files = [out / f.name for f in written]
     targets = [t.to_dict() for t in analysis.targets]
     if args.json:
         print_json(

@@ -44,6 +44,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "pte_reference": ("pte_reference",),
     "pte_ideal": ("pte_ideal",),
 }
+_KNOWN_COLUMNS = frozenset(a for aliases in ALIASES.values() for a in aliases)
 PTE_FIELDS = ("pte_served", "pte_reference", "pte_ideal")
 # No count, workload, PTE or second of one answer or request is this large: past 2**53 a float
 # stops counting by one, and a few such values sum to infinity (E0 0, totals that JSON refuses).
@@ -209,6 +210,14 @@ def _iter_csv(p: Path, delimiter: str) -> Iterator[tuple[str, Mapping[str, Any] 
         try:
             if reader.fieldnames is None:
                 return
+            # A field in two columns: which one is meant is anyone's guess (DictReader keeps the
+            # last), so the file is refused, as a duplicate instance is never picked from.
+            known = [c for c in reader.fieldnames if c in _KNOWN_COLUMNS]
+            twice = next((c for c in known if known.count(c) > 1), None)
+            if twice is not None:
+                raise RecordError(
+                    f"{p}: column {twice!r} appears {known.count(twice)} times in the header; keep one"
+                )
             start = 2  # the header is line 1
             for row in reader:
                 # line_num is the line the record *ended* on (fields may span lines)

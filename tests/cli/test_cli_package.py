@@ -40,9 +40,13 @@ def test_import_graph_has_no_cycle() -> None:
     graph = {f"pte_instrument.cli.{p.stem}": _package_imports(p) for p in CLI.glob("*.py")}
     assert graph["pte_instrument.cli.errors"] == set()
     assert graph["pte_instrument.cli.bench"] == {"pte_instrument.cli.errors"}
-    assert graph["pte_instrument.cli.efficiency"] == {"pte_instrument.cli.errors"}
+    assert graph["pte_instrument.cli.outputs"] == {"pte_instrument.cli.errors"}
+    assert graph["pte_instrument.cli.efficiency"] == {
+        "pte_instrument.cli.errors",
+        "pte_instrument.cli.outputs",
+    }
     assert graph["pte_instrument.cli.calibrate"] == {"pte_instrument.cli.errors"}
-    assert graph["pte_instrument.cli.validate"] == {"pte_instrument.cli.errors"}
+    assert graph["pte_instrument.cli.validate"] == {"pte_instrument.cli.errors", "pte_instrument.cli.outputs"}
     assert graph["pte_instrument.cli.main"] == {
         "pte_instrument.cli.bench",
         "pte_instrument.cli.calibrate",
