@@ -8,12 +8,13 @@ the route's GenAI operation and the caller's W3C ``traceparent``; makes sure the
 carries an ``X-Request-Id`` (vLLM names its request after it), and remembers request → tag
 until the request finishes: the tag goes a grace period after the HTTP exchange ends
 (``PendingTags.settle``), so every engine request of one HTTP request (``n > 1``, a list of
-prompts) carries it. The Responses API names a request after its body's ``request_id``
-alone: one sent without it gets one written into its body, as vLLM would have drawn it, so
-that its tag can be found. An ``X-Request-Id`` longer than ``MAX_REQUEST_ID_LEN`` bytes, on any
+prompts) carries it. An ``X-Request-Id`` longer than ``MAX_REQUEST_ID_LEN`` bytes, on any
 POST, goes on as its digest (``bounded_request_id``), and so does the body's ``request_id``
 (vLLM's name for a request sent without the header): the request log and the session store
-keep vLLM's name for each request, and a client's id would otherwise be of any length."""
+keep vLLM's name for each request, and a client's id would otherwise be of any length. The
+Responses API names a request after its body's ``request_id`` alone: an over-long one is
+replaced in the body by its digest, and one sent without it gets one written in, as vLLM
+would have drawn it, so that its tag can be found."""
 
 from __future__ import annotations
 
@@ -189,10 +190,11 @@ class TaggingMiddleware:
 
     async def _named_by_body(self, scope: Scope, receive: Receive) -> tuple[_BodyFields, Receive, str | None]:
         """The body's fields, its replay, and the name vLLM gives a request of a route that names
-        it after its body alone (the Responses API): the body's ``request_id``, or, when it has
-        none, one written into it here, as vLLM would have drawn it (``resp_<uuid>``); None:
-        none to tag it under (a body that is no JSON object, an id over ``MAX_REQUEST_ID_LEN``
-        bytes, which vLLM reads whole)."""
+        it after its body alone (the Responses API): the body's ``request_id``; its digest,
+        written in as the body's last member (which the JSON reader keeps), for one over
+        ``MAX_REQUEST_ID_LEN`` bytes; or, when it has none, one written in as vLLM would have
+        drawn it (``resp_<uuid>``). None: none to tag it under (a body that is no JSON object
+        in UTF-8, which nothing can be written into)."""
         data, end = await _read_body(receive)
         fields, name = _BodyFields(), None
         try:
@@ -200,11 +202,18 @@ class TaggingMiddleware:
                 fields, writable = _BODY_FIELDS.decode(data), True
             except (msgspec.DecodeError, RecursionError):
                 fields, writable = _decode(data, _BODY_FIELDS), False
+            written = None
             if isinstance(fields.request_id, str):
-                if len(fields.request_id.encode("utf-8", "surrogatepass")) <= MAX_REQUEST_ID_LEN:
+                raw = fields.request_id.encode("utf-8", "surrogatepass")
+                if len(raw) <= MAX_REQUEST_ID_LEN:
                     name = fields.request_id
+                elif writable:
+                    name = bounded_request_id(raw).decode("ascii")
+                    written = data.rstrip(b" \t\r\n")[:-1] + b',"request_id":"' + name.encode("ascii") + b'"}'
+                    self._say_long_id("A request_id in a Responses API body")
             elif fields.request_id is None and writable:
                 name, written = _with_request_id(data)
+            if written is not None:
                 scope["headers"] = [
                     (k, str(len(written)).encode("ascii") if k == b"content-length" else v)
                     for k, v in scope["headers"]

@@ -3,6 +3,7 @@ API), joined to their tags and engine totals by hand: one record each, under vLL
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import replace
@@ -113,12 +114,25 @@ def test_a_responses_api_request_without_a_request_id_gets_one_written_into_its_
     assert runtime.pending.claim("ignored") is None  # vLLM reads no X-Request-Id there
 
 
+def test_a_responses_api_request_id_past_the_bound_goes_on_as_its_digest():
+    """vLLM names a response after its body's request_id alone, and the request log, the
+    session store and the feedback window keep that name: a client's id of any length would
+    be kept whole, so it is replaced by its digest, as an over-long X-Request-Id is."""
+    runtime = Runtime(Settings(), registry=CollectorRegistry())
+    long_id = "x" * 100_000
+    sent = json.dumps({"request_id": long_id, "input": "hi"}).encode()
+    body, headers = body_seen(runtime, "/v1/responses", sent, {"X-Session-Id": "s1"})
+    digest = hashlib.sha256(long_id.encode()).hexdigest()
+    assert json.loads(body) == {"request_id": digest, "input": "hi"}  # the last member counts
+    assert headers["content-length"] == str(len(body))
+    assert runtime.pending.claim(*request_keys(f"{digest}_0")) == RequestTag("s1", "none")
+
+
 @pytest.mark.parametrize(
     ("sent", "key"),
     [
         (b'{"request_id": "mine-1", "input": "hi"}', "mine-1"),  # the client's, as sent
         (b"{}", None),  # an empty object: one written in
-        (b'{"request_id": "' + b"x" * 129 + b'"}', False),  # over the bound: not tracked
         (b"[1, 2]", False),  # no object: vLLM answers it
     ],
 )
