@@ -28,6 +28,7 @@ import msgspec
 from opentelemetry.semconv._incubating.attributes.gen_ai_attributes import (
     GenAiOperationNameValues as Operation,
 )
+from pydantic import TypeAdapter, ValidationError
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -144,7 +145,7 @@ class TaggingMiddleware:
                         key = self._tag(scope, route, wanted, name)
                         # a background response runs on after its answer, as long as it takes:
                         # accepted, its tag stays to the tags' age limit
-                        background = route.names == BODY and wanted is not None and wanted.background is True
+                        background = route.names == BODY and wanted is not None and _true(wanted.background)
             except Exception as e:  # never fail the request for the plugin's sake
                 self.runtime.faults.record("middleware", e)
         if key is None:
@@ -325,6 +326,18 @@ def _served(scope: Scope) -> bool:
     """Whether the app has a route for the request (whose handler reads its body)."""
     routes = getattr(getattr(scope.get("app"), "router", None), "routes", ())
     return any(route.matches(scope)[0] is Match.FULL for route in routes)
+
+
+_BOOL = TypeAdapter(bool)
+
+
+def _true(value: Any) -> bool:
+    """Whether vLLM's request model reads ``value`` as true (pydantic's lenient booleans:
+    ``1``, ``"true"``, ``"on"``…)."""
+    try:
+        return _BOOL.validate_python(value)
+    except ValidationError:
+        return False
 
 
 def _route(path: str) -> Route | None:

@@ -176,3 +176,17 @@ def test_a_background_response_keeps_its_tag_while_the_engine_may_still_run_it(b
     assert found == (RequestTag("s1", "none") if kept else None)
     clock[0] += runtime.pending.max_age_s  # bounded all the same
     assert len(runtime.pending) == 0
+
+
+@pytest.mark.parametrize(
+    ("flag", "kept"), [(1, True), ("true", True), ("On", True), (0, False), ("no", False)]
+)
+def test_a_background_flag_is_read_as_vllm_reads_it(flag, kept):
+    """vLLM's request model reads a boolean leniently (1, "true", "on"…): so must the tag."""
+    clock = [0.0]
+    runtime = Runtime(Settings(), registry=CollectorRegistry())
+    runtime.pending = PendingTags(clock=lambda: clock[0])
+    sent = json.dumps({"request_id": "resp_bg", "input": "hi", "background": flag}).encode()
+    body_seen(runtime, "/v1/responses", sent, {"X-Session-Id": "s1"})
+    clock[0] += 10 * runtime.pending.grace_s
+    assert (runtime.pending.claim("resp_bg") is not None) == kept
