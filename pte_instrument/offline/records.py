@@ -413,9 +413,11 @@ def parse_rows(
 def refuse_bad_load(
     problems: Sequence[Problem], strict: bool, found: bool, row: str, rows: str, where: str
 ) -> None:
-    """A load fails when ``strict`` and any row was bad, or when no row was usable."""
-    if strict and problems:
-        raise RecordError(f"{len(problems)} bad {row}(s); first: {problems[0].describe(action=False)}")
+    """A load fails when ``strict`` and any row was bad (a problem whose row was kept is none),
+    or when no row was usable."""
+    bad = [p for p in problems if p.action != "kept"]
+    if strict and bad:
+        raise RecordError(f"{len(bad)} bad {row}(s); first: {bad[0].describe(action=False)}")
     if not found:
         first = f"; first problem: {problems[0].describe(False)}" if problems else ""
         raise RecordError(f"no valid {rows} in {where}{first}")

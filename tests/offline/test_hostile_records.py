@@ -106,6 +106,8 @@ def test_a_request_logged_twice_is_counted_twice_and_named(tmp_path):
     assert problem.reason == "request_id 'g1' is logged 2 times (lines 1, 3): each copy is counted"
     report = request_log_report(load)
     assert report["overall"]["pte_served"] == 9.0 and report["input"]["rows_dropped"] == 0
+    # a kept problem is no bad line: --strict refuses bad lines only
+    assert len(load_request_log(path, strict=True).lines) == 3
 
 
 def test_a_string_that_is_not_unicode_text_is_a_named_problem_not_a_traceback(tmp_path):
