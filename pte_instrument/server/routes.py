@@ -167,8 +167,9 @@ def build_router(runtime: Runtime) -> APIRouter:
 
         async def handler() -> JSONResponse:
             correct, rid, sid = _feedback_target(_json_object(await _read_body(request)))
-            # the completions API's response id lacks the "-<prompt index>" vLLM appends
-            ids = (rid, f"{rid}-0") if rid is not None else ()
+            # an answer's id lacks what vLLM appends to name its first engine request: the
+            # completions API's "-<prompt index>", the Responses and chat batch APIs' "_<n>"
+            ids = (rid, f"{rid}-0", f"{rid}_0") if rid is not None else ()
             outcome = await asyncio.to_thread(runtime.efficiency.label, correct, ids, sid)  # the shared store
             runtime.metrics.feedback(outcome)
             return JSONResponse(outcome)

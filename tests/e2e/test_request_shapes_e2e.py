@@ -445,6 +445,10 @@ def test_a_responses_api_request_is_priced_under_its_session(served):
         )
         assert e["child_index"] is None and e["engine_pte_served"] is not None
     assert len(records(log, lambda e: any(e["request_id"].endswith(a["id"] + "_0") for a in answers), 3)) == 3
+    # feedback names a response by the id its answer carried
+    for a in answers:
+        r = client.post("/pte/feedback", json={"request_id": a["id"], "correct": True})
+        assert r.status_code == 200, r.text
 
 
 def test_the_other_generation_routes_are_priced_under_their_session(served):
