@@ -309,3 +309,22 @@ def test_listing_many_sessions_holds_redis_for_no_long_command_whatever_the_page
     assert {r["session_id"] for r in rows[1:]} == {"s00000", "s05000"}
     slow = [e["command"] for e in client.slowlog_get(10)]
     assert slow == [], slow
+
+
+@needs_redis
+def test_sessions_a_replica_without_the_indexes_wrote_or_closed_are_listed_all_the_same(
+    ledgers, redis_server, client
+):
+    """In a fleet upgraded one replica at a time, an older replica adds sessions to no index and
+    closes sessions without taking them out of one: a page must list every live session."""
+    a = ledgers(redis_server.url)
+    for sid, served in (("x", 10), ("y", 20)):
+        turn(a, sid, served, 2, 0, 1000.0)
+    assert a.flush()
+    # the older replica: y closed (its index entries left), z opened (none made)
+    client.delete("pte:s:y", "pte:t:y")
+    client.zrem("pte:live", "y")
+    client.hset("pte:s:z", mapping={"pte_served": 30, "model": "m", "n_turns": 1})
+    client.zadd("pte:live", {"z": 1000.0})
+    total, rows = a.top(10, 0, "pte_served")
+    assert total == 2 and [r["session_id"] for r in rows] == ["z", "x"]
