@@ -231,7 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-EXIT_READER_LEFT = 128 + signal.SIGPIPE  # what a shell reports for a command a closed pipe stopped
+EXIT_READER_LEFT = 128 + getattr(
+    signal, "SIGPIPE", 13
+)  # what a shell reports for a command a closed pipe stopped
 
 
 def _drop_stdout(stream: Any) -> None:

@@ -319,7 +319,7 @@ def test_a_retry_after_past_the_export_timeout_gives_the_batch_up_at_once_and_co
     assert collector.items == [5]
     assert lost.total == 5
     assert "the collector answered 503" in one_line(lost.errors[0])
-    assert slowest < 0.1  # queueing a record never waits on the collector
+    assert slowest < 0.5  # queueing a record never waits on the collector (its export: 1 s)
 
 
 @pytest.mark.parametrize(
@@ -442,7 +442,7 @@ def test_a_certificate_path_that_names_no_file_loses_each_batch_with_one_line_na
     assert collector.items == []
     assert lost.total == 5
     assert str(missing) in one_line(lost.errors[0])
-    assert slowest < 0.1
+    assert slowest < 0.5
 
 
 @pytest.mark.parametrize("variable", ["REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE"])

@@ -256,8 +256,8 @@ def _watch_answers(exporter: Any) -> None:
 def _keep_certificate(session: Any) -> None:
     """Make the exporter's CA bundle (``OTEL_EXPORTER_OTLP[_…]_CERTIFICATE``, the session's
     ``verify``) hold for its requests: requests lets ``REQUESTS_CA_BUNDLE`` or ``CURL_CA_BUNDLE``
-    replace a session's own, so that wherever an image sets either, the collector's CA went
-    unused and every batch failed its certificate check."""
+    replace a session's own, and wherever an image sets either, the collector's CA would go
+    unused and every batch fail its certificate check."""
     merge = getattr(session, "merge_environment_settings", None)
     if merge is None or getattr(session, "verify", True) is True:  # no CA bundle of the exporter's
         return
