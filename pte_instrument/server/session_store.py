@@ -255,12 +255,17 @@ class BatchWriter:
         """Make the next batch close idle sessions (it does so every second anyway)."""
         self.put(("expire",))
 
+    @property
+    def stalled(self) -> bool:
+        """A flush timed out and the writer has not reached it yet."""
+        stalled = self._stalled
+        return stalled is not None and not stalled.is_set()
+
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until everything queued before now is committed (or failed); False on timeout,
         and at once while the writer has not reached a flush that timed out before (a store
         another process holds locked): a read that flushes first waits for it once, not each."""
-        stalled = self._stalled
-        if stalled is not None and not stalled.is_set():
+        if self.stalled:
             return False
         done = threading.Event()
         deadline = time.monotonic() + timeout

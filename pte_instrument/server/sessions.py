@@ -247,13 +247,14 @@ class SessionLedger:
     def _caught_up(self) -> None:
         """Before a read: this process's queued writes committed. A writer that is not there
         within ``READ_WAIT_S`` (another process holds the store locked, the disk is slow) is a
-        fault, said, and the read answers what is committed."""
-        if not self.flush(READ_WAIT_S):
+        fault, said once for the stall, and the reads answer what is committed until it ends."""
+        stalled = self.store.stalled
+        if not self.flush(READ_WAIT_S) and not stalled:
             self._error(
                 StoreError(
                     f"session store {self.path}: this process's writes have not committed within "
-                    f"{READ_WAIT_S:g} s (another process holding the file locked?); reads answer what "
-                    "is committed meanwhile"
+                    f"{READ_WAIT_S:g} s (the store locked by another process, or slow); reads answer "
+                    "what is committed meanwhile"
                 )
             )
 

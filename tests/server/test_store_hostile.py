@@ -216,7 +216,7 @@ def test_a_store_locked_by_another_process_holds_the_summary_once_not_once_per_s
             holder.wait()
         assert first < 12.0 and second < 1.0, (first, second)
         assert summary["models"]["m"]["requests"] == 1 and again["sessions"]["live"] == 1
-        assert runtime.faults.counts["sessions"] >= 1
+        assert runtime.faults.counts["sessions"] == 1  # one stall, one fault, however many reads met it
         assert "have not committed within 10 s" in caplog.text
         assert wait(lambda: ledger.flush(1) and ledger.get("s")["turns"] == 2, timeout_s=40)
         assert ledger.model_totals()["m"]["requests"] == 2 and ledger.stats.records_lost == 0
