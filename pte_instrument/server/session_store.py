@@ -15,6 +15,7 @@ import json
 import math
 import os
 import queue
+import re
 import sqlite3
 import tempfile
 import threading
@@ -136,6 +137,9 @@ class StoreError(RuntimeError):
     says_it_all = True  # a fault line shows the message, without a traceback
 
 
+STORE_TABLES = frozenset(re.findall(r"CREATE TABLE IF NOT EXISTS (\w+)", SCHEMA))
+
+
 def file_id(path: Path) -> tuple[int, int] | None:
     """(device, inode) of the file at ``path``; None when there is none."""
     try:
@@ -175,10 +179,16 @@ def connect(path: Path) -> sqlite3.Connection:
 
 
 def _foreign_tables(db: sqlite3.Connection, shown: int = 5) -> list[str]:
-    """The first tables of a database that has tables and no ``meta`` (a session store's
-    first, created before any other): someone else's; none for a store or an empty file."""
+    """The first tables of a database that is someone else's: it has a table the store has
+    not, and no schema row of the store's in a ``meta`` table (a name common enough). None for
+    an empty file, a store, or one whose creation was cut short (only the store's tables)."""
     names = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")]
-    return [] if not names or "meta" in names else names[:shown]
+    if set(names) <= STORE_TABLES:
+        return []
+    with contextlib.suppress(sqlite3.Error):  # a meta of another layout: someone else's
+        if db.execute("SELECT 1 FROM meta WHERE key = 'schema'").fetchone() is not None:
+            return []
+    return names[:shown]
 
 
 def _turn_to_wal(db: sqlite3.Connection) -> None:

@@ -224,7 +224,8 @@ def test_a_store_locked_by_another_process_holds_the_summary_once_not_once_per_s
         ledger.close()
 
 
-def test_another_applications_sqlite_database_is_refused_untouched(tmp_path, caplog):
+@pytest.mark.parametrize("with_meta", [False, True])  # a table named meta is common enough
+def test_another_applications_sqlite_database_is_refused_untouched(tmp_path, caplog, with_meta):
     """``PTE_SESSION_STORE`` names a SQLite file of something else: it is not written to (no
     tables of the store's added to it); one line says so, counted, and sessions go to a
     private store."""
@@ -237,6 +238,9 @@ def test_another_applications_sqlite_database_is_refused_untouched(tmp_path, cap
     db = sqlite3.connect(path)
     db.execute("CREATE TABLE customers (id INTEGER PRIMARY KEY, name TEXT)")
     db.execute("INSERT INTO customers VALUES (1, 'ada')")
+    if with_meta:
+        db.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value)")
+        db.execute("INSERT INTO meta VALUES ('owner', 'billing')")
     db.commit()
     db.close()
     caplog.set_level(logging.INFO, logger="pte_instrument")
@@ -251,7 +255,9 @@ def test_another_applications_sqlite_database_is_refused_untouched(tmp_path, cap
         runtime.sessions.close()
     db = sqlite3.connect(path)
     tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
-    assert tables == ["customers"] and db.execute("SELECT name FROM customers").fetchall() == [("ada",)]
+    assert tables == ["customers", "meta"][: 1 + with_meta]
+    assert db.execute("SELECT name FROM customers").fetchall() == [("ada",)]
+    assert db.execute("PRAGMA journal_mode").fetchone() == ("delete",)  # not turned to WAL either
     db.close()
 
 
