@@ -89,7 +89,7 @@ class Collector:
             context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             context.load_cert_chain(*tls)
             self.httpd.socket = context.wrap_socket(self.httpd.socket, server_side=True)
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
         scheme = "http" if tls is None else "https"
         self.url = f"{scheme}://127.0.0.1:{self.httpd.server_address[1]}"
 
