@@ -194,10 +194,9 @@ def test_a_store_locked_by_another_process_holds_the_summary_once_not_once_per_s
     goes, the queued turn lands, once."""
     from prometheus_client import CollectorRegistry
 
+    from pte_instrument.server import sessions
     from pte_instrument.server.runtime import Runtime
     from pte_instrument.settings import Settings
-
-    from pte_instrument.server import sessions
 
     wait_s = 2.0  # the read's wait, shortened from its default for the test's sake
     monkeypatch.setattr(sessions, "READ_WAIT_S", wait_s)
