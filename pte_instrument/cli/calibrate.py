@@ -35,11 +35,19 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from pte_instrument.cli.errors import UsageError, nonempty, print_json, report_warning, whole_number
+from pte_instrument.cli.errors import (
+    UsageError,
+    nonempty,
+    output_path,
+    print_json,
+    report_warning,
+    whole_number,
+)
 from pte_instrument.cost.architecture import (
     ArchitectureError,
     KVGroup,
     ModelShape,
+    config_file,
     kv_dtype_bytes,
     load_config,
     parse_shape,
@@ -468,10 +476,6 @@ def _save_target(save: str, inputs: dict[str, Path]) -> Path:
     through, as ``cp`` does: the link stays, its target gets the model), refused where it is
     one of ``inputs`` (what it names → path), which the command reads."""
     p = Path(save)
-    if save == "-":
-        raise UsageError(
-            "--save -: the model is not written to standard output; give a file name (./- for a file named -)"
-        )
     if p.is_symlink():
         try:
             p = p.resolve(strict=False)
@@ -485,14 +489,7 @@ def _save_target(save: str, inputs: dict[str, Path]) -> Path:
     return p
 
 
-def _config_path(model_dir: str) -> Path:
-    p = Path(model_dir)
-    return p / "config.json" if p.is_dir() else p
-
-
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    if args.save is not None and not args.save:
-        raise UsageError("--save needs a file name")
     if args.kv_cache_dtype is not None and not args.model_dir:
         # the theory from a step log's header has its KV bytes already: the dtype would do nothing
         raise UsageError("--kv-cache-dtype applies only with --model-dir")
@@ -501,7 +498,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if args.save is not None:
         inputs = {"the step log read": Path(args.steps)}
         if args.model_dir:
-            inputs["the model's config read"] = _config_path(args.model_dir)
+            inputs["the model's config read"] = config_file(args.model_dir)
         save = _save_target(args.save, inputs)
     if steps.n < MIN_STEPS:
         raise UsageError(
@@ -566,6 +563,7 @@ def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=whole_number(0), default=0)
     p.add_argument(
         "--save",
+        type=output_path,
         help="write the calibrated model here (JSON; PTE_CALIBRATION reads it); a symbolic link is "
         "written through: the link stays, the file it points to gets the model",
     )

@@ -111,11 +111,15 @@ class ModelShape:
         )
 
 
+def config_file(path: str | Path) -> Path:
+    """The model config a model directory or a file path names."""
+    p = Path(path)
+    return p / "config.json" if p.is_dir() else p
+
+
 def load_config(path: str | Path) -> dict[str, Any]:
     """Load ``config.json`` from a model directory or a file path."""
-    p = Path(path)
-    if p.is_dir():
-        p = p / "config.json"
+    p = config_file(path)
     try:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError:
