@@ -27,11 +27,18 @@ than after the same step without (where the shipping thread's hold of the GIL wo
 
 Writes bench/results/scheduler-overhead-<hostname>-<YYYY-MM-DD>.json and prints a table.
 
+With ``--floor`` a third scheduler runs in the same lockstep: a subclass of vLLM's whose
+``schedule`` and ``update_from_output`` only call vLLM's (as the hook calls them), and its
+added time against vLLM's class is reported beside the hook's: the least that any hook
+written in Python adds per step on this host, which the hook's own figure is to be read
+against.
+
 Runs differ by more than their steps do: each builds its schedulers afresh (another heap,
 another placement in the caches), and at batch 1 one run's added mean may sit µs from the
 next's. Small batches, whose runs are short, therefore run more of them.
 
-    python -m bench.scheduler_bench [--sizes 1 8 64 256 1024] [--repeats N] [--model-ms 2] [--out F]
+    python -m bench.scheduler_bench [--sizes 1 8 64 256 1024] [--repeats N] [--model-ms 2] [--floor]
+                                    [--out F]
 """
 
 from __future__ import annotations
@@ -89,6 +96,34 @@ class Case:
     wake_late_us: float | None
     wake_late_ci: tuple[float, float] | None
     finished_per_step: float
+    # ``--floor``: a pass-through subclass's added time (mean, its interval, median); None without
+    floor_mean_us: float | None = None
+    floor_mean_ci: tuple[float, float] | None = None
+    floor_median_us: float | None = None
+
+
+class PassThroughScheduler:
+    """Mixed into one of vLLM's schedulers: its per-step methods only call vLLM's, through
+    the same class attributes the hook calls them by. No hook can add less per step."""
+
+    _vllm_schedule: Any
+    _vllm_update: Any
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._vllm_schedule = super().schedule  # type: ignore[misc]
+        cls._vllm_update = super().update_from_output  # type: ignore[misc]
+
+    def schedule(self, throttle_prefills: bool = False) -> Any:
+        return self._vllm_schedule(throttle_prefills)
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        return self._vllm_update(scheduler_output, model_runner_output)
+
+
+def pass_through(theirs: type) -> type:
+    """``theirs`` (vLLM's ``Scheduler`` or ``AsyncScheduler``) behind ``PassThroughScheduler``."""
+    return type(f"PassThrough{theirs.__name__}", (PassThroughScheduler, theirs), {})
 
 
 @dataclass
@@ -101,6 +136,7 @@ class PairedRun:
     finished: float  # finished requests per step
     late_theirs_s: np.ndarray  # per measured step: how late the model wait after it ended
     late_ours_s: np.ndarray
+    floor_s: np.ndarray | None = None  # per measured step: the pass-through subclass's
 
 
 def paired_run(
@@ -112,10 +148,12 @@ def paired_run(
     warmup: int,
     seed: int,
     model_s: float = 0.0,
+    floor: type | None = None,
 ) -> PairedRun:
     """One stream through vLLM's class and ours in lockstep: step k of one, then step k of
     the other (the order alternating), so that both see the same host state at the same
-    moment and the same step of the same stream is paired. After each step the engine thread
+    moment and the same step of the same stream is paired; with ``floor``, that class too
+    (the order rotating through the three). After each step the engine thread
     waits ``model_s`` for the model, the GIL released, as it waits for a GPU. Per measured
     step, each one's host seconds of schedule + update_from_output; per measured step, the
     hook's own seconds, its shipping thread's and its pricing process's CPU seconds (None:
@@ -123,7 +161,7 @@ def paired_run(
     from pte_instrument.vllm_adapter.driver import Arrival, Driver, build_scheduler
 
     drivers = []
-    for cls in (theirs, ours):
+    for cls in (theirs, ours) if floor is None else (theirs, ours, floor):
         s = build_scheduler(
             cls,
             REPO / "models" / "tiny",
@@ -148,8 +186,10 @@ def paired_run(
             arrivals.append(Arrival(f"b{len(arrivals)}", prompt, max_tokens, stop_at=stop))
         return arrivals[k]
 
-    admitted = [0, 0]
-    late: list[list[float]] = [[], []]
+    n = len(drivers)
+    orders = [(0, 1), (1, 0)] if n == 2 else [(0, 1, 2), (1, 2, 0), (2, 0, 1)]
+    admitted = [0] * n
+    late: list[list[float]] = [[] for _ in drivers]
     hooked = drivers[1].s
     state = getattr(hooked, "_pte_state", None)  # the hook's (none on vLLM's class)
     hook = getattr(state, "pte", None)
@@ -162,7 +202,7 @@ def paired_run(
             ship_start = getattr(hook, "ship_s", 0.0)
             finished_start = admitted[1]
             cpu_start = process_cpu_s(pid)
-        for j in (0, 1) if k % 2 == 0 else (1, 0):
+        for j in orders[k % len(orders)]:
             d = drivers[j]
             while d.s.get_num_unfinished_requests() < batch:
                 d.add(arrival(admitted[j]))
@@ -172,7 +212,7 @@ def paired_run(
                 t = time.perf_counter()
                 time.sleep(model_s)
                 late[j].append(time.perf_counter() - t - model_s)
-    if admitted[0] != admitted[1] or len(drivers[0].schedule_s) != len(drivers[1].schedule_s):
+    if len(set(admitted)) != 1 or len({len(d.schedule_s) for d in drivers}) != 1:
         raise RuntimeError("the two schedulers ran different streams: the hook changed the scheduling")
     hook_s = getattr(state, "hook_s", 0.0) - hook_start
     ship_s = getattr(hook, "ship_s", 0.0) - ship_start
@@ -184,7 +224,13 @@ def paired_run(
     gc.unfreeze()
     late_s = [np.array(x[-steps:] if x else []) for x in late]
     return PairedRun(
-        *per_step, hook_s / steps, ship_s / steps, pricing_s, (admitted[1] - finished_start) / steps, *late_s
+        *per_step[:2],
+        hook_s / steps,
+        ship_s / steps,
+        pricing_s,
+        (admitted[1] - finished_start) / steps,
+        *late_s[:2],
+        per_step[2] if floor is not None else None,
     )
 
 
@@ -219,9 +265,10 @@ def measure(
     seed: int,
     model_s: float,
     steps: int | None = None,
+    floor: bool = False,
 ) -> Case:
     """``repeats``, ``steps``: paired runs, and measured steps in each (None: ``REPEATS``,
-    ``STEPS`` of the batch size)."""
+    ``STEPS`` of the batch size); ``floor``: run the pass-through subclass in the lockstep too."""
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -229,8 +276,9 @@ def measure(
 
     theirs_cls = AsyncScheduler if asynchronous else Scheduler
     steps, warmup, repeats = steps or STEPS[batch], WARMUP[batch], repeats or REPEATS[batch]
+    floor_cls = pass_through(theirs_cls) if floor else None
     runs = [
-        paired_run(theirs_cls, PteScheduler, asynchronous, batch, steps, warmup, seed + r, model_s)
+        paired_run(theirs_cls, PteScheduler, asynchronous, batch, steps, warmup, seed + r, model_s, floor_cls)
         for r in range(repeats)
     ]
     t = np.concatenate([r.theirs_s for r in runs])
@@ -240,6 +288,8 @@ def measure(
     pricing = [r.pricing_s for r in runs]
     late_per_run = [r.late_ours_s - r.late_theirs_s for r in runs]
     late = np.concatenate(late_per_run)
+    floor_per_run = [r.floor_s - r.theirs_s for r in runs if r.floor_s is not None]
+    floor_added = np.concatenate(floor_per_run) if floor_per_run else None
     us = 1e6
     return Case(
         batch=batch,
@@ -260,6 +310,11 @@ def measure(
         wake_late_us=us * float(late.mean()) if len(late) else None,
         wake_late_ci=tuple(us * v for v in interval(late_per_run, np.mean, rng)) if len(late) else None,
         finished_per_step=float(np.mean([r.finished for r in runs])),
+        floor_mean_us=None if floor_added is None else us * float(floor_added.mean()),
+        floor_mean_ci=None
+        if floor_added is None
+        else tuple(us * v for v in interval(floor_per_run, np.mean, rng)),  # type: ignore[arg-type]
+        floor_median_us=None if floor_added is None else us * float(np.median(floor_added)),
     )
 
 
@@ -311,6 +366,11 @@ def main(argv: list[str] | None = None) -> int:
         default=2.0,
         help="the model's time per step, waited for with the GIL released (0: none)",
     )
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="also run a subclass whose methods only call vLLM's: the least a Python hook adds",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if not (REPO / "models" / "tiny" / "config.json").exists():
@@ -328,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         "model_ms": args.model_ms,
     }
     cases = [
-        measure(b, kind == "async", args.repeats, args.seed, args.model_ms / 1e3, args.steps)
+        measure(b, kind == "async", args.repeats, args.seed, args.model_ms / 1e3, args.steps, args.floor)
         for kind in args.kinds
         for b in args.sizes
     ]
@@ -352,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
             "pricing CPU µs",
             "wake late µs [95%]",
             "finished/step",
+            *(["floor mean µs [95%]", "floor median µs"] if args.floor else []),
         ],
         [
             [
@@ -370,6 +431,14 @@ def main(argv: list[str] | None = None) -> int:
                 if c.wake_late_us is None or c.wake_late_ci is None
                 else f"{c.wake_late_us:.1f} [{c.wake_late_ci[0]:.1f}, {c.wake_late_ci[1]:.1f}]",
                 f"{c.finished_per_step:.2f}",
+                *(
+                    [
+                        f"{c.floor_mean_us:.2f} [{c.floor_mean_ci[0]:.2f}, {c.floor_mean_ci[1]:.2f}]",
+                        f"{c.floor_median_us:.2f}",
+                    ]
+                    if c.floor_mean_us is not None and c.floor_mean_ci is not None
+                    else []
+                ),
             ]
             for c in cases
         ],

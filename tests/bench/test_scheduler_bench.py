@@ -1,6 +1,7 @@
 """bench/scheduler_bench.py runs end to end at its smallest size and writes what it reports:
-vLLM's time per step, the hook's added time with intervals around it, and the hook's own
-account, for each scheduler kind, with the hook's totals delivered over its transport."""
+vLLM's time per step, the hook's added time with intervals around it, the hook's own
+account and, with ``--floor``, what a pass-through subclass adds, for each scheduler kind,
+with the hook's totals delivered over its transport."""
 
 from __future__ import annotations
 
@@ -77,6 +78,7 @@ def test_the_scheduler_bench_writes_one_case_per_kind_with_provenance(tmp_path):
         "1200",
         "--model-ms",
         "0.5",
+        "--floor",
         "--out",
         str(out),
     ]
@@ -101,5 +103,7 @@ def test_the_scheduler_bench_writes_one_case_per_kind_with_provenance(tmp_path):
         assert c["pricing_cpu_us"] > 0 and c["shipping_cpu_us"] > 0  # shipped, then priced
         lo, hi = c["wake_late_ci"]  # the model waits were timed, each after both classes' step
         assert lo <= c["wake_late_us"] <= hi and math.isfinite(c["wake_late_us"])
+        lo, hi = c["floor_mean_ci"]  # the pass-through subclass ran the same stream beside them
+        assert lo <= c["floor_mean_us"] <= hi and math.isfinite(c["floor_median_us"])
     assert data["messages_received"] > 0  # the hook's totals went over its transport
     assert f"written: {out}" in run.stdout
