@@ -68,16 +68,48 @@ PREFIX = "pte:"
 # which holds Redis for every replica (0.1 s at 100,000 sessions).
 _SORTED = "local SORTED = {" + ", ".join(f"'{k}'" for k in SORT_KEYS) + "}\n"
 
-# Each script first checks that the keys it writes hold what it writes to them (or nothing):
-# an error half-way through a script keeps what it wrote before it (its request marked applied,
-# its totals added), and a key someone else put under the prefix with another type would make
-# a turn count half, or stop every batch. Returns a message naming the first that does not.
+# Each script first checks that the keys it writes hold what it writes to them (or nothing),
+# and the fields it adds to a number the addition takes (or nothing): an error half-way through
+# a script keeps what it wrote before it (its request marked applied, its totals added), and a
+# key someone else put under the prefix with another type, or a value of its own in a field,
+# would make a turn count half, or stop every batch. ``wrong_type`` returns a message naming
+# the first key that does not (or false), and the type of each key; ``unaddable`` a message
+# naming the field (``whole``: one HINCRBY or INCR adds ``step`` to; else HINCRBYFLOAT), and
+# ``unaddable_sums`` the first of a hash's (field, step) pairs, one HMGET.
 _WRONG_TYPE = """
 local function wrong_type(wanted)
+  local types = {}
   for i = 1, #wanted, 2 do
     local found = redis.call('TYPE', wanted[i])['ok']
     if found ~= 'none' and found ~= wanted[i + 1] then
-      return 'key ' .. wanted[i] .. ' holds a ' .. found .. ', not a ' .. wanted[i + 1]
+      return 'key ' .. wanted[i] .. ' holds a ' .. found .. ', not a ' .. wanted[i + 1], types
+    end
+    types[wanted[i]] = found
+  end
+  return false, types
+end
+local function unaddable(key, field, v, step, whole)
+  if not v then return false end
+  local ok
+  if whole then  -- as Redis reads an integer: no sign but '-', no leading zero, no space
+    ok = #v <= 18 and (v == '0' or string.find(v, '^-?[1-9]%d*$') ~= nil)
+  else  -- tonumber takes spaces around, Redis none; a sum that is not finite Redis refuses
+    local n = not string.find(v, '%s') and tonumber(v)
+    ok = n and math.abs(n + step) < math.huge
+  end
+  if ok then return false end
+  local named = field and (' field ' .. string.gsub(field, '\\31', '/')) or ''  -- a count's cell: model/benchmark/count
+  return 'key ' .. key .. named .. " holds '" .. string.sub(v, 1, 40) .. "', not " .. (whole and 'an integer' or 'a number')
+end
+local function unaddable_sums(key, values)
+  local fields = {}
+  for i = 1, #values, 2 do fields[#fields + 1] = values[i] end
+  local found = redis.call('HMGET', key, unpack(fields))
+  local find, number, abs, huge = string.find, tonumber, math.abs, math.huge
+  for j = 1, #fields do  -- unaddable's test, inlined: this runs for each field of each turn
+    local v = found[j]
+    if v and not (not find(v, '%s') and abs((number(v) or 0 / 0) + values[2 * j]) < huge) then
+      return unaddable(key, fields[j], v, tonumber(values[2 * j]), false)
     end
   end
   return false
@@ -86,7 +118,9 @@ end
 
 # KEYS: none (standalone Redis). ARGV: prefix, now, max_turns, seen_ttl, the turn (JSON).
 # Returns {turn number (0: no session; -1: applied before; -2: not applied), opened, rows
-# dropped}, and for -2 why (a key of the wrong type).
+# dropped}, and for -2 why (a key of the wrong type, a field that holds no number). The
+# numbers are checked where the turn adds to them: one HMGET per hash (none for a new one),
+# a GET of the activity counter.
 _ADD = (
     _WRONG_TYPE
     + _SORTED
@@ -107,13 +141,40 @@ if r.session_id then
   end
   for _, k in ipairs(SORTED) do table.insert(wanted, p .. 'by:' .. k); table.insert(wanted, 'zset') end
 end
-local wrong = wrong_type(wanted)
+local wrong, types = wrong_type(wanted)
 if wrong then return {-2, 0, 0, wrong} end
-if not redis.call('SET', p .. 'seen:' .. r.request_id, 1, 'NX', 'EX', ARGV[4]) then
-  return {-1, 0, 0}
+if types[p .. 'seen:' .. r.request_id] ~= 'none' then return {-1, 0, 0} end
+local function sums(key, values)
+  return types[key] == 'hash' and unaddable_sums(key, values)
 end
-local function add(key, values)
-  for i = 1, #values, 2 do redis.call('HINCRBYFLOAT', key, values[i], values[i + 1]) end
+wrong = sums(p .. 'totals:model:' .. r.model, r.totals)
+  or (r.tenant and sums(p .. 'totals:tenant:' .. r.tenant, r.totals))
+  or (r.lora and sums(p .. 'totals:lora:' .. r.lora, r.totals))
+if r.session_id and not wrong then
+  local s, t, counters, touched = p .. 's:' .. r.session_id, p .. 't:' .. r.session_id, p .. 'counters', p .. 'touched'
+  local n, dropped = false, false
+  if types[s] == 'hash' then
+    n, dropped = unpack(redis.call('HMGET', s, 'n_turns', 'turns_dropped'))
+    wrong = unaddable(s, 'n_turns', n, 1, true) or unaddable_sums(s, r.sums)
+  end
+  local opens = (tonumber(n) or 0) == 0  -- the first turn sets turns_dropped before it adds to it
+  local drops = (types[t] == 'list' and redis.call('LLEN', t) or 0) + 1 - max_turns
+  if not wrong and drops > 0 and not opens then wrong = unaddable(s, 'turns_dropped', dropped, drops, true) end
+  if not wrong and types[counters] == 'hash' and (opens or drops > 0) then
+    local o, d = unpack(redis.call('HMGET', counters, 'sessions_opened', 'turns_dropped'))
+    wrong = (opens and unaddable(counters, 'sessions_opened', o, 1, true))
+      or (drops > 0 and unaddable(counters, 'turns_dropped', d, drops, true))
+  end
+  if not wrong and types[touched] == 'string' then
+    wrong = unaddable(touched, nil, redis.call('GET', touched), 1, true)
+  end
+end
+if wrong then return {-2, 0, 0, wrong} end
+redis.call('SET', p .. 'seen:' .. r.request_id, 1, 'EX', ARGV[4])
+local function add(key, values)  -- the fields' sums after it, by name
+  local after = {}
+  for i = 1, #values, 2 do after[values[i]] = redis.call('HINCRBYFLOAT', key, values[i], values[i + 1]) end
+  return after
 end
 add(p .. 'totals:model:' .. r.model, r.totals)
 redis.call('SADD', p .. 'models', r.model)
@@ -136,12 +197,13 @@ if r.last_prompt + r.last_output > 0 then
 elseif seq == 1 then
   redis.call('HSET', s, 'last_prompt', 0, 'last_output', 0)
 end
-add(s, r.sums)
-for _, k in ipairs(SORTED) do redis.call('ZADD', p .. 'by:' .. k, redis.call('HGET', s, k) or 0, r.session_id) end
+local after = add(s, r.sums)
+for _, k in ipairs(SORTED) do
+  redis.call('ZADD', p .. 'by:' .. k, after[k] or redis.call('HGET', s, k) or 0, r.session_id)
+end
 -- the row numbered by the store: its place among the session's turns as they landed
-redis.call('RPUSH', t, '{"turn":' .. seq .. ',' .. string.sub(r.row, 2))
+local n = redis.call('RPUSH', t, '{"turn":' .. seq .. ',' .. string.sub(r.row, 2))
 local dropped = 0
-local n = redis.call('LLEN', t)
 if n > max_turns then
   dropped = n - max_turns
   redis.call('LTRIM', t, dropped, -1)
@@ -160,7 +222,9 @@ return {seq, seq == 1 and 1 or 0, dropped}
 # most ``chunk`` sessions, so that no call holds Redis for long. What a call closed is held
 # under closing:<writer> until the writer's next call says it read that reply; one that does
 # not gets it again, in the chunk. Returns {more to close (0/1), live count, the closed
-# sessions as JSON: [id, reason, [field, value, …]] each}; JSON is much quicker to read.
+# sessions as JSON: [id, reason, [field, value, …]] each; JSON is much quicker to read, why a
+# host-wide count of them was left out ('' for none)}: a counter holding another writer's
+# value is left as it is, and the sessions close all the same.
 _CLOSE = (
     _WRONG_TYPE
     + _SORTED
@@ -172,8 +236,18 @@ local before = redis.call('HMGET', held, 'call', 'closed')
 if before[1] and before[1] ~= ARGV[7] then closed = cjson.decode(before[2]) end
 local wanted = {held, 'hash', p .. 'live', 'zset', p .. 'seen', 'zset', p .. 'counters', 'hash'}
 for _, k in ipairs(SORTED) do table.insert(wanted, p .. 'by:' .. k); table.insert(wanted, 'zset') end
-local wrong = wrong_type(wanted)
+local wrong, types = wrong_type(wanted)
 if wrong then return redis.error_reply(wrong) end
+local uncounted, counter = '', {}
+if types[p .. 'counters'] == 'hash' then
+  local found = redis.call('HMGET', p .. 'counters', 'sessions_expired', 'sessions_evicted')
+  for i, name in ipairs({'sessions_expired', 'sessions_evicted'}) do
+    local bad = unaddable(p .. 'counters', name, found[i], 0, true)
+    if bad then uncounted = bad else counter[name] = true end
+  end
+else
+  counter = {sessions_expired = true, sessions_evicted = true}
+end
 local ids, counts = {}, {idle = 0, evicted = 0}  -- this call's: the index and counters at the end
 local function close(sid, reason)
   -- someone else's key where the session's was: closed without its sums, the key left alone
@@ -199,8 +273,10 @@ if over > 0 and chunk > #closed then
 end
 if #ids > 0 then
   for _, k in ipairs(SORTED) do redis.call('ZREM', p .. 'by:' .. k, unpack(ids)) end
-  redis.call('HINCRBY', p .. 'counters', 'sessions_expired', counts.idle)
-  redis.call('HINCRBY', p .. 'counters', 'sessions_evicted', counts.evicted)
+  if counter.sessions_expired then redis.call('HINCRBY', p .. 'counters', 'sessions_expired', counts.idle) end
+  if counter.sessions_evicted then redis.call('HINCRBY', p .. 'counters', 'sessions_evicted', counts.evicted) end
+else
+  uncounted = ''
 end
 local json = '[]'
 redis.call('DEL', held)
@@ -211,7 +287,7 @@ if #closed > 0 then
 end
 local live = redis.call('ZCARD', p .. 'live')
 local more = live > max_live or redis.call('ZCOUNT', p .. 'seen', '-inf', '(' .. cutoff) > 0
-return {more and 1 or 0, live, json}
+return {more and 1 or 0, live, json, uncounted}
 """
 )
 
@@ -219,7 +295,9 @@ return {more and 1 or 0, live, json}
 # benchmark, output tokens, truncated) per finished request; a group is applied once. The
 # window's requests: hash r:<id> and zset recent (by seq); a session's: zset rs:<session>.
 # Counts per cell: hash outcomes, fields <model>\\x1f<benchmark>\\x1f<count>. Returns 0, or
-# why the group was not applied (a key of the wrong type).
+# why the group was not applied (a key of the wrong type, a count that holds no integer). The
+# index of a session a request leaves (``rs:``) is someone else's where it holds another type:
+# left alone.
 _OBSERVE = (
     _WRONG_TYPE
     + """
@@ -230,12 +308,31 @@ for i = 5, #ARGV, 6 do
   table.insert(wanted, p .. 'r:' .. ARGV[i]); table.insert(wanted, 'hash')
   if ARGV[i + 1] ~= '' then table.insert(wanted, p .. 'rs:' .. ARGV[i + 1]); table.insert(wanted, 'zset') end
 end
-local wrong = wrong_type(wanted)
+local wrong, types = wrong_type(wanted)
 if wrong then return wrong end
-if not redis.call('SET', p .. 'obs:' .. ARGV[4], 1, 'NX', 'EX', ARGV[3]) then return 0 end
+if types[p .. 'obs:' .. ARGV[4]] ~= 'none' then return 0 end
+if types[p .. 'recent:seq'] == 'string' then
+  wrong = unaddable(p .. 'recent:seq', nil, redis.call('GET', p .. 'recent:seq'), 1, true)
+  if wrong then return wrong end
+end
+local function field(model, benchmark, name) return model .. '\\31' .. benchmark .. '\\31' .. name end
+if types[p .. 'outcomes'] == 'hash' then
+  local fields = {}
+  for i = 5, #ARGV, 6 do
+    for _, name in ipairs({'requests', 'truncated', 'output_tokens'}) do
+      table.insert(fields, field(ARGV[i + 2], ARGV[i + 3], name))
+    end
+  end
+  local found = redis.call('HMGET', p .. 'outcomes', unpack(fields))
+  for j = 1, #fields do
+    wrong = unaddable(p .. 'outcomes', fields[j], found[j], 0, true)
+    if wrong then return wrong end
+  end
+end
+redis.call('SET', p .. 'obs:' .. ARGV[4], 1, 'EX', ARGV[3])
 local seq
 local function cell(model, benchmark, name, n)
-  redis.call('HINCRBY', p .. 'outcomes', model .. '\\31' .. benchmark .. '\\31' .. name, n)
+  redis.call('HINCRBY', p .. 'outcomes', field(model, benchmark, name), n)
 end
 for i = 5, #ARGV, 6 do
   local rid, sid, model, benchmark = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
@@ -243,7 +340,7 @@ for i = 5, #ARGV, 6 do
   seq = redis.call('INCR', p .. 'recent:seq')
   local k = p .. 'r:' .. rid
   local before = redis.call('HGET', k, 'session_id')
-  if before and before ~= '' then redis.call('ZREM', p .. 'rs:' .. before, rid) end
+  if before and before ~= '' then redis.pcall('ZREM', p .. 'rs:' .. before, rid) end
   redis.call('HSET', k, 'seq', seq, 'model', model, 'benchmark', benchmark, 'output_tokens', tokens,
              'truncated', truncated, 'session_id', sid, 'labeled', 0)
   redis.call('ZADD', p .. 'recent', seq, rid)
@@ -255,9 +352,11 @@ end
 if seq then
   for _, rid in ipairs(redis.call('ZRANGEBYSCORE', p .. 'recent', '-inf', seq - window)) do
     local k = p .. 'r:' .. rid
-    local sid = redis.call('HGET', k, 'session_id')
-    if sid and sid ~= '' then redis.call('ZREM', p .. 'rs:' .. sid, rid) end
-    redis.call('DEL', k)
+    local sid = redis.pcall('HGET', k, 'session_id')
+    if type(sid) ~= 'table' then  -- an error: someone else's key of another type, left alone
+      if sid and sid ~= '' then redis.pcall('ZREM', p .. 'rs:' .. sid, rid) end
+      redis.call('DEL', k)
+    end
   end
   redis.call('ZREMRANGEBYSCORE', p .. 'recent', '-inf', seq - window)
 end
@@ -266,40 +365,67 @@ return 0
 )
 
 # ARGV: prefix, correct (0/1), session id ('' for none), then the request ids (spellings of
-# one id). Returns JSON: null (none in the window), [] (already labeled) or the outcome.
-_LABEL = """
+# one id). Returns JSON: null (none in the window), [] (already labeled), the outcome, or
+# {"refused": why} where a key holds another type or a count no integer (nothing applied).
+_LABEL = (
+    _WRONG_TYPE
+    + """
 local p, correct, sid = ARGV[1], ARGV[2] == '1', ARGV[3]
+local outcomes = p .. 'outcomes'
+local wanted = {outcomes, 'hash'}
+if #ARGV > 3 then
+  for i = 4, #ARGV do table.insert(wanted, p .. 'r:' .. ARGV[i]); table.insert(wanted, 'hash') end
+else
+  wanted = {outcomes, 'hash', p .. 'rs:' .. sid, 'zset'}
+end
+local wrong, types = wrong_type(wanted)
+local function refused(why) return cjson.encode({refused = why}) end
+if wrong then return refused(wrong) end
 local rows = {}
 if #ARGV > 3 then
   for i = 4, #ARGV do
-    if redis.call('EXISTS', p .. 'r:' .. ARGV[i]) == 1 then rows = {ARGV[i]}; break end
+    if types[p .. 'r:' .. ARGV[i]] == 'hash' then rows = {ARGV[i]}; break end
   end
-else
-  rows = redis.call('ZRANGE', p .. 'rs:' .. sid, 0, -1)
+else  -- a session's requests whose hash another writer removed are no longer in the window
+  for _, rid in ipairs(redis.call('ZRANGE', p .. 'rs:' .. sid, 0, -1)) do
+    local found = redis.call('TYPE', p .. 'r:' .. rid)['ok']
+    if found == 'hash' then table.insert(rows, rid)
+    elseif found ~= 'none' then return refused('key ' .. p .. 'r:' .. rid .. ' holds a ' .. found .. ', not a hash') end
+  end
 end
 if #rows == 0 then return 'null' end
 local tokens, labeled = 0, false
 for _, rid in ipairs(rows) do
   local k = p .. 'r:' .. rid
-  tokens = tokens + tonumber(redis.call('HGET', k, 'output_tokens'))
-  if redis.call('HGET', k, 'labeled') == '1' then labeled = true end
+  local n, flag = unpack(redis.call('HMGET', k, 'output_tokens', 'labeled'))
+  wrong = unaddable(k, 'output_tokens', n or '', 0, true)
+  if wrong then return refused(wrong) end
+  tokens = tokens + tonumber(n)
+  if flag == '1' then labeled = true end
 end
 if labeled then return '[]' end
 local first, last = p .. 'r:' .. rows[1], p .. 'r:' .. rows[#rows]
 local model, benchmark = redis.call('HGET', first, 'model'), redis.call('HGET', first, 'benchmark')
+if not model or not benchmark then return refused('key ' .. first .. ' holds no model or benchmark') end
 local truncated = redis.call('HGET', last, 'truncated') == '1'
 correct = correct and not truncated
-local function cell(name, n)
-  redis.call('HINCRBY', p .. 'outcomes', model .. '\\31' .. benchmark .. '\\31' .. name, n)
+local names = {'labeled', 'labeled_truncated', 'labeled_output_tokens', 'correct'}
+local steps = {1, truncated and 1 or 0, tokens, correct and 1 or 0}
+local fields = {}
+for i, name in ipairs(names) do fields[i] = model .. '\\31' .. benchmark .. '\\31' .. name end
+if types[outcomes] == 'hash' then
+  local found = redis.call('HMGET', outcomes, unpack(fields))
+  for i = 1, #fields do
+    wrong = unaddable(outcomes, fields[i], found[i], steps[i], true)
+    if wrong then return refused(wrong) end
+  end
 end
-cell('labeled', 1)
-cell('labeled_truncated', truncated and 1 or 0)
-cell('labeled_output_tokens', tokens)
-cell('correct', correct and 1 or 0)
+for i = 1, #fields do redis.call('HINCRBY', outcomes, fields[i], steps[i]) end
 for _, rid in ipairs(rows) do redis.call('HSET', p .. 'r:' .. rid, 'labeled', 1) end
 return cjson.encode({model = model, benchmark = benchmark, requests = #rows, output_tokens = tokens,
                      truncated = truncated, correct = correct})
 """
+)
 
 
 def shown_url(url: str) -> str:
@@ -530,7 +656,10 @@ class RedisStore(BatchWriter):
     def label(self, correct: bool, request_ids: list[str], session_id: str | None) -> Any:
         with self.reading(write=True) as r:
             args = [self.prefix, int(bool(correct)), session_id or "", *request_ids]
-            return json.loads(self.scripts["label"](args=args, client=r))
+            answer = json.loads(self.scripts["label"](args=args, client=r))
+        if isinstance(answer, dict) and "refused" in answer:
+            raise StoreError(f"session store {self.path}: feedback not applied: {answer['refused']}")
+        return answer
 
     # --- reads ---
 
@@ -545,7 +674,16 @@ class RedisStore(BatchWriter):
             for sid in session_ids:
                 pipe.hmget(self.prefix + "s:" + sid, _TAIL)
             rows = _answers(pipe.execute(raise_on_error=False))
-        return [None if row is None or row[0] is None else _tail(*row) for row in rows]
+        tails: list[tuple[Any, ...] | None] = []
+        for sid, row in zip(session_ids, rows, strict=True):
+            try:
+                tails.append(None if row is None or row[0] is None else _tail(*row))
+            except ValueError:  # another writer's value: the turn is priced without it, counted
+                fields = dict(zip(_TAIL, row, strict=True))
+                raise StoreError(
+                    f"session store {self.path}: key {self.prefix}s:{sid} holds {fields}, not a session's numbers"
+                ) from None
+        return tails
 
     def session(self, session_id: str) -> dict[str, Any] | None:
         with self.reading() as r:
@@ -623,16 +761,17 @@ class Closing:
     closed: list[tuple[dict[str, Any], str]]
     live: int
     more: bool
+    uncounted: str = ""  # why the host-wide count of the sessions closed was left out ('': it was not)
 
 
 def _closing(call: str, reply: list[Any]) -> Closing:
-    more, live, closed = reply
+    more, live, closed, uncounted = reply
     summaries = [
         # an empty list of fields comes back from Lua as {}
         (session_summary(sid, dict(zip(f[::2], f[1::2], strict=True)) if f else {}), reason)
         for sid, reason, f in json.loads(closed)
     ]
-    return Closing(call, summaries, int(live), bool(more))
+    return Closing(call, summaries, int(live), bool(more), uncounted)
 
 
 def _wrong_type(e: Exception) -> bool:
@@ -727,13 +866,6 @@ class RedisSessionLedger(SessionLedger):
         return RedisStore(
             str(path), self._commit, self._error, self.server_id, max_queued, timeout_s=self._timeout_s
         )
-
-    def _count_live(self) -> int:
-        try:
-            return self.store.live()
-        except StoreError as e:
-            self._error(e)
-            return 0
 
     def prefetch(self, session_ids: Iterable[str]) -> None:
         ids = sorted(set(session_ids))
@@ -834,6 +966,13 @@ class RedisSessionLedger(SessionLedger):
         told not to send them again."""
         self.store.closing_read = closing.call
         self._set_live(closing.live)
+        if closing.uncounted:
+            self._error(
+                StoreError(
+                    f"session store {self.path}: {len(closing.closed)} closed sessions left out of the "
+                    f"host's counts ({closing.uncounted})"
+                )
+            )
         for _, reason in closing.closed:
             if reason == "idle":
                 self.stats.sessions_expired += 1

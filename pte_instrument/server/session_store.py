@@ -1,8 +1,8 @@
 """The session store's file: one SQLite database (WAL) per server, shared by its API-server
 processes: the schema, opening it, the columns its tables and routes share, and one
-process's use of it (``Store``: a connection for reads, a writer thread for writes). What is
-written to it is the business of the session ledger (``sessions``), the totals
-(``totals``) and the feedback window (``feedback_window``).
+process's use of it (``Store``: a connection for the pricer's reads, one for the routes',
+a writer thread for writes). What is written to it is the business of the session ledger
+(``sessions``), the totals (``totals``) and the feedback window (``feedback_window``).
 
 Writes leave the request path: they queue, and the writer commits what has queued in one
 transaction. A crash loses at most the batch being written; SQLite's journal keeps the file
@@ -22,6 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,10 @@ from pte_instrument.server.turn_order import HEARTBEAT_S, PEER_ALIVE_S, WRITER_G
 MAX_QUEUED = 10_000  # items waiting for the writer; past it an item is refused
 _BATCH = 1024  # items per transaction at most
 _EXPIRE_EVERY_S = 1.0  # a batch is due to close idle sessions at least this often, items or not
-OPEN_TIMEOUT_S = 30.0  # how long opening waits for another process holding the file
+OPEN_TIMEOUT_S = 30.0  # how long the writer, and a route's read, wait for another process holding the file
+# How long opening the store at start-up, and a pricing read, wait for another process holding
+# it: a store that cannot be opened in that time is opened by the writer, in the background.
+START_WAIT_S = 1.0
 SERVER_ALIVE_S = 60.0  # a server whose writer committed within this long is using the store
 
 # A turn's PTE, in its row and summed over its session.
@@ -137,6 +141,10 @@ class StoreError(RuntimeError):
     says_it_all = True  # a fault line shows the message, without a traceback
 
 
+class StoreLocked(StoreError):
+    """Another process holds the store locked: it can be opened once the lock goes."""
+
+
 STORE_TABLES = frozenset(re.findall(r"CREATE TABLE IF NOT EXISTS (\w+)", SCHEMA))
 
 
@@ -149,12 +157,15 @@ def file_id(path: Path) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
-def connect(path: Path) -> sqlite3.Connection:
+def connect(path: Path, wait_s: float = OPEN_TIMEOUT_S) -> sqlite3.Connection:
     """A connection to the store, created with its schema if new; a file that is not a
-    session store of this version is a :class:`StoreError` naming it."""
+    session store of this version is a :class:`StoreError` naming it, one another process
+    holds locked for longer than ``wait_s`` (the connection's wait from then on) a
+    :class:`StoreLocked`. A whole store is opened without a write, so that its reads go on
+    while another process holds its write lock."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        db = sqlite3.connect(path, timeout=OPEN_TIMEOUT_S, isolation_level=None, check_same_thread=False)
+        db = sqlite3.connect(path, timeout=wait_s, isolation_level=None, check_same_thread=False)
         foreign = _foreign_tables(db)
         if foreign:
             db.close()
@@ -162,13 +173,20 @@ def connect(path: Path) -> sqlite3.Connection:
                 f"the session store {path} is a SQLite database of something else, not a session store "
                 f"(its tables: {', '.join(foreign)}); it is left untouched"
             )
-        _turn_to_wal(db)
+        _turn_to_wal(db, wait_s)
         db.execute("PRAGMA synchronous = NORMAL")  # WAL: a process crash loses nothing committed
-        db.executescript(SCHEMA)
+        db.executescript(SCHEMA)  # writes nothing where the tables are there
         _add_columns(db)
-        db.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (SCHEMA_VERSION,))
-        version = db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()[0]
+        found = db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
+        if found is None:
+            db.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (SCHEMA_VERSION,))
+            found = db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
+        version = found[0]
     except (sqlite3.Error, OSError) as e:
+        if _locked(e):
+            raise StoreLocked(
+                f"the session store {path} is locked by another process (waited {wait_s:g} s)"
+            ) from None
         raise StoreError(f"cannot open the session store {path}: {e}") from None
     if version != SCHEMA_VERSION:
         db.close()
@@ -191,17 +209,22 @@ def _foreign_tables(db: sqlite3.Connection, shown: int = 5) -> list[str]:
     return names[:shown]
 
 
-def _turn_to_wal(db: sqlite3.Connection) -> None:
+def _locked(e: BaseException) -> bool:
+    """SQLite's answer when another connection holds what it waited for past its busy timeout."""
+    return isinstance(e, sqlite3.OperationalError) and str(e) == "database is locked"
+
+
+def _turn_to_wal(db: sqlite3.Connection, wait_s: float) -> None:
     """Put the store in WAL mode. Another process turning a new file to WAL at the same moment
     (the API servers of one server start together) makes SQLite answer "database is locked"
     at once, without waiting out the busy timeout: wait for it here instead."""
-    deadline = time.monotonic() + OPEN_TIMEOUT_S
+    deadline = time.monotonic() + wait_s
     while True:
         try:
             db.execute("PRAGMA journal_mode = WAL")
             return
         except sqlite3.OperationalError as e:
-            if str(e) != "database is locked" or time.monotonic() >= deadline:
+            if not _locked(e) or time.monotonic() >= deadline:
                 raise
         time.sleep(0.01)
 
@@ -264,6 +287,12 @@ class BatchWriter:
     def expire(self) -> None:
         """Make the next batch close idle sessions (it does so every second anyway)."""
         self.put(("expire",))
+
+    @property
+    def opened(self) -> bool:
+        """Whether the store is open to reads (a store that opens in the background is not,
+        at first)."""
+        return True
 
     @property
     def stalled(self) -> bool:
@@ -356,12 +385,33 @@ class BatchWriter:
             self.on_error(e)
 
 
+@dataclass
+class _Reader:
+    """A connection for reads, used by one reader at a time, and the file it is open on."""
+
+    wait_s: float  # how long opening it, and its reads, wait for another process holding the file
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    db: sqlite3.Connection | None = None
+    file: tuple[int, int] | None = None
+
+    def close(self) -> None:
+        if self.db is not None:
+            with contextlib.suppress(sqlite3.Error):
+                self.db.close()
+        self.db = self.file = None
+
+
 class Store(BatchWriter):
-    """One process's use of the SQLite store: a connection for reads (``reading``), and the
-    writer thread with a connection of its own. A store deleted or replaced while the server
-    runs (SQLite would go on writing the unlinked file, lost at restart) is opened again at
-    its path, created if need be, as the request log is; the first write that finds it so
-    says it (``on_error``) and counts it (``reopened``)."""
+    """One process's use of the SQLite store: a connection for the pricer's reads
+    (``reading``), one for the routes' (``reading(route=True)``: a deep page of the sessions
+    list, or a label waiting for the write lock, holds it, not the request path), and the
+    writer thread with a connection of its own. A store another process holds locked at
+    start-up for longer than ``START_WAIT_S`` is opened by the writer, in the background: its
+    reads fail meanwhile (a turn is priced without its session's earlier turns, counted), its
+    writes wait. A store deleted or replaced while the server runs (SQLite would go on writing
+    the unlinked file, lost at restart) is opened again at its path, created if need be, as the
+    request log is; the first write that finds it so says it (``on_error``) and counts it
+    (``reopened``)."""
 
     def __init__(
         self,
@@ -382,29 +432,53 @@ class Store(BatchWriter):
             os.close(fd)
             path = name
         self.path = Path(path)
-        self._reader_db = connect(self.path)
-        self._store_id = self._reader_id = file_id(self.path)  # the file the connections use
-        self._reader_lock = threading.Lock()
+        self._pricing, self._routes = _Reader(START_WAIT_S), _Reader(OPEN_TIMEOUT_S)
+        self._opened = threading.Event()  # the store was opened (by now, or by the writer)
+        try:
+            self._pricing.db = connect(self.path, START_WAIT_S)
+            self._store_id = self._pricing.file = file_id(self.path)  # the file the connections use
+        except StoreLocked as e:
+            self._store_id = file_id(self.path)
+            self._error(
+                StoreLocked(
+                    f"{e}; it is opened in the background once the lock goes: until then each turn is "
+                    "priced without its session's earlier turns (counted), and the turns wait to be written"
+                )
+            )
+        else:
+            self._opened.set()
+
+    @property
+    def opened(self) -> bool:
+        """False until the writer opened a store another process held locked at start-up (its
+        owner starts the writer then)."""
+        return self._opened.is_set()
 
     @contextlib.contextmanager
-    def reading(self) -> Iterator[sqlite3.Connection]:
-        """The readers' connection, on the file the writer uses; one reader at a time. A read
-        that fails is a :class:`StoreError` naming the file, as the Redis store's are."""
-        with self._reader_lock:
-            if self._reader_id != self._store_id:
-                with contextlib.suppress(sqlite3.Error):
-                    self._reader_db.close()
-                self._reader_db, self._reader_id = connect(self.path), self._store_id
+    def reading(self, route: bool = False) -> Iterator[sqlite3.Connection]:
+        """A connection for reads (the pricer's, or with ``route`` the routes'), on the file
+        the writer uses; one reader at a time on each. A read that fails, or meets the store
+        not opened yet, is a :class:`StoreError` naming the file, as the Redis store's are."""
+        reader = self._routes if route else self._pricing
+        with reader.lock:
+            if reader.db is None or reader.file != self._store_id:
+                if not self._opened.is_set():
+                    raise StoreError(
+                        f"session store {self.path}: not opened yet (another process holds it locked)"
+                    )
+                reader.close()
+                reader.db, reader.file = connect(self.path, reader.wait_s), self._store_id
             try:
-                yield self._reader_db
+                yield reader.db
             except sqlite3.Error as e:
                 raise StoreError(f"session store {self.path}: {type(e).__name__}: {e}") from None
 
     def close(self) -> None:
         """Commit what is queued, stop the writer and close the store."""
         self.stop_writer()
-        with self._reader_lock:
-            self._reader_db.close()
+        for reader in (self._pricing, self._routes):
+            with reader.lock:
+                reader.close()
         if self._private:
             for suffix in ("", "-wal", "-shm"):
                 with contextlib.suppress(OSError):
@@ -445,7 +519,7 @@ class Store(BatchWriter):
 
     def other_servers(self) -> list[str]:
         """The other servers whose writers committed to this store in the last ``SERVER_ALIVE_S``."""
-        with self.reading() as db:
+        with self.reading(route=True) as db:
             rows = db.execute(
                 "SELECT id FROM servers WHERE id != ? AND last_seen > ? ORDER BY id",
                 (self.server_id, time.time() - SERVER_ALIVE_S),
@@ -463,7 +537,7 @@ class Store(BatchWriter):
             ).fetchone()
 
     def session(self, session_id: str) -> dict[str, Any] | None:
-        with self.reading() as db:
+        with self.reading(route=True) as db:
             row = db.execute(
                 f"SELECT {', '.join(SUMMARY_COLUMNS)} FROM sessions WHERE id = ?", (session_id,)
             ).fetchone()
@@ -475,10 +549,14 @@ class Store(BatchWriter):
         return {**session_summary(row), "turn_rows": [json.loads(t[0]) for t in turns]}
 
     def top(self, limit: int, offset: int, key: str) -> tuple[int, list[dict[str, Any]]]:
-        with self.reading() as db:
+        with self.reading(route=True) as db:
             total = db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0]
+            # The page's ids sorted first, then their rows: a deep page's sort holds (key, id) of
+            # every session before it, not all of each session's columns.
+            order = f"ORDER BY {key} DESC, id"
             rows = db.execute(
-                f"SELECT {', '.join(SUMMARY_COLUMNS)} FROM sessions ORDER BY {key} DESC, id LIMIT ? OFFSET ?",
+                f"SELECT {', '.join(SUMMARY_COLUMNS)} FROM sessions WHERE id IN"
+                f" (SELECT id FROM sessions {order} LIMIT ? OFFSET ?) {order}",
                 (limit, offset),
             ).fetchall()
         return total, [session_summary(r) for r in rows]
@@ -486,19 +564,19 @@ class Store(BatchWriter):
     def totals(self, kind: str) -> dict[str, dict[str, Any]]:
         """Per-model, per-tenant or per-adapter sums (``kind``: model, tenant, lora)."""
         read = {"model": totals.by_model, "tenant": totals.by_tenant, "lora": totals.by_lora}[kind]
-        with self.reading() as db:
+        with self.reading(route=True) as db:
             return read(db)
 
     def label(self, correct: bool, request_ids: list[str], session_id: str | None) -> Any:
-        with self.reading() as db:
+        with self.reading(route=True) as db:
             return feedback_window.label(db, correct, request_ids, session_id)
 
     def outcomes(self) -> dict[tuple[str, str], dict[str, int]]:
-        with self.reading() as db:
+        with self.reading(route=True) as db:
             return feedback_window.outcomes(db)
 
     def host_stats(self) -> dict[str, int]:
-        with self.reading() as db:
+        with self.reading(route=True) as db:
             counts = dict(db.execute("SELECT name, value FROM counters").fetchall())
             live = db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0]
         return {"live": live, **{k: int(counts.get(k, 0)) for k in COUNTED}}
@@ -536,4 +614,5 @@ class Store(BatchWriter):
                 )
             )
         self._store_id = found
+        self._opened.set()
         return db

@@ -122,12 +122,21 @@ class SessionLedger:
         # Told the live count as each commit reads it (the writer's thread): the Prometheus
         # gauge several API servers share keeps the value set last, so it must be the latest.
         self.on_live: Callable[[int], None] | None = None
+        if not self.store.opened:
+            self.start()  # the writer opens it once the other process's lock goes
 
     def _open(self, path: str | Path | None, max_queued: int) -> Any:
         return Store(path, self._commit, self._error, self.server_id, max_queued)
 
     def _count_live(self) -> int:
-        return self.store.live()
+        """The live count at start; 0 where the store cannot tell yet (its first commit sets it)."""
+        if not self.store.opened:  # it said why when it could not open
+            return 0
+        try:
+            return self.store.live()
+        except StoreError as e:  # unreachable
+            self._error(e)
+            return 0
 
     @property
     def path(self) -> Path | str:

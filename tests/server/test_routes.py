@@ -228,8 +228,9 @@ def store_down(request, tmp_path) -> Iterator[Runtime]:
         store = str(tmp_path / "sessions.sqlite3")
     rt = Runtime(Settings(session_store=store), registry=CollectorRegistry())
     if request.param == "sqlite":
-        with rt.sessions.store.reading() as db:
-            db.set_authorizer(lambda *_: sqlite3.SQLITE_DENY)
+        for route in (False, True):  # the pricer's connection and the routes'
+            with rt.sessions.store.reading(route) as db:
+                db.set_authorizer(lambda *_: sqlite3.SQLITE_DENY)
     yield rt
     rt.sessions.close()
 
