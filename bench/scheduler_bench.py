@@ -213,7 +213,7 @@ def paired_run(
                 time.sleep(model_s)
                 late[j].append(time.perf_counter() - t - model_s)
     if len(set(admitted)) != 1 or len({len(d.schedule_s) for d in drivers}) != 1:
-        raise RuntimeError("the two schedulers ran different streams: the hook changed the scheduling")
+        raise RuntimeError("the schedulers ran different streams: a subclass changed the scheduling")
     hook_s = getattr(state, "hook_s", 0.0) - hook_start
     ship_s = getattr(hook, "ship_s", 0.0) - ship_start
     cpu_end = process_cpu_s(pid)
