@@ -16,6 +16,9 @@
 #   4. sync proof: 1000 update() calls per GPU backend under
 #      torch.cuda.set_sync_debug_mode("error"), then a torch.profiler trace counting
 #      cudaStreamSynchronize / cudaDeviceSynchronize / … per update → $OUT/sync_proof.json
+#   4b. the accumulator while a model runs on the GPU, as under async scheduling: host µs per
+#      update(), the model stream's time per step with and without it, no sync, exact
+#      (bench.accumulator_stream_bench)                          → $OUT/accumulator-stream-*.json
 #   5. γ measured vs theory, Llama-3.1-8B shapes (bench.gpu_latency), and the four-term
 #      step-time model t ≈ a·prefill + b·ctx + w·memory_bound + o fitted on the same timings
 #      (pte_instrument.cost.step_time.fit, theory as the prior; docs/cost-model.md §5b)
@@ -178,6 +181,10 @@ bad = [b for b, r in result["backends"].items()
        if r["synchronize_calls_in_updates"] or not r["conservation_ok"]]
 sys.exit(1 if bad else 0)
 EOF
+
+# 4b. the accumulator beside a running model
+step accumulator_stream 180 "$PY" -m bench.accumulator_stream_bench \
+    --out "$OUT/accumulator-stream-$(hostname)-$(date +%F).json"
 
 # 5. γ measured vs theory on the GPU, and the four-term step-time model on the same timings
 step gpu_latency 300 "$PY" -m bench.gpu_latency --out "$OUT"
