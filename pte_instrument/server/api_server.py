@@ -74,6 +74,7 @@ class ApiServer:
         self._next_expiry = 0.0
         self._lock = threading.Lock()  # one tick at a time: requests ready together are priced in order
         self._thread: threading.Thread | None = None
+        self._priced_through = 0.0  # unix: every request seen finished before it is priced
 
     @property
     def settings(self) -> Settings:
@@ -164,9 +165,11 @@ class ApiServer:
         exits): the turns held for the turns before them are priced too."""
         now = time.monotonic() if now is None else now
         with self._lock:
+            started = time.time()
             priced = 0
             for pricing in list(self._models.values()):
                 priced += self._price_in_turn_order(pricing, pricing.join.ready(now), now, final)
+            self._priced_through = self._unpriced_since(started)
             expiring = now >= self._next_expiry
             if expiring:
                 self._next_expiry = now + EXPIRY_EVERY_S
@@ -206,6 +209,23 @@ class ApiServer:
             self._price(pricing, request)
             priced += 1
         return priced
+
+    def _unpriced_since(self, started: float) -> float:
+        """After a tick that started at ``started`` (unix): the earliest a request still
+        unpriced could have been seen finished (one waiting for its engine's totals, a turn
+        held for the turns before it: before it was seen, it arrived)."""
+        since = started
+        for pricing in self._models.values():
+            oldest = pricing.join.oldest_seen_at()
+            if oldest is not None:
+                since = min(since, oldest)
+            since = min([since, *(request.arrived_at for request, _ in pricing.held)])
+        return since
+
+    def priced_through(self) -> float:
+        """Unix time before which every request this process saw finish is priced (infinite
+        where nothing prices here: no model configured, or no pricer thread)."""
+        return self._priced_through if self._models and self._thread is not None else math.inf
 
     @staticmethod
     def _out_of_order(request: FinishedRequest) -> Exception:
@@ -282,7 +302,7 @@ class ApiServer:
 
     def router(self) -> APIRouter:
         """The ``/pte/*`` routes."""
-        return build_router(self.runtime)
+        return build_router(self.runtime, self.priced_through)
 
     def middleware(
         self,

@@ -362,6 +362,16 @@ class RequestJoin:
         with self._lock:
             return self._waiting + len(self._new)
 
+    def oldest_seen_at(self) -> float | None:
+        """When the request that has waited longest was seen finished (unix); None: none waits."""
+        with self._lock:
+            seen = [w.seen_at for w in self._new[:1]]
+            for queue in self._queues.values():  # in the order seen; the handed out leave lazily
+                first = next((w for w in queue if not w.done), None)
+                if first is not None:
+                    seen.append(first.seen_at)
+            return min(seen, default=None)
+
     def ready(self, now: float) -> list[FinishedRequest]:
         """The finished requests to price now, joined with the engine hook's exact totals. The
         engine sends them within a step or two of a request's end, so they often arrive

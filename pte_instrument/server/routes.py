@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 import secrets
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -41,6 +43,17 @@ class RouteError(Exception):
 
 def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
+
+
+async def _priced(priced_through: Callable[[], float] | None, arrived: float) -> bool:
+    """Whether every request this process saw finish before ``arrived`` came to be priced
+    within ``LABEL_WAIT_S``."""
+    deadline = time.monotonic() + LABEL_WAIT_S
+    while priced_through is not None and priced_through() < arrived:
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(LABEL_POLL_S)
+    return True
 
 
 def _unauthorized() -> JSONResponse:
@@ -124,9 +137,15 @@ def _feedback_target(body: dict[str, Any]) -> tuple[bool, str | None, str | None
 
 
 API_SERVER_HEADER = "X-PTE-API-Server"  # on every /pte/* answer: the index of the API server
+# How long a label for a request not in the window yet waits for the requests this process saw
+# finish before the label came to be priced (the engine join's longest wait for totals, and more).
+LABEL_WAIT_S = 10.0
+LABEL_POLL_S = 0.01
 
 
-def build_router(runtime: Runtime) -> APIRouter:
+def build_router(runtime: Runtime, priced_through: Callable[[], float] | None = None) -> APIRouter:
+    """``priced_through()``: unix time before which every request this process saw finish is
+    priced; a label that finds no request waits for it to pass the label's arrival."""
     router = APIRouter(prefix="/pte", tags=["pte-instrument"])
 
     def named(response: Response) -> Response:
@@ -166,11 +185,23 @@ def build_router(runtime: Runtime) -> APIRouter:
         ``{"request_id": "…", "correct": true}`` or ``{"session_id": "…", "correct": false}``."""
 
         async def handler() -> JSONResponse:
+            arrived = time.time()
             correct, rid, sid = _feedback_target(_json_object(await _read_body(request)))
             # an answer's id lacks what vLLM appends to name its first engine request: the
             # completions API's "-<prompt index>", the Responses and chat batch APIs' "_<n>"
             ids = (rid, f"{rid}-0", f"{rid}_0") if rid is not None else ()
-            outcome = await asyncio.to_thread(runtime.efficiency.label, correct, ids, sid)  # the shared store
+            priced = priced_through() if priced_through is not None else math.inf
+            try:
+                outcome = await asyncio.to_thread(
+                    runtime.efficiency.label, correct, ids, sid
+                )  # the shared store
+            except FeedbackError as e:
+                # A harness that scores an answer at once labels it while its request may
+                # still wait for its engine's totals: once what finished before the label is
+                # priced, look again.
+                if e.status != 404 or priced >= arrived or not await _priced(priced_through, arrived):
+                    raise
+                outcome = await asyncio.to_thread(runtime.efficiency.label, correct, ids, sid)
             runtime.metrics.feedback(outcome)
             return JSONResponse(outcome)
 

@@ -325,3 +325,34 @@ def test_at_exit_a_turn_held_for_the_turns_before_it_is_priced_not_dropped(two_a
     server_b.tick(final=True)
     [(record, _)] = b.probe.records
     assert record.request_id == "cmpl-t2" and b.faults.counts == {"sessions": 1}
+
+
+def test_a_label_sent_as_the_answer_arrives_waits_for_its_request_to_be_priced(runtime):
+    """A harness that scores an answer at once posts its label while the request still waits
+    for its engine's totals (here 0.3 s): the label waits for the request to be priced and
+    lands, instead of a 404 for a request that finished. An id no request had is a 404 at
+    once when nothing is waiting."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    server = ApiServer(runtime)
+    runtime.inbox.on_messages([EngineHello(0)])  # a hook: the join waits for its totals
+    server.configure(served(), request_keys)
+    app = FastAPI()
+    app.include_router(server.router())
+    client = TestClient(app)
+    server.finished([finished("cmpl-race-0", output=2)])
+    totals = RequestTotals(
+        "cmpl-race-0-0123abcd", "cmpl-race-0", 0, "stop", prompt_tokens=10, output_tokens=2, scheduled=True
+    )
+    threading.Timer(0.3, runtime.inbox.on_messages, args=([totals],)).start()
+    t0 = time.monotonic()
+    r = client.post("/pte/feedback", json={"request_id": "cmpl-race", "correct": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["requests"] == 1 and r.json()["output_tokens"] == 2
+    assert 0.25 < time.monotonic() - t0 < 5
+    record = runtime.probe.records[0][0]
+    assert record.request_id == "cmpl-race-0" and record.engine_pte_served is not None
+    t0 = time.monotonic()
+    r = client.post("/pte/feedback", json={"request_id": "cmpl-never", "correct": True})
+    assert r.status_code == 404 and time.monotonic() - t0 < 1.0
