@@ -14,6 +14,7 @@ import math
 import secrets
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -45,11 +46,11 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
 
 
-async def _priced(priced_through: Callable[[], float] | None, arrived: float) -> bool:
+async def _priced(priced_through: Callable[[], float], arrived: float) -> bool:
     """Whether every request this process saw finish before ``arrived`` came to be priced
     within ``LABEL_WAIT_S``."""
     deadline = time.monotonic() + LABEL_WAIT_S
-    while priced_through is not None and priced_through() < arrived:
+    while priced_through() < arrived:
         if time.monotonic() >= deadline:
             return False
         await asyncio.sleep(LABEL_POLL_S)
@@ -190,18 +191,20 @@ def build_router(runtime: Runtime, priced_through: Callable[[], float] | None = 
             # an answer's id lacks what vLLM appends to name its first engine request: the
             # completions API's "-<prompt index>", the Responses and chat batch APIs' "_<n>"
             ids = (rid, f"{rid}-0", f"{rid}_0") if rid is not None else ()
+            # the shared store, read on a worker thread
+            label = partial(asyncio.to_thread, runtime.efficiency.label, correct, ids, sid)
             priced = priced_through() if priced_through is not None else math.inf
             try:
-                outcome = await asyncio.to_thread(
-                    runtime.efficiency.label, correct, ids, sid
-                )  # the shared store
+                outcome = await label()
             except FeedbackError as e:
                 # A harness that scores an answer at once labels it while its request may
                 # still wait for its engine's totals: once what finished before the label is
                 # priced, look again.
-                if e.status != 404 or priced >= arrived or not await _priced(priced_through, arrived):
+                if e.status != 404 or priced >= arrived or priced_through is None:
                     raise
-                outcome = await asyncio.to_thread(runtime.efficiency.label, correct, ids, sid)
+                if not await _priced(priced_through, arrived):
+                    raise
+                outcome = await label()
             runtime.metrics.feedback(outcome)
             return JSONResponse(outcome)
 
