@@ -1,12 +1,13 @@
 """``pte bench …``: the benchmarks of the source tree's ``bench/`` folder.
 
 ``bench/`` is not part of the installed package (it needs a checkout: the tiny model builder,
-vLLM, results folders), so each bench runs as ``python -m bench.<name>`` in a subprocess whose
-environment has the repository root — found next to this package, which is where an editable
-install (``pip install -e .``, what ``make`` does) leaves it — first on ``PYTHONPATH``. Children
-of the bench (the vLLM server) inherit that environment, so they import the checkout's package
-too. The working directory stays the caller's, so relative paths (``--out``) mean what they
-say. Every argument after the bench's name is passed through unchanged:
+vLLM, results folders), so each bench runs as module ``bench.<name>`` of the repository root —
+found next to this package, which is where an editable install (``pip install -e .``, what
+``make`` does) leaves it — in a subprocess that has the root first on ``sys.path`` and on
+``PYTHONPATH``. Children of the bench (the vLLM server) inherit that environment, so they import
+the checkout's package too. The working directory stays the caller's, so relative paths
+(``--out``) mean what they say. Every argument after the bench's name is passed through
+unchanged:
 
     pte bench latency --model-preset tiny --concurrency 1,16
     pte bench latency --help
@@ -45,13 +46,22 @@ def repo_root(start: Path | None = None) -> Path | None:
     return root if (root / "bench").is_dir() else None
 
 
+# ``python -m`` would put the working directory first on sys.path, ahead of PYTHONPATH, so a
+# bench/ folder or bench.py there (the caller's own project) would run instead of the checkout's.
+# The child puts the root in that place instead, then runs the module as ``-m`` does.
+RUN_FROM_ROOT = (
+    "import runpy, sys; sys.path[0] = sys.argv.pop(1); "
+    "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)"
+)
+
+
 def bench_command(name: str, args: list[str], root: Path) -> list[str]:
     """The command line that runs bench ``name`` of the checkout at ``root`` with ``args``; run it
     with :func:`bench_env`'s environment."""
     module, marker, _ = BENCHES[name]
     if not (root / marker).is_file():
         raise FileNotFoundError(f"{root / marker} not found")
-    return [sys.executable, "-m", module, *args]
+    return [sys.executable, "-c", RUN_FROM_ROOT, str(root), module, *args]
 
 
 def bench_env(root: Path, environ: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -81,11 +81,14 @@ def _run(command: str, fn: Callable[[argparse.Namespace], int], args: argparse.N
 
 
 def _output_options(
-    p: argparse.ArgumentParser, command: str, fn: Callable[[argparse.Namespace], int]
+    p: argparse.ArgumentParser,
+    command: str,
+    fn: Callable[[argparse.Namespace], int],
+    plots_help: str = "write PNG plots to DIR (all or none)",
 ) -> argparse.ArgumentParser:
     """The options both commands share, and the command run under the one error convention."""
     p.add_argument("--json", action="store_true", help="stable JSON on stdout")
-    p.add_argument("--plots", metavar="DIR", type=output_path, help="write PNG plots to DIR (all or none)")
+    p.add_argument("--plots", metavar="DIR", type=output_path, help=plots_help)
     p.set_defaults(func=lambda args: _run(command, fn, args))
     return p
 
@@ -489,7 +492,8 @@ def add_report_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--strict", action="store_true", help="fail on any bad line instead of dropping and listing it"
     )
     p.set_defaults(report_parser=p)
-    return _output_options(p, "report", _report)
+    # a request log has no plots: --plots with one is refused
+    return _output_options(p, "report", _report, "trajectories: write PNG plots to DIR (all or none)")
 
 
 def _given(args: argparse.Namespace, options: dict[str, str]) -> list[str]:

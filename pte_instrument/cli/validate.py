@@ -57,9 +57,11 @@ def add_validate_parser(sub: Any) -> None:
         "--out",
         type=output_path,
         default="pte-validation",
-        help="folder for report.json, report.md and the plots (written all or none)",
+        help="folder for report.json, report.md and the plots (written all or none; default pte-validation)",
     )
-    v.add_argument("--bootstrap", type=whole_number(10, 100_000), default=1000, help="bootstrap resamples")
+    v.add_argument(
+        "--bootstrap", type=whole_number(10, 100_000), default=1000, help="bootstrap resamples (default 1000)"
+    )
     v.add_argument("--seed", type=whole_number(0), default=0)
     v.add_argument("--no-plots", action="store_true", help="no PNG plots (matplotlib not needed)")
     v.add_argument("--json", action="store_true", help="print the targets and phases as JSON")

@@ -392,7 +392,7 @@ def test_bench_cli_passes_arguments_through() -> None:
     root = repo_root()
     assert root is not None
     cmd = bench_command("latency", args.bench_args, root)
-    # the bench runs as a module of the checkout: the root first on the child's PYTHONPATH
-    assert cmd[1:4] == ["-m", "bench.latency.run", "--model-preset"]
-    assert cmd[4:] == ["tiny", "--help"]
+    # the bench runs as a module of the checkout: the root first on the child's sys.path and PYTHONPATH
+    assert cmd[3:6] == [str(root), "bench.latency.run", "--model-preset"]
+    assert cmd[6:] == ["tiny", "--help"]
     assert bench_env(root, {})["PYTHONPATH"].split(os.pathsep)[0] == str(root)

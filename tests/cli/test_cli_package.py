@@ -109,7 +109,16 @@ def test_bench_runs_the_module_with_the_checkout_on_pythonpath() -> None:
     root = cli_bench.repo_root()
     assert root == ROOT
     cmd = cli_bench.bench_command("gpu-latency", ["--device", "cpu", "--tiny"], root)
-    assert cmd == [sys.executable, "-m", "bench.gpu_latency", "--device", "cpu", "--tiny"]
+    assert cmd == [
+        sys.executable,
+        "-c",
+        cli_bench.RUN_FROM_ROOT,
+        str(root),
+        "bench.gpu_latency",
+        "--device",
+        "cpu",
+        "--tiny",
+    ]
     env = cli_bench.bench_env(root, {"PYTHONPATH": "/elsewhere", "HOME": "/h"})
     assert env == {"PYTHONPATH": os.pathsep.join([str(root), "/elsewhere"]), "HOME": "/h"}
     assert cli_bench.bench_env(root, {})["PYTHONPATH"] == str(root)
