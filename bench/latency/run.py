@@ -3,7 +3,7 @@ start the server with the plugin (request log) and the engine hook (step log), r
 sessions at each concurrency, then analyse and write the report.
 
     python -m bench.latency.run --model-preset tiny                       # concurrency 1, 16, 64
-    python -m bench.latency.run --model-preset small --turns 6            # the headline
+    python -m bench.latency.run --model-preset small --sessions 16 --turns 5   # the headline
     python -m bench.latency.run --model-preset tiny --concurrency 1,16 --sessions 24 --turns 8 \\
         --out bench/results/latency-tiny-<host>-<date>/
     python -m bench.latency.run --analyse bench/results/latency-tiny-<host>-<date>/   # re-analyse logs
