@@ -126,9 +126,16 @@ def test_bench_runs_the_module_with_the_checkout_on_pythonpath() -> None:
         cli_bench.bench_command("latency", [], ROOT / "pte_instrument")  # no bench/ there
 
 
-def test_pte_bench_help_runs_from_another_directory(tmp_path: Path) -> None:
+@pytest.mark.parametrize("shadow", [None, "package", "module"])
+def test_pte_bench_help_runs_from_another_directory(tmp_path: Path, shadow: str | None) -> None:
     # The bench's own --help, through `pte bench`, from a working directory that is not the
-    # checkout: the module is found through PYTHONPATH, the working directory is kept.
+    # checkout: the module is found through PYTHONPATH, the working directory is kept, and a
+    # bench/ package or bench.py of the caller's own there does not stand in for the checkout's.
+    if shadow == "package":
+        (tmp_path / "bench").mkdir()
+        (tmp_path / "bench" / "__init__.py").write_text("print('the caller bench ran')\n")
+    elif shadow == "module":
+        (tmp_path / "bench.py").write_text("print('the caller bench ran')\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     r = subprocess.run(
         [sys.executable, "-m", "pte_instrument.cli.main", "bench", "gpu-latency", "--help"],
@@ -138,5 +145,6 @@ def test_pte_bench_help_runs_from_another_directory(tmp_path: Path) -> None:
         cwd=tmp_path,
         env=env,
     )
+    assert "the caller bench ran" not in r.stdout
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("usage: python -m bench.gpu_latency")
