@@ -235,9 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-EXIT_READER_LEFT = 128 + getattr(
-    signal, "SIGPIPE", 13
-)  # what a shell reports for a command a closed pipe stopped
+# what a shell reports for a command a closed pipe stopped
+EXIT_READER_LEFT = 128 + getattr(signal, "SIGPIPE", 13)
 
 
 def _drop_stdout(stream: Any) -> None:

@@ -105,12 +105,9 @@ local function unaddable_sums(key, values)
   local fields = {}
   for i = 1, #values, 2 do fields[#fields + 1] = values[i] end
   local found = redis.call('HMGET', key, unpack(fields))
-  local find, number, abs, huge = string.find, tonumber, math.abs, math.huge
-  for j = 1, #fields do  -- unaddable's test, inlined: this runs for each field of each turn
-    local v = found[j]
-    if v and not (not find(v, '%s') and abs((number(v) or 0 / 0) + values[2 * j]) < huge) then
-      return unaddable(key, fields[j], v, tonumber(values[2 * j]), false)
-    end
+  for j = 1, #fields do
+    local bad = unaddable(key, fields[j], found[j], tonumber(values[2 * j]), false)
+    if bad then return bad end
   end
   return false
 end

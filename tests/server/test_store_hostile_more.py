@@ -80,12 +80,15 @@ def test_pricing_reads_go_on_while_a_deep_page_of_the_sessions_list_is_read(tmp_
 
 
 def _runtime(path: Path):
+    """A server's runtime on the store at ``path``, and the seconds its start took."""
     from prometheus_client import CollectorRegistry
 
     from pte_instrument.server.runtime import Runtime
     from pte_instrument.settings import Settings
 
-    return Runtime(Settings(session_store=str(path)), CollectorRegistry())
+    t0 = time.monotonic()
+    runtime = Runtime(Settings(session_store=str(path)), CollectorRegistry())
+    return runtime, time.monotonic() - t0
 
 
 def test_a_server_starting_on_a_store_another_process_holds_locked_starts_at_once(tmp_path, caplog):
@@ -100,9 +103,7 @@ def test_a_server_starting_on_a_store_another_process_holds_locked_starts_at_onc
     before.close()
     holder = _hold_exclusive(path)
     try:
-        t0 = time.monotonic()
-        runtime = _runtime(path)
-        started = time.monotonic() - t0
+        runtime, started = _runtime(path)
         ledger = runtime.sessions
         assert started < 2.0 and ledger.path == path, started
         assert runtime.faults.counts["sessions"] == 0 and _store_lines(caplog, str(path)) == []
@@ -128,9 +129,7 @@ def test_a_server_starting_on_a_new_store_another_process_holds_locked_opens_it_
     path = tmp_path / "s.sqlite3"
     holder = _hold_exclusive(path)
     try:
-        t0 = time.monotonic()
-        runtime = _runtime(path)
-        started = time.monotonic() - t0
+        runtime, started = _runtime(path)
         ledger = runtime.sessions
         assert started < 3.0 and ledger.path == path, started
         t0 = time.monotonic()
