@@ -445,6 +445,18 @@ def number(text: str) -> int | float:
         return int(f) if f.is_integer() and abs(f) < 2**53 else f
 
 
+def readable(text: str | None, default: int | float = 0) -> int | float | None:
+    """A number for a reader: ``default`` where the field is missing, None where another
+    writer left something that is no finite number (shown as unknown, not guessed)."""
+    if text is None:
+        return default
+    try:
+        x = number(text)
+    except ValueError:
+        return None
+    return x if math.isfinite(x) else None
+
+
 class RedisStore(BatchWriter):
     """One process's use of the Redis store: a client for reads (``reading``: raises
     :class:`StoreError` while the store is left alone), and the batch writer."""
@@ -690,7 +702,10 @@ class RedisStore(BatchWriter):
             fields, rows = _answers(pipe.execute(raise_on_error=False))
         if not fields or rows is None:
             return None
-        return {**session_summary(session_id, fields), "turn_rows": [json.loads(row) for row in rows]}
+        return {
+            **session_summary(session_id, fields),
+            "turn_rows": [t for t in map(_turn_row, rows) if t is not None],
+        }
 
     def top(self, limit: int, offset: int, key: str) -> tuple[int, list[dict[str, Any]]]:
         live, index = self.prefix + "live", self.prefix + "by:" + key
@@ -725,7 +740,7 @@ class RedisStore(BatchWriter):
             rows = pipe.execute()
         out: dict[str, dict[str, Any]] = {}
         for name, fields in zip(names, rows, strict=True):
-            sums: dict[str, Any] = {k: number(fields.get(k, "0")) for k in MODEL_TOTALS}
+            sums: dict[str, Any] = {k: readable(fields.get(k)) for k in MODEL_TOTALS}
             out[name] = {"model": fields.get("model", ""), **sums} if kind == "lora" else sums
         return out
 
@@ -733,16 +748,24 @@ class RedisStore(BatchWriter):
         with self.reading() as r:
             fields = r.hgetall(self.prefix + "outcomes")
         out: dict[tuple[str, str], dict[str, int]] = {}
+        unreadable: set[tuple[str, str]] = set()  # a cell whose ratios cannot be computed
         for name, value in fields.items():
-            model, benchmark, count = name.split("\x1f")
-            out.setdefault((model, benchmark), dict.fromkeys(OUTCOME_COUNTS, 0))[count] = int(value)
-        return out
+            parts = name.split("\x1f")
+            if len(parts) != 3 or parts[2] not in OUTCOME_COUNTS:  # another writer's field
+                continue
+            model, benchmark, count = parts
+            n = readable(value)
+            if not isinstance(n, int) or n < 0:
+                unreadable.add((model, benchmark))
+                continue
+            out.setdefault((model, benchmark), dict.fromkeys(OUTCOME_COUNTS, 0))[count] = n
+        return {cell: counts for cell, counts in out.items() if cell not in unreadable}
 
     def host_stats(self) -> dict[str, int]:
         with self.reading() as r:
             counts = r.hgetall(self.prefix + "counters")
             live = r.zcard(self.prefix + "live")
-        return {"live": live, **{k: int(counts.get(k, 0)) for k in COUNTED}}
+        return {"live": live, **{k: readable(counts.get(k)) for k in COUNTED}}  # type: ignore[dict-item]
 
     def live(self) -> int:
         with self.reading() as r:
@@ -830,12 +853,26 @@ def session_summary(session_id: str, fields: dict[str, str]) -> dict[str, Any]:
     return {
         "session_id": session_id,
         "model": fields.get("model", ""),
-        "turns": int(fields.get("n_turns", 0)),
-        "turns_dropped": int(fields.get("turns_dropped", 0)),
-        "first_seen": float(fields.get("first_seen", 0.0)),
-        "last_seen": float(fields.get("last_seen", 0.0)),
-        **{k: number(fields.get(k, "0")) for k in SUMMED},
+        "turns": readable(fields.get("n_turns")),
+        "turns_dropped": readable(fields.get("turns_dropped")),
+        "first_seen": _seconds(fields.get("first_seen")),
+        "last_seen": _seconds(fields.get("last_seen")),
+        **{k: readable(fields.get(k)) for k in SUMMED},
     }
+
+
+def _seconds(text: str | None) -> float | None:
+    x = readable(text)
+    return None if x is None else float(x)
+
+
+def _turn_row(text: str) -> dict[str, Any] | None:
+    """A stored turn row; None where another writer left something else in the list."""
+    try:
+        row = json.loads(text)
+    except ValueError:
+        return None
+    return row if isinstance(row, dict) else None
 
 
 class RedisSessionLedger(SessionLedger):

@@ -216,6 +216,18 @@ def test_closed_sessions_feed_the_seconds_and_money_histograms_only_when_they_ha
     assert registry.get_sample_value("pte_session_cost_usd_bucket", {"model_name": "m", "le": "0.01"}) == 1
 
 
+def test_a_closed_session_with_a_value_a_shared_store_could_not_read_is_counted_closed():
+    """A session store shared with another writer can hand back a closed session whose turn
+    count or PTE was unreadable (None): it is counted closed, the readable values observed."""
+    registry = CollectorRegistry()
+    PteMetrics(registry).session_closed(
+        {"model": "m", "turns": None, "pte_served": None, "pte_eviction_tax": 20.0}, "idle"
+    )
+    assert registry.get_sample_value("pte_sessions_closed_total", {"model_name": "m", "reason": "idle"}) == 1
+    assert not registry.get_sample_value("pte_session_turns_count", {"model_name": "m"})  # none observed
+    assert registry.get_sample_value("pte_session_eviction_tax_pte_sum", {"model_name": "m"}) == 20.0
+
+
 def test_usage_is_attributed_to_tenant_and_adapter_and_the_cache_stays_bounded():
     registry = CollectorRegistry()
     exporter = PrometheusExporter("m", 0, PteMetrics(registry))

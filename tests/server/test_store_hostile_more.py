@@ -341,3 +341,47 @@ def test_a_value_another_writer_put_into_a_closing_counter_closes_the_sessions_a
     assert len([e for e in faults if "sessions_expired" in str(e)]) == 1, faults
     turn(a, "z", 10, 2, 0, 1200.0)
     assert a.flush(5) and a.get("z")["turns"] == 1 and a.stats.records_lost == 0
+
+
+@needs_redis
+def test_reads_of_a_store_where_another_writer_put_values_of_its_own_answer_around_them(
+    ledgers, redis_server, client
+):
+    """Another writer's text in a session's numbers, a model's totals, the host's counters and
+    the outcome counts: ``/pte/sessions``, ``/pte/sessions/<id>`` and the summary's host-wide
+    sections still answer (not a 500 for every reader), the unreadable values as null (not a
+    guess), the session's unreadable turn rows left out, and everything else as stored."""
+    a = ledgers(redis_server.url)
+    for sid, pte in (("bad", 10), ("ok", 20)):
+        turn(a, sid, pte, 2, 0, 1000.0)
+    assert a.flush()
+    client.hset("pte:s:bad", mapping={"n_turns": "many", "pte_served": "x", "first_seen": ""})
+    client.rpush("pte:t:bad", "{not json")
+    client.hset("pte:totals:model:m", "requests", "lots")
+    client.hset("pte:counters", "sessions_opened", "x")
+    client.hset(
+        "pte:outcomes",
+        mapping={
+            "m\x1fb\x1frequests": "3",
+            "m\x1fb\x1fcorrect": "1",
+            "m\x1fb\x1fnot a count": "1",
+            "m\x1fc\x1frequests": "y",  # a cell whose ratios cannot be read: left out whole
+            "no separators": "1",
+        },
+    )
+
+    bad = a.get("bad")
+    assert bad["turns"] is None and bad["pte_served"] is None and bad["first_seen"] is None
+    assert bad["model"] == "m" and len(bad["turn_rows"]) == 1 and bad["turn_rows"][0]["turn"] == 1
+    total, rows = a.top(10, 0, "pte_served")
+    assert total == 2 and {r["session_id"]: r["turns"] for r in rows} == {"bad": None, "ok": 1}
+    assert a.get("ok")["turns"] == 1 and a.get("ok")["pte_served"] == pytest.approx(
+        next(r["pte_served"] for r in rows if r["session_id"] == "ok")
+    )
+    totals = a.model_totals()["m"]
+    assert totals["requests"] is None and totals["output_tokens"] == 4
+    stats = a.host_stats()
+    assert stats["sessions_opened"] is None and stats["live"] == 2
+    cells = a.outcomes()
+    assert list(cells) == [("m", "b")] and (cells["m", "b"]["requests"], cells["m", "b"]["correct"]) == (3, 1)
+    assert sum(cells["m", "b"].values()) == 4

@@ -228,7 +228,9 @@ PARTIAL_SUCCESS = {
     "logs": ("logs.v1.logs_service_pb2", "ExportLogsServiceResponse", "rejected_log_records"),
     "metrics": ("metrics.v1.metrics_service_pb2", "ExportMetricsServiceResponse", "rejected_data_points"),
 }
-BATCH_SIZE_VARIABLE = {"spans": "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "logs": "OTEL_BLRP_MAX_EXPORT_BATCH_SIZE"}
+# What a span or log batch is made of: such a batch over a collector's request size is sent
+# again in halves (a metrics batch is one message).
+ITEM = {"spans": "span", "logs": "log record"}
 MAX_REASON_CHARS = 300  # of a collector's or client's words quoted in a fault line
 
 
@@ -292,8 +294,8 @@ def _why(answers: list[Any], kind: str) -> str:
             return f": a header value HTTP cannot carry (OTEL_EXPORTER_OTLP_HEADERS?): {_one_line(error)}"
         return "" if error is None else f": {_one_line(error)}"
     why = f": the collector answered {status} {_one_line(getattr(answer, 'reason', '') or '')}".rstrip()
-    if status == 413 and kind in BATCH_SIZE_VARIABLE:
-        why += f" (a smaller {BATCH_SIZE_VARIABLE[kind]} sends smaller batches)"
+    if status == 413 and kind in ITEM:
+        why += f" to a batch of one: a single {ITEM[kind]} over its request size limit"
     return why
 
 
@@ -403,6 +405,23 @@ def count_failures(
         records = _records_of(batch, kind)
         if backlog is not None:
             records = backlog.taken(records, len(batch))
+        return delivered(batch, records, *args, **kwargs)
+
+    def halves(batch: Any, records: Counter[tuple[str, int]], *args: Any, **kwargs: Any) -> Any:
+        """A batch over the collector's request size, sent again as two: each half reports
+        what it loses, so a half that fails leaves the other delivered."""
+        batch, half = list(batch), len(batch) // 2
+        first = _records_of(batch[:half], kind)
+        first = Counter({k: min(c, records[k]) for k, c in first.items()})
+        results = []
+        for part, part_records in ((batch[:half], first), (batch[half:], records - first)):
+            try:
+                results.append(delivered(part, part_records, *args, **kwargs))
+            except Exception:  # counted lost by the half that raised
+                results.append(_failure(kind))
+        return next((r for r in results if getattr(r, "name", "SUCCESS") != "SUCCESS"), results[0])
+
+    def delivered(batch: Any, records: Counter[tuple[str, int]], *args: Any, **kwargs: Any) -> Any:
         try:
             result, answers = (
                 answered(batch, *args, **kwargs)
@@ -417,6 +436,8 @@ def count_failures(
             raise
         size = "" if kind == "metrics" else f" of {len(batch)}"
         if getattr(result, "name", "SUCCESS") != "SUCCESS":
+            if kind in ITEM and len(batch) > 1 and answers and _status(answers[-1]) == 413:
+                return halves(batch, records, *args, **kwargs)
             if on_failed is not None:
                 on_failed(
                     ExportFailed(f"an OTLP {kind} batch{size} was not delivered{_why(answers, kind)}"),

@@ -135,10 +135,15 @@ class PteMetrics:
         self.correct_answers.labels(*lab).inc(int(outcome["correct"]))
 
     def session_closed(self, summary: dict, reason: str) -> None:
-        model = summary["model"]
-        self.session_turns.labels(model).observe(summary["turns"])
-        self.session_pte.labels(model).observe(summary["pte_served"])
-        self.session_eviction.labels(model).observe(summary["pte_eviction_tax"])
+        model = summary.get("model", "")
+        # a value another writer of a shared store made unreadable (None) is not observed
+        for histogram, key in (
+            (self.session_turns, "turns"),
+            (self.session_pte, "pte_served"),
+            (self.session_eviction, "pte_eviction_tax"),
+        ):
+            if (x := summary.get(key)) is not None:
+                histogram.labels(model).observe(x)
         # Summed with None as 0: a 0 means the session had none (no step hook, no price), so
         # it is not observed rather than counted as free.
         gpu_seconds, cost = summary.get("gpu_seconds") or 0.0, summary.get("cost_usd") or 0.0
