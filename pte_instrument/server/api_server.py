@@ -150,7 +150,7 @@ class ApiServer:
                 continue
             try:
                 tagged = pricing.join.tag(request)
-                if pricing.join.finished(tagged, now) and tagged.session_id is not None:
+                if pricing.join.finished(tagged, now):
                     self.runtime.sessions.told_finished(tagged.request_id, tagged.session_id)
             except Exception as e:
                 self.fault("adapter", e)

@@ -102,13 +102,13 @@ class RequestPricer:
             if self.sessions is not None:
                 self.sessions.gave_up(request)
             return None
-        if self.sessions is not None:
+        for stage, exporter in self.exporters:
+            self._export(stage, exporter, record)
+        if self.sessions is not None:  # after the feedback window's entry: it lands no later
             try:
                 self.sessions.add(record)
             except Exception as e:
                 self.faults.record("sessions", e)
-        for stage, exporter in self.exporters:
-            self._export(stage, exporter, record)
         return record
 
     def _in_session(self, request: FinishedRequest, now: float) -> FinishedRequest:

@@ -45,8 +45,8 @@ from pte_instrument.server.session_store import (
     Commit,
     StoreError,
 )
-from pte_instrument.server.sessions import SessionLedger, Tail, turn_ids, turn_row
-from pte_instrument.server.turn_order import PEER_ALIVE_S, WRITER_GONE_S
+from pte_instrument.server.sessions import SessionLedger, Tail, told_ids, turn_row
+from pte_instrument.server.turn_order import PEER_ALIVE_S, WRITER_GONE_S, Watermarks
 from pte_instrument.settings import Settings, is_redis_url
 
 TIMEOUT_S = Settings.session_store_timeout_s  # the setting's default: a longer command has failed
@@ -572,11 +572,14 @@ class RedisStore(BatchWriter):
         with contextlib.suppress(Exception), self.reading(write=True) as r:
             r.zrem(self.prefix + "servers", self.server_id)
             r.hdel(self.prefix + "writers", self.writer_id)
+            r.hdel(self.prefix + "writers:requests", self.writer_id)
 
-    def _publish(self, pipe: Any, watermark: float) -> None:
-        """This writer's watermark (``turn_order``), and how many writers published lately."""
+    def _publish(self, pipe: Any, watermarks: Watermarks) -> None:
+        """This writer's watermarks (``turn_order``: the turns' beside the time it published,
+        as a release before the requests' wrote it), and how many writers published lately."""
         now = time.time()
-        pipe.hset(self.prefix + "writers", self.writer_id, f"{watermark!r} {now!r}")
+        pipe.hset(self.prefix + "writers:requests", self.writer_id, repr(watermarks.requests))
+        pipe.hset(self.prefix + "writers", self.writer_id, f"{watermarks.turns!r} {now!r}")
         pipe.hvals(self.prefix + "writers")
 
     def _peers_published(self, values: list[str]) -> None:
@@ -584,27 +587,34 @@ class RedisStore(BatchWriter):
         alive = [v for v in values if now - float(v.split()[1]) < PEER_ALIVE_S]
         self.with_peers(len(alive) > 1)
 
-    def beat(self, watermark: float) -> None:
-        """Publish this writer's watermark, with nothing else to write."""
+    def beat(self, watermarks: Watermarks) -> None:
+        """Publish this writer's watermarks, with nothing else to write."""
         with self.reading(write=True) as r:
             pipe = r.pipeline(transaction=False)
-            self._publish(pipe, watermark)
+            self._publish(pipe, watermarks)
             self._peers_published(pipe.execute()[-1])
 
-    def peer_watermark(self) -> float:
-        """The earliest watermark of the other writers that published lately (inf: none); the
-        entries of writers gone for long are dropped."""
+    def peer_watermark(self, every_request: bool = False) -> float:
+        """The earliest turns' (``every_request``: requests') watermark of the other writers
+        that published lately (inf: none; a writer of an older release publishes only the
+        turns'); the entries of writers gone for long are dropped."""
         with self.reading() as r:
-            found = r.hgetall(self.prefix + "writers")
+            pipe = r.pipeline(transaction=False)
+            pipe.hgetall(self.prefix + "writers")
+            pipe.hgetall(self.prefix + "writers:requests")
+            found, requests = pipe.execute()
             now, earliest, gone = time.time(), math.inf, []
             for writer, value in found.items():
                 watermark, last_seen = map(float, value.split())
                 if now - last_seen > WRITER_GONE_S:
                     gone.append(writer)
                 elif writer != self.writer_id and now - last_seen < PEER_ALIVE_S:
+                    if every_request and writer in requests:
+                        watermark = float(requests[writer])
                     earliest = min(earliest, watermark)
             if gone:
                 r.hdel(self.prefix + "writers", *gone)
+                r.hdel(self.prefix + "writers:requests", *gone)
         return earliest
 
     def other_servers(self) -> list[str]:
@@ -621,12 +631,12 @@ class RedisStore(BatchWriter):
         now: float,
         idle_before: float,
         limits: tuple[int, int, int],
-        watermark: float,
+        watermarks: Watermarks,
     ) -> tuple[list[list[Any]], list[Any], Closing]:
         """The batch's turns (each with its session's tail), groups of finished requests for
         the feedback window (each group applied once, by its id), then a first chunk of the
         sessions to close (``close_chunk``), in one round trip. ``limits``: max turns per
-        session, the feedback window, max live sessions; ``watermark``: this writer's, as of
+        session, the feedback window, max live sessions; ``watermarks``: this writer's, as of
         the batch (``turn_order``). Returns each turn's (number, opened, rows dropped; -2 and
         why for one not applied), each group's 0 (or why it was not applied), and the chunk."""
         max_turns, window, max_live = limits
@@ -643,11 +653,12 @@ class RedisStore(BatchWriter):
             call, args = self._close_args(idle_before, max_live)
             self.scripts["close"](args=args, client=pipe)
             pipe.zadd(self.prefix + "servers", {self.server_id: time.time()})
-            self._publish(pipe, watermark)
+            self._publish(pipe, watermarks)
             results = pipe.execute()
         self._peers_published(results[-1])
         n = len(adds)
-        return results[:n], results[n : n + len(observed)], _closing(call, results[-4])
+        m = n + len(observed)
+        return results[:n], results[n:m], _closing(call, results[m])
 
     def close_chunk(self, idle_before: float, max_live: int) -> Closing:
         """Close at most ``CLOSE_CHUNK`` sessions: those last seen before ``idle_before``, then
@@ -942,12 +953,12 @@ class RedisSessionLedger(SessionLedger):
         if new := [item[1] for item in items if item[0] == "observe"]:
             observed.append((uuid.uuid4().hex, new))
         limits = (self.max_turns, self.feedback_window, self.max_sessions)
-        watermark = self.unlanded.watermark(turn_ids(adds))
+        watermarks = self.unlanded.watermarks(told_ids(adds))
         expire = expire or self._more_to_close
         if not adds and not observed and not expire:
             if store.available:
                 with contextlib.suppress(StoreError):  # the next batch says what is wrong
-                    store.beat(watermark)
+                    store.beat(watermarks)
             return
         if (adds or observed) and not store.available:  # left alone: kept, with no attempt
             self._keep(adds, observed)
@@ -960,7 +971,7 @@ class RedisSessionLedger(SessionLedger):
                 now,
                 idle_before,
                 limits,
-                watermark,
+                watermarks,
             )
             failpoint("session_store")
         except Exception as e:

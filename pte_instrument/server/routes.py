@@ -46,11 +46,12 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
 
 
-async def _priced(priced_through: Callable[[], float], arrived: float) -> bool:
-    """Whether every request this process saw finish before ``arrived`` came to be priced
-    within ``LABEL_WAIT_S``."""
+async def _stored(priced_through: Callable[[], float], peers: Callable[[], float], arrived: float) -> bool:
+    """Whether every request seen finish before ``arrived`` came to be priced here
+    (``priced_through``) and stored by the other API servers sharing the store (``peers``, a
+    store read) within ``LABEL_WAIT_S``."""
     deadline = time.monotonic() + LABEL_WAIT_S
-    while priced_through() < arrived:
+    while priced_through() < arrived or await asyncio.to_thread(peers) < arrived:
         if time.monotonic() >= deadline:
             return False
         await asyncio.sleep(LABEL_POLL_S)
@@ -146,7 +147,8 @@ LABEL_POLL_S = 0.01
 
 def build_router(runtime: Runtime, priced_through: Callable[[], float] | None = None) -> APIRouter:
     """``priced_through()``: unix time before which every request this process saw finish is
-    priced; a label that finds no request waits for it to pass the label's arrival."""
+    priced; a label that finds no request waits for it, and for the other API servers'
+    watermark of stored requests, to pass the label's arrival."""
     router = APIRouter(prefix="/pte", tags=["pte-instrument"])
 
     def named(response: Response) -> Response:
@@ -193,16 +195,20 @@ def build_router(runtime: Runtime, priced_through: Callable[[], float] | None = 
             ids = (rid, f"{rid}-0", f"{rid}_0") if rid is not None else ()
             # the shared store, read on a worker thread
             label = partial(asyncio.to_thread, runtime.efficiency.label, correct, ids, sid)
-            priced = priced_through() if priced_through is not None else math.inf
+            through = priced_through or (lambda: math.inf)
+            priced = through()
             try:
                 outcome = await label()
             except FeedbackError as e:
                 # A harness that scores an answer at once labels it while its request may
-                # still wait for its engine's totals: once what finished before the label is
-                # priced, look again.
-                if e.status != 404 or priced >= arrived or priced_through is None:
+                # still wait for its engine's totals, here or on the API server that served
+                # it: once what finished before the label is priced and stored, look again.
+                if e.status != 404:
                     raise
-                if not await _priced(priced_through, arrived):
+                peers = partial(runtime.sessions.others_caught_up_to, every_request=True)
+                if priced >= arrived and await asyncio.to_thread(peers) == math.inf:
+                    raise  # it looked after everything that finished before: no such request
+                if not await _stored(through, peers, arrived):
                     raise
                 outcome = await label()
             runtime.metrics.feedback(outcome)

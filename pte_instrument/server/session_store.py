@@ -29,7 +29,7 @@ from typing import Any
 from pte_instrument.server import feedback_window, totals
 from pte_instrument.server.feedback_window import OUTCOME_COUNTS
 from pte_instrument.server.records import MODEL_TOTALS
-from pte_instrument.server.turn_order import HEARTBEAT_S, PEER_ALIVE_S, WRITER_GONE_S
+from pte_instrument.server.turn_order import HEARTBEAT_S, PEER_ALIVE_S, WRITER_GONE_S, Watermarks
 
 MAX_QUEUED = 10_000  # items waiting for the writer; past it an item is refused
 _BATCH = 1024  # items per transaction at most
@@ -103,6 +103,7 @@ CREATE TABLE IF NOT EXISTS servers (id TEXT PRIMARY KEY, last_seen REAL NOT NULL
 CREATE TABLE IF NOT EXISTS writers (
     id TEXT PRIMARY KEY, watermark REAL NOT NULL, last_seen REAL NOT NULL
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS request_watermarks (id TEXT PRIMARY KEY, watermark REAL NOT NULL) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS recent (
     request_id TEXT PRIMARY KEY, seq INTEGER NOT NULL, model TEXT NOT NULL, benchmark TEXT NOT NULL,
     output_tokens INTEGER NOT NULL, truncated INTEGER NOT NULL, session_id TEXT, labeled INTEGER NOT NULL
@@ -491,16 +492,22 @@ class Store(BatchWriter):
             (self.server_id, time.time()),
         )
 
-    def publish(self, db: sqlite3.Connection, watermark: float) -> None:
-        """Within the owner's transaction: this writer's watermark (``turn_order``); whether
-        other writers share the store sets how often it is published. The entries of writers
-        gone for long are dropped."""
+    def publish(self, db: sqlite3.Connection, watermarks: Watermarks) -> None:
+        """Within the owner's transaction: this writer's watermarks (``turn_order``); whether
+        other writers share the store sets how often they are published. The entries of
+        writers gone for long are dropped."""
         now = time.time()
         db.execute("DELETE FROM writers WHERE last_seen < ?", (now - WRITER_GONE_S,))
+        db.execute("DELETE FROM request_watermarks WHERE id NOT IN (SELECT id FROM writers)")
         db.execute(
             "INSERT INTO writers VALUES (?, ?, ?) ON CONFLICT (id) DO UPDATE SET"
             " watermark = excluded.watermark, last_seen = excluded.last_seen",
-            (self.writer_id, watermark, now),
+            (self.writer_id, watermarks.turns, now),
+        )
+        db.execute(
+            "INSERT INTO request_watermarks VALUES (?, ?) ON CONFLICT (id) DO UPDATE SET"
+            " watermark = excluded.watermark",
+            (self.writer_id, watermarks.requests),
         )
         peers = db.execute(
             "SELECT 1 FROM writers WHERE id != ? AND last_seen > ? LIMIT 1",
@@ -508,11 +515,15 @@ class Store(BatchWriter):
         )
         self.with_peers(peers.fetchone() is not None)
 
-    def peer_watermark(self) -> float:
-        """The earliest watermark of the other writers that published lately (inf: none)."""
+    def peer_watermark(self, every_request: bool = False) -> float:
+        """The earliest turns' (``every_request``: requests') watermark of the other writers
+        that published lately (inf: none); a writer of an older release publishes only the
+        turns'."""
+        column = "COALESCE(r.watermark, w.watermark)" if every_request else "w.watermark"
         with self.reading() as db:
             (found,) = db.execute(
-                "SELECT MIN(watermark) FROM writers WHERE id != ? AND last_seen > ?",
+                f"SELECT MIN({column}) FROM writers w LEFT JOIN request_watermarks r ON r.id = w.id"
+                " WHERE w.id != ? AND w.last_seen > ?",
                 (self.writer_id, time.time() - PEER_ALIVE_S),
             ).fetchone()
         return math.inf if found is None else float(found)
@@ -590,6 +601,7 @@ class Store(BatchWriter):
             with contextlib.suppress(sqlite3.Error):  # no longer a server of this store
                 db.execute("DELETE FROM servers WHERE id = ?", (self.server_id,))
                 db.execute("DELETE FROM writers WHERE id = ?", (self.writer_id,))
+                db.execute("DELETE FROM request_watermarks WHERE id = ?", (self.writer_id,))
             db.close()
 
     def _connection(self, db: sqlite3.Connection | None) -> sqlite3.Connection | None:

@@ -163,20 +163,22 @@ class SessionLedger:
         starts with the first write otherwise)."""
         self.store.start()
 
-    def told_finished(self, request_id: str, session_id: str) -> None:
-        """A turn of ``session_id`` finished, under the id vLLM reported (a parallel-sampling
-        request's, once per sample): it is priced, then lands in the store, later."""
+    def told_finished(self, request_id: str, session_id: str | None) -> None:
+        """A request (a turn of ``session_id``; None: of no session) finished, under the id
+        vLLM reported (a parallel-sampling request's, once per sample): it is priced, then
+        lands in the store, later."""
         self.unlanded.told(request_id, session_id)
 
     def gave_up(self, request: FinishedRequest) -> None:
         """A turn told finished that will not be priced (its pricing failed)."""
         self.unlanded.landed([reported_request_id(request.request_id, request.child_index)])
 
-    def others_caught_up_to(self) -> float:
-        """A time before which every turn the other writers were told finished is in the store
-        (inf: no other writer)."""
+    def others_caught_up_to(self, every_request: bool = False) -> float:
+        """A time before which every turn (``every_request``: every request, with its
+        feedback-window entry) the other writers were told finished is in the store (inf: no
+        other writer)."""
         try:
-            return self.store.peer_watermark()
+            return self.store.peer_watermark(every_request)
         except Exception as e:  # a store that cannot be read: nothing to wait for
             self._error(e)
             return math.inf
@@ -340,12 +342,12 @@ class SessionLedger:
         now = self.clock()
         adds = [item for item in items if item[0] == "add"]
         observed = [item[1] for item in items if item[0] == "observe"]
-        watermark = self.unlanded.watermark(turn_ids(adds))
+        watermarks = self.unlanded.watermarks(told_ids(adds))
         if not items and not expire:
             if db is not None:
                 with contextlib.suppress(sqlite3.Error), db:  # the next batch says what is wrong
                     db.execute("BEGIN IMMEDIATE")
-                    self.store.publish(db, watermark)
+                    self.store.publish(db, watermarks)
             return
         more = False  # idle sessions left for the next transaction
         try:
@@ -370,7 +372,7 @@ class SessionLedger:
                     )
                 batch.count()
                 self.store.mark_alive(db)
-                self.store.publish(db, watermark)
+                self.store.publish(db, watermarks)
                 failpoint("session_store")
         except Exception as e:
             self._lost(len(adds) + len(observed), e)
@@ -400,7 +402,7 @@ class SessionLedger:
     def _settle(self, adds: Iterable[tuple[Any, ...]]) -> None:
         """The batch's turns landed (or were lost): drop their overlay entries (unless a later
         turn replaced them)."""
-        self.unlanded.landed(turn_ids(adds))
+        self.unlanded.landed(told_ids(adds))
         with self._overlay_lock:
             for _, record, tail in adds:
                 if tail is not None and self._overlay.get(record.session_id) is tail:
@@ -422,10 +424,10 @@ class SessionLedger:
                 self.on_error(e)
 
 
-def turn_ids(adds: Iterable[tuple[Any, ...]]) -> list[str]:
-    """The ids a batch's session turns (``("add", record, tail)`` items) were told finished
-    under: a parallel-sampling sample's is its parent's (``told_finished``)."""
-    return [reported_request_id(r.request_id, r.child_index) for _, r, tail in adds if tail is not None]
+def told_ids(adds: Iterable[tuple[Any, ...]]) -> list[str]:
+    """The ids a batch's requests (``("add", record, tail)`` items) were told finished under:
+    a parallel-sampling sample's is its parent's (``told_finished``)."""
+    return [reported_request_id(r.request_id, r.child_index) for _, r, _ in adds]
 
 
 def turn_row(r: RequestRecord, seq: int | None) -> dict[str, Any]:

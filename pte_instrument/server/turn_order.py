@@ -13,6 +13,10 @@ store (a client sends the next turn after the previous one's answer, and vLLM re
 request finished before its answer goes out). It waits at most ``TURN_ORDER_WAIT_S``, then
 is priced as things are, counted as a fault. Across replicas (a Redis store) this holds
 where their clocks agree to better than the time from a turn's answer to the next turn.
+
+Each writer publishes a second watermark alike for every request its process was told
+finished, session or not: a correctness label that reaches another API server than the one
+that served its request waits for it before it looks again.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from pte_instrument.server.bounded import BoundedDict
 
@@ -30,16 +35,26 @@ TURN_ORDER_WAIT_S = 3.0  # longer than the engine join's least wait, so a late t
 HEARTBEAT_S = 0.05  # how often a writer publishes its watermark while other writers share the store
 PEER_ALIVE_S = 3.0  # a writer that published within this long is waited for (a lone one does each second)
 WRITER_GONE_S = 3600.0  # a writer silent this long has stopped (a crash): its entry is dropped
-MAX_UNLANDED = 100_000  # session turns told finished and not yet landed, remembered at most
+MAX_UNLANDED = 100_000  # requests told finished and not yet landed, remembered at most
 UNLANDED_FOR_S = 10.0  # past this, a turn that never landed (its pricing failed) holds nothing back
+
+
+class Watermarks(NamedTuple):
+    """What a writer publishes: times before which every session turn, and every request,
+    its process was told finished has landed in the store."""
+
+    turns: float
+    requests: float
 
 
 @dataclass(slots=True)
 class _Told:
-    """An id told finished: when first, and how many times not yet landed (or priced)."""
+    """An id told finished: when first, and how many times not yet landed (or priced); a
+    session turn's or another request's."""
 
     at: float
     count: int = 1
+    turn: bool = True
 
 
 @dataclass(slots=True)
@@ -48,10 +63,12 @@ class _Unpriced(_Told):
 
 
 class Unlanded:
-    """This process's session turns told finished (``told``) and not yet in the store: priced
-    (``priced``: then this process's own context reads see them), then committed, or given
-    up (``landed``: the commit failed, or the pricing did). Kept in the order told, so that
-    the earliest is the first; the unpriced ones also by session.
+    """This process's requests told finished (``told``) and not yet in the store: priced
+    (``priced``, session turns: then this process's own context reads see them), then
+    committed, or given up (``landed``: the commit failed, or the pricing did). Kept in the
+    order told, so that the earliest is the first; the unpriced turns also by session. Two
+    watermarks come of them: the session turns' (the turn order waits for) and every
+    request's (a correctness label sent to another API server waits for).
 
     An id is counted each time it is told: vLLM reports every sample of a parallel-sampling
     request (n > 1) finished under the parent's id, and the parent is on its way until each
@@ -65,14 +82,18 @@ class Unlanded:
         self._unpriced: BoundedDict[str, _Unpriced] = BoundedDict(MAX_UNLANDED)
         self._by_session: dict[str, dict[str, float]] = {}  # session → its unpriced turns, id → at
 
-    def told(self, request_id: str, session_id: str) -> None:
+    def told(self, request_id: str, session_id: str | None) -> None:
+        """``session_id``: None for a request of no session."""
         with self._lock:  # the time is read under the lock ``watermark`` reads it under
             at = self.clock()
             landing = self._unlanded.get(request_id)
             if landing is None:
-                self._unlanded.put(request_id, _Told(at))
+                self._unlanded.put(request_id, _Told(at, turn=session_id is not None))
             else:  # counted where it was first told: the earliest still holds the watermark
                 landing.count += 1
+                landing.turn = landing.turn or session_id is not None
+            if session_id is None:
+                return
             pricing = self._unpriced.get(request_id)
             if pricing is not None and pricing.session == session_id:
                 pricing.count += 1
@@ -108,9 +129,9 @@ class Unlanded:
                     if left <= 0:
                         self._unprice(rid)
 
-    def watermark(self, landing: Iterable[str] = ()) -> float:
-        """A time before which every turn told finished has landed, or lands with ``landing``
-        (the batch being committed)."""
+    def watermark(self, landing: Iterable[str] = (), every_request: bool = False) -> float:
+        """A time before which every turn (``every_request``: every request) told finished has
+        landed, or lands with ``landing`` (the batch being committed)."""
         landing = Counter(landing)
         with self._lock:
             now = self.clock()
@@ -119,7 +140,19 @@ class Unlanded:
                 self._unlanded.pop_oldest()
             while (unpriced := self._unpriced.oldest()) is not None and unpriced[1].at < cutoff:
                 self._unprice(unpriced[0])
-            return next((t.at for rid, t in self._unlanded.items() if landing[rid] < t.count), now)
+            return next(
+                (
+                    t.at
+                    for rid, t in self._unlanded.items()
+                    if (every_request or t.turn) and landing[rid] < t.count
+                ),
+                now,
+            )
+
+    def watermarks(self, landing: Iterable[str] = ()) -> Watermarks:
+        """Both watermarks, as of the batch ``landing``."""
+        landing = list(landing)
+        return Watermarks(self.watermark(landing), self.watermark(landing, every_request=True))
 
     def unpriced_since(self, session_id: str) -> float:
         """When the earliest turn of ``session_id`` not yet priced was told finished (inf: none)."""

@@ -5,6 +5,7 @@ its own thread, in one direction."""
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from dataclasses import replace
@@ -356,3 +357,51 @@ def test_a_label_sent_as_the_answer_arrives_waits_for_its_request_to_be_priced(r
     t0 = time.monotonic()
     r = client.post("/pte/feedback", json={"request_id": "cmpl-never", "correct": True})
     assert r.status_code == 404 and time.monotonic() - t0 < 1.0
+
+
+@pytest.mark.parametrize("by", ["request", "session"])
+def test_a_label_sent_to_another_api_server_than_its_request_waits_for_it_to_be_stored(tmp_path, by):
+    """Several API servers share the host's store, and a harness's label may reach another one
+    than its answer came from: posted the moment the answer arrived, while API server A's
+    request still waits for its engine's totals (0.3 s), the label sent to B waits for A to
+    price and store it, then lands (not a 404 for a request that finished). An id no request
+    had is a 404 at once."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    store = str(tmp_path / "sessions.sqlite3")
+    a, b = (ProbedRuntime(Settings(session_store=store)) for _ in range(2))
+    servers = [ApiServer(rt) for rt in (a, b)]
+    try:
+        for server in servers:
+            server.configure(served(), request_keys)
+        a.inbox.on_messages([EngineHello(0)])  # A's request waits for its engine's totals
+        app = FastAPI()
+        app.include_router(servers[1].router())
+        client = TestClient(app)
+        assert wait(lambda: a.sessions.others_caught_up_to() < math.inf, timeout_s=5)  # each hears the other
+        assert wait(lambda: b.sessions.others_caught_up_to() < math.inf, timeout_s=5)
+        a.pending.put("cmpl-race-0", RequestTag("s", "none"))
+        servers[0].finished([finished("cmpl-race-0", output=2)])
+        totals = RequestTotals(
+            "cmpl-race-0-0123abcd",
+            "cmpl-race-0",
+            0,
+            "stop",
+            prompt_tokens=10,
+            output_tokens=2,
+            scheduled=True,
+        )
+        threading.Timer(0.3, a.inbox.on_messages, args=([totals],)).start()
+        t0 = time.monotonic()
+        target = {"request_id": "cmpl-race"} if by == "request" else {"session_id": "s"}
+        r = client.post("/pte/feedback", json={**target, "correct": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["requests"] == 1 and r.json()["output_tokens"] == 2
+        assert 0.25 < time.monotonic() - t0 < 5
+        t0 = time.monotonic()
+        r = client.post("/pte/feedback", json={"request_id": "cmpl-never", "correct": True})
+        assert r.status_code == 404 and time.monotonic() - t0 < 1.0
+    finally:
+        for rt in (a, b):
+            rt.sessions.close()

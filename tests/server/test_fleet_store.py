@@ -598,6 +598,23 @@ def test_each_writer_publishes_where_its_turns_stand_and_one_that_closed_is_not_
         assert b.flush() and b.store.heartbeat_s > turn_order.HEARTBEAT_S  # alone again
 
 
+@pytest.mark.parametrize("store", ["sqlite", "redis"])
+def test_a_request_of_no_session_holds_the_requests_watermark_and_not_the_turns(store, fleet, tmp_path):
+    """A request of no session that a writer was told finished holds back its published
+    watermark of requests (what a label sent to another API server waits for) until it is in
+    the store, and never its watermark of turns (what the other writers' turns wait for)."""
+    with two_replicas(store, fleet, tmp_path) as (a, b):
+        told_at = time.time()
+        a.told_finished("r-1", None)
+        assert a.flush() and b.flush()
+        assert told_at <= b.others_caught_up_to(every_request=True) < told_at + 1
+        assert b.others_caught_up_to() >= told_at  # no turn of a's is on its way
+        a.add(price_request(COST, FinishedRequest("r-1", "m", 100, 0, 10, "stop"), time.time()))
+        landing = time.time()
+        assert a.flush()
+        assert b.others_caught_up_to(every_request=True) >= landing
+
+
 def test_a_number_that_is_not_finite_costs_its_record_that_number_not_the_turn(fleet):
     """A record whose GPU seconds are NaN (Redis's float increments refuse it): its turn lands,
     its GPU seconds unknown, with one sessions fault naming the field; the turn beside it too."""

@@ -1,4 +1,4 @@
-"""The turn-order watermark of one process: its session turns on their way to the store."""
+"""The watermarks of one process: its session turns, and its requests, on their way to the store."""
 
 import math
 
@@ -30,6 +30,21 @@ def test_the_watermark_stays_at_the_earliest_turn_not_landed():
     assert unlanded.watermark() == 1001.0
     unlanded.landed(["b"])  # given up unpriced (its pricing failed)
     assert unlanded.watermark() == 1002.0 and unlanded.unpriced_since("s") == math.inf and len(unlanded) == 0
+
+
+def test_a_request_of_no_session_holds_back_the_requests_watermark_only():
+    """What the turns of other processes wait for is not held by a request of no session;
+    what a label sent to another API server waits for is, until it lands."""
+    clock = Clock()
+    unlanded = Unlanded(clock)
+    unlanded.told("r", None)
+    clock.t = 1001.0
+    unlanded.told("t", "s")
+    clock.t = 1002.0
+    assert unlanded.watermarks() == (1001.0, 1000.0) and unlanded.unpriced_since("s") == 1001.0
+    assert unlanded.watermarks(landing=["r"]) == (1001.0, 1001.0)
+    unlanded.landed(["r", "t"])
+    assert unlanded.watermarks() == (1002.0, 1002.0) and len(unlanded) == 0
 
 
 def test_a_turn_that_never_lands_holds_the_watermark_back_only_so_long():
