@@ -436,9 +436,8 @@ class RequestJoin:
         if not self.inbox.hooks:  # no hook at all: nothing to wait for
             self._hand_out(w)
             ready.append(request)
-        elif request.engine not in self.inbox.hooks:
-            self._hand_out(w)
-            self._without_totals(w, self._unreached(request), ready)
+        # else it waits, its engine's hook or not: the hello of an engine on another node may
+        # still be on its way (its transport connects when it can), and ``_gave_up`` ends it
 
     def _join(self, w: _Waiting, ready: list[FinishedRequest]) -> bool:
         """Hand ``w`` out with its totals, if they have come."""
@@ -497,6 +496,8 @@ class RequestJoin:
         if waited < ENGINE_JOIN_TIMEOUT_S:
             return None
         engine = request.engine
+        if engine not in self.inbox.hooks:
+            return self._unreached(request)
         if self.inbox.fault_said.get(engine):
             why = "its engine reported a fault and has sent no totals since"
         elif self.inbox.freed_through.get(engine, 0.0) > seen_at:

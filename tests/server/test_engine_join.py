@@ -7,6 +7,7 @@ import json
 import time
 from dataclasses import replace
 
+import msgspec
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -171,18 +172,31 @@ def test_requests_ready_together_are_priced_in_arrival_order():
     assert [r.request_id for r in priced] == ["a", "b", "c"]
 
 
-def test_an_engine_whose_hook_never_reached_this_api_server_is_a_fault_priced_at_once():
+def test_an_engine_whose_hook_never_reached_this_api_server_is_a_fault_after_the_least_wait():
     """Engine 0's hook said hello, engine 1's never did (a node whose transport cannot reach
-    this process): engine 1's requests are priced at once, without totals, each counted."""
+    this process): engine 1's requests wait the least wait for it, then are priced without
+    totals, each counted, in a line that says how to reach this process."""
     _, join, priced, faults = make_join(hook=True)
-    request = finished_request("cmpl-far-0", output=3, engine=1)
-    join.finished(request, now=0.0)
-    priced.extend(join.ready(now=0.0))  # no waiting for totals that cannot come
+    join.finished(finished_request("cmpl-far-0", output=3, engine=1), now=0.0)
+    priced.extend(join.ready(now=ENGINE_JOIN_TIMEOUT_S - 0.01))
+    assert priced == [] and faults.counts["engine_join"] == 0
+    priced.extend(join.ready(now=ENGINE_JOIN_TIMEOUT_S + 0.01))
     assert [r.request_id for r in priced] == ["cmpl-far-0"] and priced[0].engine_totals is None
-    assert faults.counts["engine_join"] == 1
-    join.finished(finished_request("cmpl-near-0", output=3, engine=0), now=0.0)
-    priced.extend(join.ready(now=0.0))  # engine 0's hook is there: its request waits for its totals
-    assert len(priced) == 1 and faults.counts["engine_join"] == 1
+    assert faults.counts["engine_join"] == 1 and "PTE_ENGINE_TRANSPORT=tcp" in faults.said[-1]
+
+
+def test_a_request_of_an_engine_whose_hello_is_still_on_its_way_joins_its_totals():
+    """An engine on another node connects to this API server when it can (its transport
+    retries): its first requests can finish before its hook's hello arrives. They wait for
+    it, and are priced with their exact totals, no fault."""
+    inbox, join, priced, faults = make_join(hook=True)
+    join.finished(finished_request("cmpl-early-0", output=3, engine=1), now=0.0)
+    priced.extend(join.ready(now=0.1))
+    assert priced == []
+    inbox.on_messages([EngineHello(1), msgspec.structs.replace(totals("cmpl-early-0", 3), engine=1)])
+    priced.extend(join.ready(now=0.2))
+    assert [r.request_id for r in priced] == ["cmpl-early-0"] and priced[0].engine_totals is not None
+    assert faults.counts["engine_join"] == 0
 
 
 def mid_prefill(prompt: int, prefill: float, cached: int = 0, recompute: float = 0.0) -> RequestTotals:
