@@ -772,11 +772,11 @@ class RedisStore(BatchWriter):
             out.setdefault((model, benchmark), dict.fromkeys(OUTCOME_COUNTS, 0))[count] = n
         return {cell: counts for cell, counts in out.items() if cell not in unreadable}
 
-    def host_stats(self) -> dict[str, int]:
+    def host_stats(self) -> dict[str, int | None]:
         with self.reading() as r:
             counts = r.hgetall(self.prefix + "counters")
             live = r.zcard(self.prefix + "live")
-        return {"live": live, **{k: readable(counts.get(k)) for k in COUNTED}}  # type: ignore[dict-item]
+        return {"live": live, **{k: readable(counts.get(k)) for k in COUNTED}}
 
     def live(self) -> int:
         with self.reading() as r:

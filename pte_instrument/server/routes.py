@@ -28,6 +28,7 @@ from pte_instrument.server.live_efficiency import FeedbackError
 from pte_instrument.server.request_tags import quoted, validate_session_id
 from pte_instrument.server.runtime import Runtime
 from pte_instrument.server.session_store import SORT_KEYS, StoreError
+from pte_instrument.server.turn_order import HEARTBEAT_S
 
 HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 MAX_PAGE = 1000
@@ -46,12 +47,30 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
 
 
-async def _stored(priced_through: Callable[[], float], peers: Callable[[], float], arrived: float) -> bool:
+class _PeersStored:
+    """The other API servers' watermark of stored requests, read from the shared store at most
+    every ``PEERS_READ_S`` whatever number of labels wait on it (what it was, meanwhile: it
+    only moves on, so a label waits a little longer at worst)."""
+
+    def __init__(self, read: Callable[[], float]) -> None:
+        self._read = read
+        self._read_at = -math.inf  # monotonic
+        self._value = -math.inf
+
+    async def __call__(self) -> float:
+        now = time.monotonic()
+        if now - self._read_at >= PEERS_READ_S:
+            self._read_at = now  # before the read: the labels waiting meanwhile do not read too
+            self._value = await asyncio.to_thread(self._read)
+        return self._value
+
+
+async def _stored(priced_through: Callable[[], float], peers: _PeersStored, arrived: float) -> bool:
     """Whether every request seen finish before ``arrived`` came to be priced here
-    (``priced_through``) and stored by the other API servers sharing the store (``peers``, a
-    store read) within ``LABEL_WAIT_S``."""
+    (``priced_through``) and stored by the other API servers sharing the store (``peers``)
+    within ``LABEL_WAIT_S``."""
     deadline = time.monotonic() + LABEL_WAIT_S
-    while priced_through() < arrived or await asyncio.to_thread(peers) < arrived:
+    while priced_through() < arrived or await peers() < arrived:
         if time.monotonic() >= deadline:
             return False
         await asyncio.sleep(LABEL_POLL_S)
@@ -143,6 +162,7 @@ API_SERVER_HEADER = "X-PTE-API-Server"  # on every /pte/* answer: the index of t
 # finish before the label came to be priced (the engine join's longest wait for totals, and more).
 LABEL_WAIT_S = 10.0
 LABEL_POLL_S = 0.01
+PEERS_READ_S = HEARTBEAT_S  # how often the other writers publish their watermarks
 
 
 def build_router(runtime: Runtime, priced_through: Callable[[], float] | None = None) -> APIRouter:
@@ -150,6 +170,7 @@ def build_router(runtime: Runtime, priced_through: Callable[[], float] | None = 
     priced; a label that finds no request waits for it, and for the other API servers'
     watermark of stored requests, to pass the label's arrival."""
     router = APIRouter(prefix="/pte", tags=["pte-instrument"])
+    peers = _PeersStored(lambda: runtime.sessions.others_caught_up_to(every_request=True))
 
     def named(response: Response) -> Response:
         response.headers[API_SERVER_HEADER] = str(runtime.api_server)  # which process answered
@@ -205,8 +226,7 @@ def build_router(runtime: Runtime, priced_through: Callable[[], float] | None = 
                 # it: once what finished before the label is priced and stored, look again.
                 if e.status != 404:
                     raise
-                peers = partial(runtime.sessions.others_caught_up_to, every_request=True)
-                if priced >= arrived and await asyncio.to_thread(peers) == math.inf:
+                if priced >= arrived and await peers() == math.inf:
                     raise  # it looked after everything that finished before: no such request
                 if not await _stored(through, peers, arrived):
                     raise

@@ -304,7 +304,7 @@ class SessionLedger:
         self._caught_up()
         return self.store.totals("lora")
 
-    def host_stats(self) -> dict[str, int]:
+    def host_stats(self) -> dict[str, int | None]:
         """Counts over every process of the host since the store was created."""
         self._caught_up()
         return self.store.host_stats()

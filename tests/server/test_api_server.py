@@ -405,3 +405,55 @@ def test_a_label_sent_to_another_api_server_than_its_request_waits_for_it_to_be_
     finally:
         for rt in (a, b):
             rt.sessions.close()
+
+
+def test_labels_waiting_for_another_api_server_read_the_shared_store_a_bounded_number_of_times(
+    tmp_path, monkeypatch
+):
+    """40 labels for ids no request had, posted at once while another API server's request
+    is on its way to the store (0.5 s): each is a 404 once that request is stored, and the
+    other API servers' watermark is read from the store about once per 50 ms for all of them,
+    not once per label per poll."""
+    import asyncio
+
+    import httpx
+    from fastapi import FastAPI
+
+    from pte_instrument.server.records import price_request
+
+    store = str(tmp_path / "sessions.sqlite3")
+    a, b = (ProbedRuntime(Settings(session_store=store)) for _ in range(2))
+    try:
+        for rt in (a, b):
+            ApiServer(rt).configure(served(), request_keys)
+        assert wait(lambda: b.sessions.others_caught_up_to() < math.inf, timeout_s=5)
+        reads = []
+        read = b.sessions.others_caught_up_to
+        monkeypatch.setattr(b.sessions, "others_caught_up_to", lambda **kw: (reads.append(1), read(**kw))[1])
+        server_b = ApiServer(b)
+        app = FastAPI()
+        app.include_router(server_b.router())
+        a.sessions.told_finished("cmpl-on-a", None)
+        request = finished("cmpl-on-a")
+        record = price_request(a.cost_models[("m", 0)], request, request.finished_at)
+        threading.Timer(0.5, a.sessions.add, args=(record,)).start()
+
+        async def labels() -> list[int]:
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://b") as client:
+                answers = await asyncio.gather(
+                    *(
+                        client.post("/pte/feedback", json={"request_id": f"cmpl-never-{i}", "correct": True})
+                        for i in range(40)
+                    )
+                )
+            return [r.status_code for r in answers]
+
+        t0 = time.monotonic()
+        assert asyncio.run(labels()) == [404] * 40
+        took = time.monotonic() - t0
+        assert 0.4 < took < 5, took
+        assert len(reads) <= took / 0.05 + 5, (len(reads), took)
+    finally:
+        for rt in (a, b):
+            rt.sessions.close()
