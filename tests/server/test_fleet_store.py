@@ -4,6 +4,7 @@ and a store that is down or never answers costs the request path nothing."""
 
 import contextlib
 import math
+import sqlite3
 import shutil
 import socket
 import threading
@@ -613,6 +614,23 @@ def test_a_request_of_no_session_holds_the_requests_watermark_and_not_the_turns(
         landing = time.time()
         assert a.flush()
         assert b.others_caught_up_to(every_request=True) >= landing
+
+
+@pytest.mark.parametrize("store", ["sqlite", "redis"])
+def test_a_writer_of_an_older_release_is_waited_for_at_its_turns_watermark(store, fleet, tmp_path):
+    """A replica of a release that publishes only the turns' watermark (a fleet upgraded one
+    at a time): a label waits for that one in place of the requests' it does not publish."""
+    with two_replicas(store, fleet, tmp_path) as (_, b):
+        assert b.flush()
+        now = time.time()
+        if store == "redis":
+            b.store.client.hset(b.store.prefix + "writers", "old/1", f"{now - 5!r} {now!r}")
+        else:
+            db = sqlite3.connect(b.path)
+            with db:
+                db.execute("INSERT INTO writers VALUES ('old/1', ?, ?)", (now - 5, now))
+            db.close()
+        assert b.others_caught_up_to(every_request=True) == pytest.approx(now - 5)
 
 
 def test_a_number_that_is_not_finite_costs_its_record_that_number_not_the_turn(fleet):
