@@ -4,9 +4,9 @@ and a store that is down or never answers costs the request path nothing."""
 
 import contextlib
 import math
-import sqlite3
 import shutil
 import socket
+import sqlite3
 import threading
 import time
 from collections.abc import Iterator
