@@ -170,7 +170,7 @@ class SessionLedger:
         self.unlanded.told(request_id, session_id)
 
     def gave_up(self, request: FinishedRequest) -> None:
-        """A turn told finished that will not be priced (its pricing failed)."""
+        """A request told finished that will not be priced (its pricing failed)."""
         self.unlanded.landed([reported_request_id(request.request_id, request.child_index)])
 
     def others_caught_up_to(self, every_request: bool = False) -> float:

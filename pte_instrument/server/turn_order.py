@@ -36,7 +36,7 @@ HEARTBEAT_S = 0.05  # how often a writer publishes its watermark while other wri
 PEER_ALIVE_S = 3.0  # a writer that published within this long is waited for (a lone one does each second)
 WRITER_GONE_S = 3600.0  # a writer silent this long has stopped (a crash): its entry is dropped
 MAX_UNLANDED = 100_000  # requests told finished and not yet landed, remembered at most
-UNLANDED_FOR_S = 10.0  # past this, a turn that never landed (its pricing failed) holds nothing back
+UNLANDED_FOR_S = 10.0  # past this, a request that never landed (its pricing failed) holds nothing back
 
 
 class Watermarks(NamedTuple):
