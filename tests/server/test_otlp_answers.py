@@ -37,7 +37,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from prometheus_client import CollectorRegistry
 
 from pte_instrument.faults import FaultTracker
-from pte_instrument.server.exporters.otel import OtelExporter, OtelLogExporter, OtelMetricsExporter
+from pte_instrument.server.exporters.otel import MAX_PARTS, OtelExporter, OtelLogExporter, OtelMetricsExporter
 from tests.server.builders import request_record
 
 # An answer: status, headers, body.
@@ -318,11 +318,12 @@ def test_an_error_status_loses_the_batch_counted_with_one_line_that_names_the_st
 
 @pytest.mark.parametrize(("exporter_class", "signal", "path"), SIGNALS)
 def test_a_batch_over_the_collectors_request_size_is_delivered_in_halves(
-    monkeypatch, exporter_class, signal, path
+    monkeypatch, caplog, exporter_class, signal, path
 ):
     """A collector that takes at most 2 items a request (its body size limit) answers 413 to
     the SDK's batch of 5: the batch goes again as halves until each fits, and all 5 arrive,
-    none counted lost."""
+    none counted lost; one line says which setting avoids the refusal."""
+    caplog.set_level(logging.WARNING, logger="pte_instrument")
     collector = Collector(
         lambda n: (413, {}, b"too large") if collector.items[n] > 2 else (200, PROTOBUF, b"")
     )
@@ -332,6 +333,8 @@ def test_a_batch_over_the_collectors_request_size_is_delivered_in_halves(
         collector.close()
     assert collector.items == [5, 2, 3, 1, 2]
     assert lost.total == 0 and lost.errors == []
+    advice = [r.getMessage() for r in caplog.records if "too large" in r.getMessage()]
+    assert len(advice) == 1 and "MAX_EXPORT_BATCH_SIZE" in advice[0], advice
 
 
 @pytest.mark.parametrize(("exporter_class", "signal", "path"), SIGNALS)
@@ -577,3 +580,16 @@ def test_the_runtime_counts_rejected_spans_in_the_lost_records_and_the_faults(co
     assert registry.get_sample_value("pte_exporter_records_lost_total", lost) == 2
     assert registry.get_sample_value("pte_plugin_faults_total", {"stage": "otel"}) == 1
     assert runtime.records_lost["otel"] == 2
+
+
+@pytest.mark.parametrize("collector", [lambda n: (413, {}, b"too large")], indirect=True)
+def test_a_collector_that_refuses_every_request_as_too_large_gets_a_bounded_number_of_parts(
+    collector, monkeypatch
+):
+    """A collector whose limit no single span fits: a batch of 100 is not sent as 199
+    requests of ever smaller parts; it stops at the parts one batch may take, and every
+    span is counted lost, in lines that name the batch size setting."""
+    lost, _ = send(monkeypatch, collector, OtelExporter, "TRACES", "/v1/traces", n=100)
+    assert 1 < len(collector.items) <= 1 + MAX_PARTS, len(collector.items)
+    assert lost.total == 100
+    assert any("OTEL_BSP_MAX_EXPORT_BATCH_SIZE" in one_line(e) for e in lost.errors), lost.errors[:2]

@@ -23,6 +23,7 @@ from opentelemetry.semconv._incubating.metrics import gen_ai_metrics
 from opentelemetry.semconv.attributes.error_attributes import ERROR_TYPE
 from opentelemetry.semconv.attributes.service_attributes import SERVICE_NAME
 
+from pte_instrument.faults import log
 from pte_instrument.server.pricer import RecordRefused
 from pte_instrument.server.records import GPU_SECONDS_TERMS, RequestRecord
 
@@ -231,7 +232,9 @@ PARTIAL_SUCCESS = {
 # What a span or log batch is made of: such a batch over a collector's request size is sent
 # again in halves (a metrics batch is one message).
 ITEM = {"spans": "span", "logs": "log record"}
+BATCH_SIZE_VARIABLE = {"spans": "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "logs": "OTEL_BLRP_MAX_EXPORT_BATCH_SIZE"}
 MAX_REASON_CHARS = 300  # of a collector's or client's words quoted in a fault line
+MAX_PARTS = 64  # requests one batch may take once a collector refuses it as too large
 
 
 def _watch_answers(exporter: Any) -> None:
@@ -282,8 +285,9 @@ def _status(answer: Any) -> int | None:
     return status if isinstance(status, int) else None
 
 
-def _why(answers: list[Any], kind: str) -> str:
-    """Why a batch was not delivered, from the last answer to it (none: the SDK's log says)."""
+def _why(answers: list[Any], kind: str, size: int) -> str:
+    """Why a batch of ``size`` was not delivered, from the last answer to it (none: the SDK's
+    log says)."""
     if not answers:
         return ""
     answer = answers[-1]
@@ -295,7 +299,12 @@ def _why(answers: list[Any], kind: str) -> str:
         return "" if error is None else f": {_one_line(error)}"
     why = f": the collector answered {status} {_one_line(getattr(answer, 'reason', '') or '')}".rstrip()
     if status == 413 and kind in ITEM:
-        why += f" to a batch of one: a single {ITEM[kind]} over its request size limit"
+        why += (
+            f" to a batch of one: a single {ITEM[kind]} over its request size limit"
+            if size == 1
+            else f" to parts of {size} after {MAX_PARTS} requests (a smaller {BATCH_SIZE_VARIABLE[kind]} sends "
+            "smaller batches)"
+        )
     return why
 
 
@@ -401,27 +410,44 @@ def count_failures(
         finally:
             _answers.list = None
 
+    advised: list[bool] = []  # the batch size advice is logged once
+
     def counted(batch: Any, *args: Any, **kwargs: Any) -> Any:
         records = _records_of(batch, kind)
         if backlog is not None:
             records = backlog.taken(records, len(batch))
-        return delivered(batch, records, *args, **kwargs)
+        return delivered(batch, records, [MAX_PARTS], *args, **kwargs)
 
-    def halves(batch: Any, records: Counter[tuple[str, int]], *args: Any, **kwargs: Any) -> Any:
+    def halves(
+        batch: Any, records: Counter[tuple[str, int]], parts: list[int], *args: Any, **kwargs: Any
+    ) -> Any:
         """A batch over the collector's request size, sent again as two: each half reports
-        what it loses, so a half that fails leaves the other delivered."""
+        what it loses, so a half that fails leaves the other delivered. ``parts``: the
+        requests the original batch may still take."""
+        if not advised:
+            advised.append(True)
+            log.warning(
+                "pte-instrument: the OTLP collector refused a %s batch of %d as too large (413); it is "
+                "sent again in parts, and a smaller %s avoids the refusal",
+                kind,
+                len(batch),
+                BATCH_SIZE_VARIABLE[kind],
+            )
+        parts[0] -= 2
         batch, half = list(batch), len(batch) // 2
         first = _records_of(batch[:half], kind)
         first = Counter({k: min(c, records[k]) for k, c in first.items()})
         results = []
         for part, part_records in ((batch[:half], first), (batch[half:], records - first)):
             try:
-                results.append(delivered(part, part_records, *args, **kwargs))
+                results.append(delivered(part, part_records, parts, *args, **kwargs))
             except Exception:  # counted lost by the half that raised
                 results.append(_failure(kind))
         return next((r for r in results if getattr(r, "name", "SUCCESS") != "SUCCESS"), results[0])
 
-    def delivered(batch: Any, records: Counter[tuple[str, int]], *args: Any, **kwargs: Any) -> Any:
+    def delivered(
+        batch: Any, records: Counter[tuple[str, int]], parts: list[int], *args: Any, **kwargs: Any
+    ) -> Any:
         try:
             result, answers = (
                 answered(batch, *args, **kwargs)
@@ -434,13 +460,14 @@ def count_failures(
             if isinstance(e, ExportFailed):  # given up by the deadline: a failed batch, as the SDK sees it
                 return _failure(kind)
             raise
-        size = "" if kind == "metrics" else f" of {len(batch)}"
+        n = len(batch) if kind in ITEM else 0  # a metrics batch is one message
+        size = f" of {n}" if n else ""
         if getattr(result, "name", "SUCCESS") != "SUCCESS":
-            if kind in ITEM and len(batch) > 1 and answers and _status(answers[-1]) == 413:
-                return halves(batch, records, *args, **kwargs)
+            if n > 1 and parts[0] >= 2 and answers and _status(answers[-1]) == 413:
+                return halves(batch, records, parts, *args, **kwargs)
             if on_failed is not None:
                 on_failed(
-                    ExportFailed(f"an OTLP {kind} batch{size} was not delivered{_why(answers, kind)}"),
+                    ExportFailed(f"an OTLP {kind} batch{size} was not delivered{_why(answers, kind, n)}"),
                     records,
                 )
             return result
@@ -454,7 +481,7 @@ def count_failures(
             if kind == "metrics":
                 what, lost = f"{rejected} metric data points of an OTLP metrics batch", Counter()
             else:
-                rejected = min(rejected, len(batch))
+                rejected = min(rejected, n)
                 what, lost = f"{rejected} of an OTLP {kind} batch{size}", _some(records, rejected)
             on_failed(ExportFailed(f"the collector rejected {what}{': ' + why if why else ''}"), lost)
         return result
