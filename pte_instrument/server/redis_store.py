@@ -75,7 +75,8 @@ _SORTED = "local SORTED = {" + ", ".join(f"'{k}'" for k in SORT_KEYS) + "}\n"
 # would make a turn count half, or stop every batch. ``wrong_type`` returns a message naming
 # the first key that does not (or false), and the type of each key; ``unaddable`` a message
 # naming the field (``whole``: one HINCRBY or INCR adds ``step`` to; else HINCRBYFLOAT), and
-# ``unaddable_sums`` the first of a hash's (field, step) pairs, one HMGET.
+# ``unaddable_sums`` the first of a hash's (field, step) pairs, one HMGET. ``cell`` names an
+# outcome count's field: <model>\x1f<benchmark>\x1f<count>.
 _WRONG_TYPE = """
 local function wrong_type(wanted)
   local types = {}
@@ -101,16 +102,17 @@ local function unaddable(key, field, v, step, whole)
   local named = field and (' field ' .. string.gsub(field, '\\31', '/')) or ''  -- a count's cell: model/benchmark/count
   return 'key ' .. key .. named .. " holds '" .. string.sub(v, 1, 40) .. "', not " .. (whole and 'an integer' or 'a number')
 end
-local function unaddable_sums(key, values)
+local function unaddable_sums(key, values, whole)
   local fields = {}
   for i = 1, #values, 2 do fields[#fields + 1] = values[i] end
   local found = redis.call('HMGET', key, unpack(fields))
   for j = 1, #fields do
-    local bad = unaddable(key, fields[j], found[j], tonumber(values[2 * j]), false)
+    local bad = unaddable(key, fields[j], found[j], tonumber(values[2 * j]), whole)
     if bad then return bad end
   end
   return false
 end
+local function cell(model, benchmark, name) return model .. '\\31' .. benchmark .. '\\31' .. name end
 """
 
 # KEYS: none (standalone Redis). ARGV: prefix, now, max_turns, seen_ttl, the turn (JSON).
@@ -312,24 +314,20 @@ if types[p .. 'recent:seq'] == 'string' then
   wrong = unaddable(p .. 'recent:seq', nil, redis.call('GET', p .. 'recent:seq'), 1, true)
   if wrong then return wrong end
 end
-local function field(model, benchmark, name) return model .. '\\31' .. benchmark .. '\\31' .. name end
 if types[p .. 'outcomes'] == 'hash' then
-  local fields = {}
+  local counts = {}
   for i = 5, #ARGV, 6 do
     for _, name in ipairs({'requests', 'truncated', 'output_tokens'}) do
-      table.insert(fields, field(ARGV[i + 2], ARGV[i + 3], name))
+      table.insert(counts, cell(ARGV[i + 2], ARGV[i + 3], name)); table.insert(counts, 0)
     end
   end
-  local found = redis.call('HMGET', p .. 'outcomes', unpack(fields))
-  for j = 1, #fields do
-    wrong = unaddable(p .. 'outcomes', fields[j], found[j], 0, true)
-    if wrong then return wrong end
-  end
+  wrong = unaddable_sums(p .. 'outcomes', counts, true)
+  if wrong then return wrong end
 end
 redis.call('SET', p .. 'obs:' .. ARGV[4], 1, 'EX', ARGV[3])
 local seq
-local function cell(model, benchmark, name, n)
-  redis.call('HINCRBY', p .. 'outcomes', field(model, benchmark, name), n)
+local function count(model, benchmark, name, n)
+  redis.call('HINCRBY', p .. 'outcomes', cell(model, benchmark, name), n)
 end
 for i = 5, #ARGV, 6 do
   local rid, sid, model, benchmark = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
@@ -342,9 +340,9 @@ for i = 5, #ARGV, 6 do
              'truncated', truncated, 'session_id', sid, 'labeled', 0)
   redis.call('ZADD', p .. 'recent', seq, rid)
   if sid ~= '' then redis.call('ZADD', p .. 'rs:' .. sid, seq, rid) end
-  cell(model, benchmark, 'requests', 1)
-  cell(model, benchmark, 'truncated', truncated)
-  cell(model, benchmark, 'output_tokens', tokens)
+  count(model, benchmark, 'requests', 1)
+  count(model, benchmark, 'truncated', truncated)
+  count(model, benchmark, 'output_tokens', tokens)
 end
 if seq then
   for _, rid in ipairs(redis.call('ZRANGEBYSCORE', p .. 'recent', '-inf', seq - window)) do
@@ -406,18 +404,11 @@ local model, benchmark = redis.call('HGET', first, 'model'), redis.call('HGET', 
 if not model or not benchmark then return refused('key ' .. first .. ' holds no model or benchmark') end
 local truncated = redis.call('HGET', last, 'truncated') == '1'
 correct = correct and not truncated
-local names = {'labeled', 'labeled_truncated', 'labeled_output_tokens', 'correct'}
-local steps = {1, truncated and 1 or 0, tokens, correct and 1 or 0}
-local fields = {}
-for i, name in ipairs(names) do fields[i] = model .. '\\31' .. benchmark .. '\\31' .. name end
-if types[outcomes] == 'hash' then
-  local found = redis.call('HMGET', outcomes, unpack(fields))
-  for i = 1, #fields do
-    wrong = unaddable(outcomes, fields[i], found[i], steps[i], true)
-    if wrong then return refused(wrong) end
-  end
-end
-for i = 1, #fields do redis.call('HINCRBY', outcomes, fields[i], steps[i]) end
+local counts = {cell(model, benchmark, 'labeled'), 1, cell(model, benchmark, 'labeled_truncated'), truncated and 1 or 0,
+                cell(model, benchmark, 'labeled_output_tokens'), tokens, cell(model, benchmark, 'correct'), correct and 1 or 0}
+wrong = types[outcomes] == 'hash' and unaddable_sums(outcomes, counts, true)
+if wrong then return refused(wrong) end
+for i = 1, #counts, 2 do redis.call('HINCRBY', outcomes, counts[i], counts[i + 1]) end
 for _, rid in ipairs(rows) do redis.call('HSET', p .. 'r:' .. rid, 'labeled', 1) end
 return cjson.encode({model = model, benchmark = benchmark, requests = #rows, output_tokens = tokens,
                      truncated = truncated, correct = correct})

@@ -132,27 +132,26 @@ class Unlanded:
     def watermark(self, landing: Iterable[str] = (), every_request: bool = False) -> float:
         """A time before which every turn (``every_request``: every request) told finished has
         landed, or lands with ``landing`` (the batch being committed)."""
+        marks = self.watermarks(landing)
+        return marks.requests if every_request else marks.turns
+
+    def watermarks(self, landing: Iterable[str] = ()) -> Watermarks:
+        """Both watermarks, as of the batch ``landing``, in one pass from the earliest told."""
         landing = Counter(landing)
         with self._lock:
             now = self.clock()
-            cutoff = now - UNLANDED_FOR_S  # a turn that never landed holds nothing back
+            cutoff = now - UNLANDED_FOR_S  # a request that never landed holds nothing back
             while (old := self._unlanded.oldest()) is not None and old[1].at < cutoff:
                 self._unlanded.pop_oldest()
             while (unpriced := self._unpriced.oldest()) is not None and unpriced[1].at < cutoff:
                 self._unprice(unpriced[0])
-            return next(
-                (
-                    t.at
-                    for rid, t in self._unlanded.items()
-                    if (every_request or t.turn) and landing[rid] < t.count
-                ),
-                now,
-            )
-
-    def watermarks(self, landing: Iterable[str] = ()) -> Watermarks:
-        """Both watermarks, as of the batch ``landing``."""
-        landing = list(landing)
-        return Watermarks(self.watermark(landing), self.watermark(landing, every_request=True))
+            requests = None
+            for rid, t in self._unlanded.items():
+                if landing[rid] < t.count:
+                    requests = t.at if requests is None else requests
+                    if t.turn:
+                        return Watermarks(t.at, requests)
+            return Watermarks(now, now if requests is None else requests)
 
     def unpriced_since(self, session_id: str) -> float:
         """When the earliest turn of ``session_id`` not yet priced was told finished (inf: none)."""

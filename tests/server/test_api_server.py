@@ -424,15 +424,15 @@ def test_labels_waiting_for_another_api_server_read_the_shared_store_a_bounded_n
     store = str(tmp_path / "sessions.sqlite3")
     a, b = (ProbedRuntime(Settings(session_store=store)) for _ in range(2))
     try:
-        for rt in (a, b):
-            ApiServer(rt).configure(served(), request_keys)
+        servers = [ApiServer(rt) for rt in (a, b)]
+        for server in servers:
+            server.configure(served(), request_keys)
         assert wait(lambda: b.sessions.others_caught_up_to() < math.inf, timeout_s=5)
         reads = []
         read = b.sessions.others_caught_up_to
         monkeypatch.setattr(b.sessions, "others_caught_up_to", lambda **kw: (reads.append(1), read(**kw))[1])
-        server_b = ApiServer(b)
         app = FastAPI()
-        app.include_router(server_b.router())
+        app.include_router(servers[1].router())
         a.sessions.told_finished("cmpl-on-a", None)
         request = finished("cmpl-on-a")
         record = price_request(a.cost_models[("m", 0)], request, request.finished_at)

@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -143,23 +144,27 @@ def test_an_observation_group_meeting_a_key_of_the_wrong_type_is_counted_lost_no
     assert a.flush(5) and a.outcomes()[("m", "none")]["requests"] == 2
 
 
-@needs_redis
-def test_a_live_session_whose_hash_was_overwritten_closes_without_stopping_the_others(
-    ledgers, redis_server, client
-):
+def two_sessions_to_close(ledgers, url: str, **kwargs) -> tuple[SessionLedger, Any, list[str]]:
+    """A ledger on ``url`` whose sessions "x" and "y" are in the store and go idle (60 s TTL)
+    once its clock moves 120 s on: the ledger, its clock, and the ids it is told closed."""
     from tests.server.test_sessions import Clock
 
     clock = Clock()
     closed: list[str] = []
     a = ledgers(
-        redis_server.url,
-        clock=clock,
-        idle_ttl_s=60,
-        on_close=lambda s, reason: closed.append(s["session_id"]),
+        url, clock=clock, idle_ttl_s=60, on_close=lambda s, reason: closed.append(s["session_id"]), **kwargs
     )
     for sid in ("x", "y"):
         turn(a, sid, 10, 2, 0, 1000.0)
     assert a.flush()
+    return a, clock, closed
+
+
+@needs_redis
+def test_a_live_session_whose_hash_was_overwritten_closes_without_stopping_the_others(
+    ledgers, redis_server, client
+):
+    a, clock, closed = two_sessions_to_close(ledgers, redis_server.url)
     client.delete("pte:s:x")
     client.set("pte:s:x", "someone else's")
     clock.t += 120

@@ -317,21 +317,8 @@ def test_a_value_another_writer_put_into_a_closing_counter_closes_the_sessions_a
     """The host's count of sessions closed idle holding another writer's text: the sessions
     due close and are told closed once (not taken out of the store untold, with every batch
     failing after them), the counter is left as it is, and that is said."""
-    from tests.server.test_sessions import Clock
-
-    clock = Clock()
-    closed: list[str] = []
     faults: list[Exception] = []
-    a = ledgers(
-        redis_server.url,
-        clock=clock,
-        idle_ttl_s=60,
-        on_close=lambda s, reason: closed.append(s["session_id"]),
-        on_error=faults.append,
-    )
-    for sid in ("x", "y"):
-        turn(a, sid, 10, 2, 0, 1000.0)
-    assert a.flush()
+    a, clock, closed = hostile.two_sessions_to_close(ledgers, redis_server.url, on_error=faults.append)
     client.hset("pte:counters", "sessions_expired", "x")
     clock.t += 120
     a.expire()
