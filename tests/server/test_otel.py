@@ -102,6 +102,15 @@ def test_span_spans_arrival_to_finish_and_names_the_session(spans):
     assert "session.id" not in loose.attributes and "gen_ai.conversation.id" not in loose.attributes
 
 
+def test_a_session_request_whose_turn_is_unknown_has_no_turn_attribute(spans):
+    """The session store could not say the turn (a fault of its own): the span names the
+    session and carries no ``pte.turn`` rather than one of no value (OTLP has no null)."""
+    (span,) = spans(record(session_id="agent-7", turn=None))
+    assert span.attributes["session.id"] == "agent-7" and "pte.turn" not in span.attributes
+    (numbered,) = spans(record(session_id="agent-7", turn=3))[-1:]
+    assert numbered.attributes["pte.turn"] == 3
+
+
 def test_new_trace_ids_are_random_hex():
     otel = OtelExporter(span_exporter=InMemorySpanExporter())
     ids = {otel.new_trace_id() for _ in range(100)}

@@ -156,10 +156,17 @@ def partial(path: str, rejected: int, message: str) -> bytes:
 
 
 def send(
-    monkeypatch, collector: Collector, exporter_class, signal: str, path: str, n: int = 5, **env: str
+    monkeypatch,
+    collector: Collector,
+    exporter_class,
+    signal: str,
+    path: str,
+    n: int = 5,
+    model: str = "tiny",
+    **env: str,
 ) -> tuple[Lost, float]:
-    """``n`` records exported as one batch to ``collector`` (the export timeout 1 s): what the
-    exporter reported lost, and the longest that queueing one record took."""
+    """``n`` records of ``model`` exported as one batch to ``collector`` (the export timeout
+    1 s): what the exporter reported lost, and the longest that queueing one record took."""
     monkeypatch.setenv(f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT", env.pop("endpoint", collector.url + path))
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "1")
     for name, value in env.items():
@@ -170,7 +177,7 @@ def send(
     try:
         for i in range(n):
             start = time.monotonic()
-            exporter.export(record(i, engine=i % 2))
+            exporter.export(record(i, model, engine=i % 2))
             slowest = max(slowest, time.monotonic() - start)
         assert exporter.provider.force_flush(10_000)
     finally:
@@ -337,27 +344,32 @@ def test_a_batch_over_the_collectors_request_size_is_delivered_in_halves(
     assert len(advice) == 1 and "MAX_EXPORT_BATCH_SIZE" in advice[0], advice
 
 
+@pytest.mark.parametrize("value_limit", [None, "8"], ids=["whole", "attribute-values-cut"])
 @pytest.mark.parametrize(("exporter_class", "signal", "path"), SIGNALS)
 def test_an_item_over_the_collectors_request_size_alone_is_lost_the_rest_delivered(
-    monkeypatch, exporter_class, signal, path
+    monkeypatch, exporter_class, signal, path, value_limit
 ):
     """A collector that refuses as too large every request that holds the third record (of
     engine 0): the halves that hold only others are delivered, that record alone is counted
-    lost, in one line that says a single item is over the collector's limit."""
+    lost, in one line that says a single item is over the collector's limit — also where the
+    SDK cut the model name the items carry (``OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT``), so that
+    the halves cannot be told apart by it (the model's name cut to 8 characters, the records'
+    ids whole)."""
 
     def answer(n: int) -> Answer:
         return (413, {}, b"too large") if 2 in collector.indices[n] else (200, PROTOBUF, b"")
 
     collector = Collector(answer)
+    env = {"OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT": value_limit} if value_limit else {}
     try:
-        lost, _ = send(monkeypatch, collector, exporter_class, signal, path)
+        lost, _ = send(monkeypatch, collector, exporter_class, signal, path, model="a-served-model", **env)
     finally:
         collector.close()
     # 5 refused; the half with it refused, the other delivered; and so on down to it alone
     refused = [n for n, records in zip(collector.items, collector.indices, strict=True) if 2 in records]
     delivered = [n for n, records in zip(collector.items, collector.indices, strict=True) if 2 not in records]
     assert refused in ([5, 2, 1], [5, 3, 1]) and sorted(delivered) == sorted([5 - refused[1], refused[1] - 1])
-    assert lost.by == {("tiny", 0): 1} and len(lost.errors) == 1
+    assert lost.by == {("a-served-model", 0): 1} and len(lost.errors) == 1
     line = one_line(lost.errors[0])
     assert "the collector answered 413" in line and "to a batch of one" in line
 

@@ -142,15 +142,7 @@ class Backlog:
         """``n`` records left the queue for an export, ``records`` by key: those of them the
         backlog held (none once closed: they were reported then)."""
         with self._lock:
-            out = Counter({k: min(c, self._held[k]) for k, c in records.items() if self._held[k] > 0})
-            rest = min(n, self._n) - sum(out.values())
-            for k in list(self._held):  # items whose key could not be read still leave the backlog
-                if rest <= 0:
-                    break
-                extra = min(rest, self._held[k] - out[k])
-                if extra > 0:
-                    out[k] += extra
-                    rest -= extra
+            out = _share(self._held, records, min(n, self._n))
             self._held -= out
             self._n -= sum(out.values())
         return out
@@ -360,6 +352,24 @@ def _rejected(answers: list[Any], kind: str) -> tuple[int, str]:
     return rejected, why
 
 
+def _share(
+    held: Counter[tuple[str, int]], read: Counter[tuple[str, int]], n: int
+) -> Counter[tuple[str, int]]:
+    """Which ``n`` of the records ``held`` some items are, ``read`` (by the key read back from
+    them) first: the rest of ``held`` makes up the items whose key was not read or no longer
+    matches (the SDK cuts attribute values over ``OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT``)."""
+    out = Counter({k: min(c, held[k]) for k, c in read.items() if held[k] > 0})
+    rest = n - sum(out.values())
+    for k in list(held):
+        if rest <= 0:
+            break
+        extra = min(rest, held[k] - out[k])
+        if extra > 0:
+            out[k] += extra
+            rest -= extra
+    return out
+
+
 def _some(records: Counter[tuple[str, int]], n: int) -> Counter[tuple[str, int]]:
     """``n`` of ``records``: the collector does not say which items it rejected, so they are
     charged to the batch's (model, engine) in the batch's order."""
@@ -435,8 +445,7 @@ def count_failures(
             )
         parts[0] -= 2
         batch, half = list(batch), len(batch) // 2
-        first = _records_of(batch[:half], kind)
-        first = Counter({k: min(c, records[k]) for k, c in first.items()})
+        first = _share(records, _records_of(batch[:half], kind), half)
         results = []
         for part, part_records in ((batch[:half], first), (batch[half:], records - first)):
             try:
@@ -687,6 +696,7 @@ def span_attributes(r: RequestRecord) -> dict[str, Any]:
     if r.session_id is not None:
         attrs[gen_ai.GEN_AI_CONVERSATION_ID] = r.session_id
         attrs[SESSION_ID] = r.session_id  # the name Langfuse and other trace UIs group by
+    if r.turn is not None:  # None: the session store could not say it
         attrs["pte.turn"] = r.turn
     if r.pause_s is not None:
         attrs["pte.tool_pause_s"] = r.pause_s
