@@ -72,15 +72,19 @@ def finished_request(
     (none given, or the entry dropped by its bound) it is ``e2e_latency − decode_time``
     (``decode_time`` runs from the first token to the last on the engine core's clock),
     which also counts how much longer the last output took than the first to reach this
-    process."""
+    process.
+
+    Both are wall-clock differences: a clock set back while the request ran makes them
+    negative, and they read as zero (the request arrived when it finished)."""
     e2e = float(stats.e2e_latency)
-    arrival = iteration_timestamp - e2e
+    key = iteration_timestamp - e2e  # the arrival on vLLM's clock, as its first-token entry has it
     tokens = int(stats.num_generation_tokens)
     ttft = None
     if tokens > 0:
-        ttft = first_token_latencies.pop(arrival) if first_token_latencies is not None else None
-        if ttft is None:
-            ttft = max(0.0, e2e - float(stats.decode_time))
+        ttft = first_token_latencies.pop(key) if first_token_latencies is not None else None
+        ttft = max(0.0, e2e - float(stats.decode_time) if ttft is None else ttft)
+    e2e = max(0.0, e2e)
+    arrival = iteration_timestamp - e2e
     return FinishedRequest(
         request_id=str(stats.request_id),
         model=model,

@@ -39,6 +39,32 @@ def test_one_token_has_no_time_per_output_token_and_none_no_first_token():
     assert none.ttft_s is None and none.tpot_s is None
 
 
+def test_a_wall_clock_stepped_back_during_a_request_gives_no_negative_time():
+    """vLLM measures a request's end-to-end and first-token latencies on the wall clock: one
+    set back (NTP) while the request ran makes them negative. The record says zero, ends at
+    the finish and starts no later (a histogram drops a negative value, a span would end
+    before it starts)."""
+    r = finished_request(stats(tokens=17, e2e=-0.5, decode=0.25), "tiny", 0, iteration_timestamp=1000.0)
+    assert (r.e2e_s, r.ttft_s, r.arrived_at, r.finished_at) == (0.0, 0.0, 1000.0, 1000.0)
+    latencies = FirstTokenLatencies()
+    latencies.observe(_iteration_with_first_token(timestamp=999.0, latency=-1.5))
+    r = finished_request(
+        stats(tokens=17, e2e=-1.0, decode=0.25),
+        "tiny",
+        0,
+        iteration_timestamp=999.5,
+        first_token_latencies=latencies,
+    )
+    assert (r.e2e_s, r.ttft_s, r.arrived_at) == (0.0, 0.0, 999.5)
+    assert len(latencies) == 0  # its entry taken, not left to the bound
+
+
+def _iteration_with_first_token(timestamp: float, latency: float) -> IterationStats:
+    it = _iteration(timestamp)
+    it.time_to_first_tokens_iter.append(latency)
+    return it
+
+
 def _iteration(timestamp: float) -> IterationStats:
     it = IterationStats()
     it.iteration_timestamp = timestamp
