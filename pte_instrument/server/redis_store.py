@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import re
 import threading
 import time
 import uuid
@@ -436,7 +437,7 @@ def number(text: str) -> int | float:
         return int(f) if f.is_integer() and abs(f) < 2**53 else f
 
 
-def readable(text: str | None, default: int | float = 0) -> int | float | None:
+def readable(text: str | None, default: int | float | None = 0) -> int | float | None:
     """A number for a reader: ``default`` where the field is missing, None where another
     writer left something that is no finite number (shown as unknown, not guessed)."""
     if text is None:
@@ -446,6 +447,15 @@ def readable(text: str | None, default: int | float = 0) -> int | float | None:
     except ValueError:
         return None
     return x if math.isfinite(x) else None
+
+
+def _published(value: str) -> tuple[float, float] | None:
+    """A writer's entry of the writers' hash: its turns' watermark and when it published it;
+    None where another writer left something else there."""
+    parts = [readable(x, None) for x in value.split()]
+    if len(parts) != 2 or parts[0] is None or parts[1] is None:
+        return None
+    return float(parts[0]), float(parts[1])
 
 
 class RedisStore(BatchWriter):
@@ -523,7 +533,7 @@ class RedisStore(BatchWriter):
         try:
             yield self.client
         except self._errors as e:
-            if not _wrong_type(e):  # one key someone else holds: the store itself answers
+            if not _value_refused(e):  # one key or value someone else put there: the store answers
                 self._failed(e)
             raise StoreError(f"session store {self.path}: {type(e).__name__}: {e}") from None
         if not write:
@@ -575,7 +585,7 @@ class RedisStore(BatchWriter):
 
     def _peers_published(self, values: list[str]) -> None:
         now = time.time()
-        alive = [v for v in values if now - float(v.split()[1]) < PEER_ALIVE_S]
+        alive = [p for v in values if (p := _published(v)) is not None and now - p[1] < PEER_ALIVE_S]
         self.with_peers(len(alive) > 1)
 
     def beat(self, watermarks: Watermarks) -> None:
@@ -596,12 +606,14 @@ class RedisStore(BatchWriter):
             found, requests = pipe.execute()
             now, earliest, gone = time.time(), math.inf, []
             for writer, value in found.items():
-                watermark, last_seen = map(float, value.split())
+                if (published := _published(value)) is None:  # no writer's: passed over
+                    continue
+                watermark, last_seen = published
                 if now - last_seen > WRITER_GONE_S:
                     gone.append(writer)
                 elif writer != self.writer_id and now - last_seen < PEER_ALIVE_S:
-                    if every_request and writer in requests:
-                        watermark = float(requests[writer])
+                    if every_request and (of_requests := readable(requests.get(writer), None)) is not None:
+                        watermark = of_requests
                     earliest = min(earliest, watermark)
             if gone:
                 r.hdel(self.prefix + "writers", *gone)
@@ -716,12 +728,15 @@ class RedisStore(BatchWriter):
             # A replica of an older release, in a fleet upgraded one at a time, adds sessions to
             # no index and closes them without taking them out: an index of another size, or a
             # page that meets a closed session, is not trusted (the closed ones leave it), and
-            # the page is sorted whole. Ties: the ids descending, as SORT.
-            ids = r.zrevrange(index, offset, offset + limit - 1) if key in SORT_KEYS else []
-            rows = self._sessions(r, ids) if ids and r.zcard(index) == total else None
-            if rows is None or not all(rows):
-                if rows is not None:
-                    r.zrem(index, *(sid for sid, f in zip(ids, rows, strict=True) if not f))
+            # the page is sorted whole. Ties: the ids descending, as SORT. A live session whose
+            # hash someone else replaced with another type is left out of the page.
+            indexed = key in SORT_KEYS and r.zcard(index) == total
+            ids = r.zrevrange(index, offset, offset + limit - 1) if indexed else []
+            rows = self._sessions(r, ids) if indexed else None
+            closed = [sid for sid, f in zip(ids, rows or (), strict=True) if f == {}]
+            if rows is None or closed:
+                if closed:
+                    r.zrem(index, *closed)
                 ids = r.sort(live, by=f"{self.prefix}s:*->{key}", start=offset, num=limit, desc=True)
                 rows = self._sessions(r, ids)
         return total, [session_summary(sid, f) for sid, f in zip(ids, rows, strict=True) if f]
@@ -739,9 +754,11 @@ class RedisStore(BatchWriter):
             pipe = r.pipeline(transaction=False)
             for name in names:
                 pipe.hgetall(f"{self.prefix}totals:{kind}:{name}")
-            rows = pipe.execute()
+            rows = _answers(pipe.execute(raise_on_error=False))
         out: dict[str, dict[str, Any]] = {}
         for name, fields in zip(names, rows, strict=True):
+            if fields is None:  # a key of another type someone else put there
+                continue
             sums: dict[str, Any] = {k: readable(fields.get(k)) for k in MODEL_TOTALS}
             out[name] = {"model": fields.get("model", ""), **sums} if kind == "lora" else sums
         return out
@@ -799,6 +816,15 @@ def _closing(call: str, reply: list[Any]) -> Closing:
 def _wrong_type(e: Exception) -> bool:
     """Redis refused a command on a key holding another type than the command's."""
     return type(e).__name__ == "ResponseError" and "WRONGTYPE" in str(e)
+
+
+# Redis's words for a command refused over a value it met (another writer's text where a
+# number goes): the store itself answers.
+_VALUE_REFUSED = re.compile(r"WRONGTYPE|can't be converted|is not an integer|is not a (valid )?float")
+
+
+def _value_refused(e: Exception) -> bool:
+    return type(e).__name__ == "ResponseError" and _VALUE_REFUSED.search(str(e)) is not None
 
 
 def _answers(results: list[Any]) -> list[Any]:

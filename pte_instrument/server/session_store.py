@@ -369,7 +369,10 @@ class BatchWriter:
             if expire:
                 next_expiry = time.monotonic() + _EXPIRE_EVERY_S
             items = [item for item in batch if item[0] not in ("expire", "flush", "stop", "beat")]
-            self.commit(conn, items, expire)
+            try:
+                self.commit(conn, items, expire)
+            except Exception as e:  # what the commit did not catch: said, and the writer goes on
+                self._error(StoreError(f"session store: a batch failed ({type(e).__name__}: {e})"))
             flushed = [item[1] for item in batch if item[0] == "flush"]
             stop = any(item[0] == "stop" for item in batch)
             # Let the committed batch go before saying so, and before waiting for the next:

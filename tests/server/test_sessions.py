@@ -364,6 +364,30 @@ class _HeldWriter(BatchWriter):
         return None
 
 
+def test_a_batch_whose_commit_raises_is_said_and_the_writer_goes_on():
+    """A commit that raises what it should have caught (a store's value no writer of this
+    release would leave, say) is a fault said once; the writer thread goes on to the next
+    batches, and flushes return, rather than dying with every later record queued for ever."""
+    committed: list[list] = []
+    errors: list[Exception] = []
+
+    def commit(conn, items, expire):
+        if any(item == ("turn", "bad") for item in items):
+            raise IndexError("list index out of range")
+        committed.append(items)
+
+    writer = _HeldWriter(commit, errors.append, "s", 100)
+    try:
+        writer.put(("turn", "bad"))
+        assert writer.flush(5)
+        writer.put(("turn", "good"))
+        assert writer.flush(5)
+        assert ("turn", "good") in [item for items in committed for item in items]
+        assert len(errors) == 1 and "IndexError: list index out of range" in str(errors[0])
+    finally:
+        writer.stop_writer()
+
+
 def test_a_flush_returns_once_the_writer_holds_nothing_it_committed():
     """What a flush waited for is let go before the flush returns: a writer that signalled
     first and dropped its batch after kept a whole batch alive past the flush (on a busy

@@ -372,3 +372,89 @@ def test_reads_of_a_store_where_another_writer_put_values_of_its_own_answer_arou
     cells = a.outcomes()
     assert list(cells) == [("m", "b")] and (cells["m", "b"]["requests"], cells["m", "b"]["correct"]) == (3, 1)
     assert sum(cells["m", "b"].values()) == 4
+
+
+@needs_redis
+def test_watermarks_another_writer_published_in_a_form_of_its_own_are_passed_over(
+    ledgers, redis_server, client
+):
+    """Entries of the writers' hashes that are not ``<watermark> <time>`` (and a requests'
+    watermark that is not a number) are no writer's: the store's writer goes on writing
+    through its heartbeats and batches, and the peers' watermark reads the readable ones."""
+    a = ledgers(redis_server.url)
+    turn(a, "s", 10, 2, 0, 1000.0)
+    assert a.flush() and _requests(a) == 1
+    now = time.time()
+    client.hset(
+        "pte:writers",
+        mapping={"peer/x": "garbage", "peer/y": "1.5", "peer/z": f"7.0 {now!r}", "peer/w": f"9.0 {now!r}"},
+    )
+    client.hset("pte:writers:requests", mapping={"peer/z": "many", "peer/w": "8.0"})
+    time.sleep(1.5)  # heartbeats, each reading the writers' hash
+    turn(a, "s", 20, 2, 0, 1001.0)
+    assert a.flush(5) and a.store._writer.is_alive()
+    assert a.get("s")["turns"] == 2 and _requests(a) == 2
+    assert a.store.peer_watermark() == 7.0
+    assert a.store.peer_watermark(every_request=True) == 7.0  # z's requests' unreadable: its turns'
+
+
+def _sorts(client) -> int:
+    """SORT commands the redis-server ran so far."""
+    return int(client.info("commandstats").get("cmdstat_sort", {}).get("calls", 0))
+
+
+@needs_redis
+def test_a_sessions_page_past_the_end_or_next_to_a_session_someone_else_replaced_sorts_nothing(
+    ledgers, redis_server, client
+):
+    """A page past the last live session is empty from the index, not a SORT of every live
+    shares); a live session whose hash someone else replaced is left out of the pages, which
+    need no SORT for it either."""
+    a = ledgers(redis_server.url)
+    for sid, pte in (("a", 10), ("b", 20), ("c", 30)):
+        turn(a, sid, pte, 2, 0, 1000.0)
+    assert a.flush()
+    sorts = _sorts(client)
+    assert a.top(10, 10**9, "pte_served") == (3, [])
+    assert _sorts(client) == sorts
+    client.delete("pte:s:b")
+    client.set("pte:s:b", "someone else's")
+    total, rows = a.top(10, 0, "pte_served")
+    assert total == 3 and [r["session_id"] for r in rows] == ["c", "a"]
+    assert a.top(10, 5, "pte_served") == (3, [])
+    assert _sorts(client) == sorts and a.store.available
+
+
+@needs_redis
+def test_a_sessions_page_sorted_whole_over_another_writers_text_costs_that_page_only(
+    ledgers, redis_server, client
+):
+    """The page must be sorted whole (a replica of an older release left the index short)
+    and a session's sort key holds another writer's text, which Redis cannot sort by: that
+    page fails, and the store is not taken for down — its other reads and the writes go on."""
+    a = ledgers(redis_server.url)
+    for sid, pte in (("a", 10), ("b", 20)):
+        turn(a, sid, pte, 2, 0, 1000.0)
+    assert a.flush()
+    client.zrem("pte:by:pte_served", "a")
+    client.hset("pte:s:b", "pte_served", "x")
+    with pytest.raises(StoreError):
+        a.top(10, 0, "pte_served")
+    assert a.store.available
+    assert a.get("a")["turns"] == 1
+    turn(a, "c", 10, 2, 0, 1001.0)
+    assert a.flush(5) and a.get("c")["turns"] == 1
+
+
+@needs_redis
+def test_a_models_totals_key_of_another_type_leaves_out_that_model_only(ledgers, redis_server, client):
+    """Another writer's key of another type where one model's totals go: the summary's model
+    totals still list every other model (not none at all, which reads as nothing priced)."""
+    a = ledgers(redis_server.url)
+    turn(a, "s", 10, 2, 0, 1000.0)
+    assert a.flush()
+    client.sadd("pte:models", "other")
+    client.set("pte:totals:model:other", "someone else's")
+    totals = a.model_totals()
+    assert list(totals) == ["m"] and totals["m"]["requests"] == 1
+    assert a.store.available
