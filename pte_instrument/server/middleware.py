@@ -74,6 +74,10 @@ ROUTES = {
     "/invocations": Route(None, HEADER_OR_BODY),
 }
 PLUGIN_ROUTES = "/pte/"
+# A served route the plugin does not tag (embeddings, scoring, but also routes that never
+# read their body) has its body looked at for vLLM's request_id up to this size; a larger one
+# goes on unread by the plugin, its request_id as sent.
+MAX_UNTAGGED_BODY_BYTES = 1 << 20
 MAX_MODEL_NAME_LEN = 256  # a longer "model" is kept for no adapter (accounted to the base model)
 
 
@@ -138,9 +142,11 @@ class TaggingMiddleware:
                         after_body = route is None or route.names == HEADER_OR_BODY
                         if name is None and after_body and _names_after_body(scope, route is not None):
                             fields: _RequestId | None = wanted
-                            if fields is None:
-                                fields, receive = await _body_fields(receive, _REQUEST_ID)
-                            name = self._bound_body_request_id(scope, fields.request_id)
+                            limit = None if route is not None else MAX_UNTAGGED_BODY_BYTES
+                            if fields is None and (limit is None or _content_length(scope) <= limit):
+                                fields, receive = await _body_fields(receive, _REQUEST_ID, limit)
+                            if fields is not None:
+                                name = self._bound_body_request_id(scope, fields.request_id)
                     if route is not None:
                         key = self._tag(scope, route, wanted, name)
                         # a background response runs on after its answer, as long as it takes:
@@ -181,10 +187,9 @@ class TaggingMiddleware:
         over-long one goes on as an ``X-Request-Id`` of its digest, which vLLM reads first."""
         if not isinstance(request_id, str):
             return None
-        raw = request_id.encode("utf-8", "surrogatepass")
-        if len(raw) <= MAX_REQUEST_ID_LEN:
+        if _as_sent(request_id):
             return request_id
-        digest = bounded_request_id(raw)
+        digest = bounded_request_id(request_id.encode("utf-8", "surrogatepass"), as_sent=False)
         scope["headers"] = [*scope["headers"], (b"x-request-id", digest)]
         self._say_long_id("A request_id in the body")
         return digest.decode("ascii")
@@ -196,7 +201,7 @@ class TaggingMiddleware:
         ``MAX_REQUEST_ID_LEN`` bytes; or, when it has none, one written in as vLLM would have
         drawn it (``resp_<uuid>``). None: none to tag it under (a body that is no JSON object
         in UTF-8, which nothing can be written into)."""
-        data, end = await _read_body(receive)
+        data, end, _ = await _read_body(receive)
         fields, name = _BodyFields(), None
         try:
             try:  # a JSON object in UTF-8: a member can be written into it
@@ -205,11 +210,11 @@ class TaggingMiddleware:
                 fields, writable = _decode(data, _BODY_FIELDS), False
             written = None
             if isinstance(fields.request_id, str):
-                raw = fields.request_id.encode("utf-8", "surrogatepass")
-                if len(raw) <= MAX_REQUEST_ID_LEN:
+                if _as_sent(fields.request_id):
                     name = fields.request_id
                 elif writable:
-                    name = bounded_request_id(raw).decode("ascii")
+                    raw = fields.request_id.encode("utf-8", "surrogatepass")
+                    name = bounded_request_id(raw, as_sent=False).decode("ascii")
                     written = data.rstrip(b" \t\r\n")[:-1] + b',"request_id":"' + name.encode("ascii") + b'"}'
                     self._say_long_id("A request_id in a Responses API body")
             elif fields.request_id is None and writable:
@@ -308,6 +313,22 @@ _BODY_FIELDS = msgspec.json.Decoder(_BodyFields)
 Fields = TypeVar("Fields", bound=_RequestId)
 
 
+def _as_sent(request_id: str) -> bool:
+    """Whether a body's ``request_id`` goes on to vLLM as sent: up to ``MAX_REQUEST_ID_LEN``
+    bytes of UTF-8. One with a lone surrogate (Python's JSON reads ``"\ud800"``; no store,
+    log or exporter can write it) goes on as its digest, as a longer one does."""
+    try:
+        return len(request_id.encode("utf-8")) <= MAX_REQUEST_ID_LEN
+    except UnicodeEncodeError:
+        return False
+
+
+def _content_length(scope: Scope) -> int:
+    """The body's size as its Content-Length says (0: none, or none readable)."""
+    value = next((v for k, v in scope["headers"] if k == b"content-length"), b"")
+    return int(value) if value.isdigit() else 0
+
+
 def _json_body(scope: Scope) -> bool:
     """Whether vLLM reads the body as JSON: no content type, or a JSON one (a form upload's
     fields are its own)."""
@@ -345,28 +366,29 @@ def _route(path: str) -> Route | None:
     return next((route for p, route in ROUTES.items() if path.endswith(p)), None)
 
 
-async def _read_body(receive: Receive) -> tuple[bytes, Message | None]:
-    """The whole body, and what cut it short (a disconnect), if anything did."""
+async def _read_body(receive: Receive, limit: int | None = None) -> tuple[bytes, Message | None, bool]:
+    """The body, what cut it short (a disconnect), if anything did, and whether all of it was
+    read: reading stops once it holds ``limit`` bytes or more."""
     body = bytearray()
     end: Message | None = None
-    while True:
+    while limit is None or len(body) < limit:
         message = await receive()
         if message["type"] != "http.request":
             end = message
             break
         body += message.get("body", b"")
         if not message.get("more_body", False):
-            break
-    return bytes(body), end
+            return bytes(body), None, True
+    return bytes(body), end, end is not None
 
 
-def _replayed(data: bytes, end: Message | None, receive: Receive) -> Receive:
-    """``receive`` with a body read whole given back first, as one message (a body sent a few
-    bytes per message is held once, not as a message per few bytes), followed by what cut
-    it short, if anything did."""
+def _replayed(data: bytes, end: Message | None, receive: Receive, whole: bool = True) -> Receive:
+    """``receive`` with a body read given back first, as one message (a body sent a few bytes
+    per message is held once, not as a message per few bytes), followed by what cut it short,
+    if anything did, or by the rest of the body (``whole`` False: read only in part)."""
     messages: list[Message] = []
-    if data or end is None:
-        messages.append({"type": "http.request", "body": data, "more_body": end is not None})
+    if data or (end is None and whole):
+        messages.append({"type": "http.request", "body": data, "more_body": end is not None or not whole})
     if end is not None:
         messages.append(end)
 
@@ -376,11 +398,13 @@ def _replayed(data: bytes, end: Message | None, receive: Receive) -> Receive:
     return replay
 
 
-async def _body_fields(receive: Receive, decoder: msgspec.json.Decoder[Fields]) -> tuple[Fields, Receive]:
-    """Read the whole body for the fields ``decoder`` takes, then replay it downstream, every
-    byte as sent (``_replayed``)."""
-    data, end = await _read_body(receive)
-    return _decode(data, decoder), _replayed(data, end, receive)
+async def _body_fields(
+    receive: Receive, decoder: msgspec.json.Decoder[Fields], limit: int | None = None
+) -> tuple[Fields, Receive]:
+    """Read the body for the fields ``decoder`` takes, then replay it downstream, every byte
+    as sent (``_replayed``). A body over ``limit`` bytes has none of its fields read."""
+    data, end, whole = await _read_body(receive, limit)
+    return _decode(data, decoder) if whole else decoder.type(), _replayed(data, end, receive, whole)
 
 
 def _with_request_id(data: bytes) -> tuple[str, bytes]:

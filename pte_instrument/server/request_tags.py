@@ -48,11 +48,14 @@ def validate_session_id(raw: bytes | str) -> tuple[str | None, str | None]:
     return raw.decode("ascii"), None
 
 
-def bounded_request_id(raw: bytes) -> bytes:
+def bounded_request_id(raw: bytes, as_sent: bool = True) -> bytes:
     """An ``X-Request-Id`` as vLLM is to see it: as sent, up to ``MAX_REQUEST_ID_LEN`` bytes;
-    a longer one as its SHA-256 in hex (64 characters, ``printf %s "$ID" | sha256sum``):
-    the same id each time it is sent, and one a client can compute."""
-    return raw if len(raw) <= MAX_REQUEST_ID_LEN else hashlib.sha256(raw).hexdigest().encode("ascii")
+    a longer one (or any, ``as_sent`` False) as its SHA-256 in hex (64 characters,
+    ``printf %s "$ID" | sha256sum``): the same id each time it is sent, and one a client can
+    compute."""
+    if as_sent and len(raw) <= MAX_REQUEST_ID_LEN:
+        return raw
+    return hashlib.sha256(raw).hexdigest().encode("ascii")
 
 
 def parse_traceparent(raw: bytes | str) -> str | None:

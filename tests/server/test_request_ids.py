@@ -179,6 +179,8 @@ def _digest(request_id: str) -> str:
             LONG,
         ),
         (b'{"request_id": "' + LONG.encode() + b'\\udc80"}', LONG + "\udc80"),
+        (b'{"request_id": "\\ud800"}', "\ud800"),
+        (b'{"request_id": "r-\\udc80-7"}', "r-\udc80-7"),
     ],
     ids=[
         "utf-8-bom",
@@ -188,12 +190,15 @@ def _digest(request_id: str) -> str:
         "infinity",
         "lone-surrogate-elsewhere",
         "lone-surrogate-in-it",
+        "short-lone-surrogate",
+        "short-with-a-lone-surrogate",
     ],
 )
 def test_a_long_request_id_in_a_body_only_pythons_json_reads_is_bounded_too(body, request_id):
     """vLLM reads a body with Python's ``json`` (FastAPI's ``request.json()``), which takes a
     byte-order mark, UTF-16 and -32, ``NaN`` and lone surrogates; the middleware's fast
-    decoder refuses them all, so the long id reached vLLM as sent."""
+    decoder refuses them all, so the long id reached vLLM as sent. An id of any length with
+    a lone surrogate goes on as its digest too: no store, log or exporter could write it."""
     assert json.loads(body)["request_id"] == request_id  # what vLLM names the request after
     runtime, got = post_raw(body)
     assert got == [(body, _digest(request_id))]

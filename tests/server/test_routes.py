@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from starlette.requests import Request
 
 from pte_instrument.devtools.serving import free_port
-from pte_instrument.server.middleware import TaggingMiddleware
+from pte_instrument.server.middleware import MAX_UNTAGGED_BODY_BYTES, TaggingMiddleware
 from pte_instrument.server.request_tags import PendingTags, RequestTag
 from pte_instrument.server.routes import build_router
 from pte_instrument.server.runtime import Runtime
@@ -154,6 +154,33 @@ def test_the_middleware_reads_no_body_of_a_path_the_server_does_not_serve(runtim
     assert (status, read) == (404, 0)
     status, _, read = call(app, "/v1/embeddings", headers, chunks)
     assert (status, read) == (200, len(chunks))  # a path it serves: read, for the id
+
+
+def test_the_middleware_reads_at_most_a_mebibyte_of_a_body_for_a_route_it_does_not_tag(runtime):
+    """A served route the plugin does not tag may never read its body (vLLM's ``/ping``): the
+    middleware looks for vLLM's ``request_id`` in the first mebibyte at most — by its
+    Content-Length, none — and passes the rest on as sent."""
+    app = FastAPI()
+    received: list[int] = []
+
+    @app.post("/ping")
+    async def ping() -> dict:
+        return {}
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> dict:
+        received.append(len(await request.body()))
+        return {}
+
+    app.add_middleware(TaggingMiddleware, runtime=runtime)
+    chunked = [(b"authorization", f"Bearer {KEY}".encode()), (b"transfer-encoding", b"chunked")]
+    chunks = [b"x" * 65536] * 100  # 6.25 MiB
+    status, _, read = call(app, "/ping", chunked, chunks)
+    assert status == 200 and read == MAX_UNTAGGED_BODY_BYTES // 65536
+    sized = [(b"authorization", f"Bearer {KEY}".encode()), (b"content-length", str(100 * 65536).encode())]
+    assert call(app, "/ping", sized, chunks)[::2] == (200, 0)
+    status, _, read = call(app, "/v1/embeddings", chunked, chunks)
+    assert (status, read, received) == (200, 100, [100 * 65536])  # every byte passed on
 
 
 def test_a_lying_content_length_is_a_400(runtime):
