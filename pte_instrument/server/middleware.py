@@ -74,6 +74,9 @@ ROUTES = {
     "/invocations": Route(None, HEADER_OR_BODY),
 }
 PLUGIN_ROUTES = "/pte/"
+# The path prefixes vLLM's --api-key guards (its GUARDED_PREFIX): it serves every other
+# route, /invocations among them, without the key.
+API_KEY_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
 # A served route the plugin does not tag (embeddings, scoring, but also routes that never
 # read their body) has its body looked at for vLLM's request_id up to this size; a larger one
 # goes on unread by the plugin, its request_id as sent.
@@ -118,6 +121,8 @@ class TaggingMiddleware:
             self._keys_read = True  # once read: a read that raised is tried again
         if not self.runtime.api_keys:
             return True
+        if not scope["path"].removeprefix(scope.get("root_path", "")).startswith(API_KEY_PREFIXES):
+            return True  # vLLM serves it to anyone
         value = next((v for k, v in headers if k == b"authorization"), b"")
         return authorized(value.decode("latin-1"), self.runtime.api_keys)
 

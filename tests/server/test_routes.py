@@ -658,6 +658,29 @@ def test_the_middleware_form_reads_no_body_of_a_request_vllms_api_key_check_refu
     assert status == 200 and read == len(chunks)  # with the key: read, once, and passed on
 
 
+def test_a_route_vllms_api_key_does_not_guard_is_tagged_without_the_key():
+    """vLLM's ``--api-key`` guards ``/v1`` and a few other prefixes only: it serves SageMaker's
+    ``/invocations`` to anyone, so the middleware tags such a request's session without a key
+    too (it was left untagged, and counted nowhere)."""
+    from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+
+    runtime = Runtime(Settings(), registry=CollectorRegistry())
+    runtime.api_keys = [KEY]
+    app = FastAPI()
+
+    @app.post("/invocations")
+    async def invocations() -> dict:
+        return {"ok": True}
+
+    app.add_middleware(AuthenticationMiddleware, tokens=[KEY])
+    app.add_middleware(TaggingMiddleware, runtime=runtime)
+    session = [(b"x-session-id", b"agent-1"), (b"x-request-id", b"inv-1")]
+    status, _, _ = call(app, "/invocations", session, [b'{"prompt": "x"}'])
+    assert status == 200 and runtime.pending.claim("inv-1") == RequestTag("agent-1", "none")
+    status, _, _ = call(app, "/v1/completions", [*session[:1], (b"x-request-id", b"v1-1")], [b"{}"])
+    assert status == 401 and runtime.pending.claim("v1-1") is None
+
+
 @pytest.mark.parametrize(
     ("method", "path", "allow"),
     [

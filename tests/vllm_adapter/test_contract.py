@@ -203,3 +203,11 @@ def test_the_async_scheduler_item_declares_what_the_scheduler_item_does(contract
     sync = item(contract, "vllm.v1.core.sched.scheduler:Scheduler")
     asynchronous = item(contract, "vllm.v1.core.sched.async_scheduler:AsyncScheduler")
     assert (sync.methods, sync.fields) == (asynchronous.methods, asynchronous.fields)
+
+
+def test_the_middleware_asks_for_the_api_key_where_vllm_does():
+    from vllm.entrypoints.serve.middleware.authenticate import GUARDED_PREFIX
+
+    from pte_instrument.server.middleware import API_KEY_PREFIXES
+
+    assert API_KEY_PREFIXES == GUARDED_PREFIX
