@@ -100,6 +100,7 @@ class _Pending:
     since: float
     open: int = 1  # HTTP exchanges under this key still going (clients may reuse an id)
     claimed: bool = False
+    clash: bool = False  # exchanges of different tags open under it at once: whose is whose is unknown
 
 
 class PendingTags:
@@ -109,7 +110,8 @@ class PendingTags:
     a tag is claimed without being removed (``claim``). It stays while its HTTP exchange
     is open and ``grace_s`` after it ends (``settle``): the stat logger sees a request
     finish before, or moments after, its answer goes out. A client that reuses a request id
-    opens the key again. Past ``max_age_s``, or past ``capacity`` (least recently added
+    opens the key again; two exchanges of different tags open under one key at once tag
+    neither request (which is whose cannot be told). Past ``max_age_s``, or past ``capacity`` (least recently added
     first), a tag goes in any case. ``dropped`` counts the tags that went unclaimed: their
     requests never reached the engine (only tags that carry a session or a benchmark label
     are counted: ``RequestTag.tracked``)."""
@@ -153,7 +155,8 @@ class PendingTags:
             if entry is None:
                 entry = _Pending(tag, now)
             else:
-                entry.tag, entry.since, entry.open = tag, now, entry.open + 1
+                entry.clash = entry.open > 0 and (entry.clash or entry.tag != tag)
+                entry.tag, entry.since, entry.open = tag, now, max(entry.open, 0) + 1
             for _, lost in self._map.put(key, entry):
                 self._expired += lost.tag.tracked
 
@@ -165,6 +168,8 @@ class PendingTags:
             for key in keys:
                 entry = self._map.get(key)
                 if entry is not None:
+                    if entry.clash:
+                        return None
                     entry.claimed = True
                     return entry.tag
         return None

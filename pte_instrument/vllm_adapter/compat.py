@@ -171,11 +171,15 @@ def request_keys(request_id: str) -> tuple[str, ...]:
     engine hook took for a parallel-sampling child (``<index>_<…>``: a Responses API
     ``request_id`` of that form) is also known by the name the hook gave it."""
     keys = [request_id]
-    _kind, sep, base = request_id.partition("-")
+    kind, sep, base = request_id.partition("-")
     if sep:
-        keys.append(base)
         head, dash, index = base.rpartition("-")
-        if dash and index.isdigit():
+        indexed = bool(dash and index.isdigit())
+        # a completions request (or its child, ``<n>_cmpl-…``) always carries its prompt's index:
+        # its id with the index is another request's X-Request-Id, never its own
+        if not (indexed and kind.rpartition("_")[2] == "cmpl"):
+            keys.append(base)
+        if indexed:
             keys.append(head)
     for key in keys[:]:
         head, underscore, index = key.rpartition("_")

@@ -18,6 +18,24 @@ def test_claim_tries_each_spelling_and_leaves_the_tag():
     assert len(p) == 2 and p.dropped == 0
 
 
+def test_two_open_exchanges_under_one_id_with_different_tags_tag_neither_request():
+    """Two clients send one X-Request-Id at once, each for its own session: which engine
+    request is whose cannot be told, so neither is given a session (not both the later
+    one's); the tags count as dropped. Once both ended, the id can be used again."""
+    clock = Clock()
+    p = PendingTags(clock=clock)
+    p.put("job", RequestTag("alice", "none"))
+    p.put("job", RequestTag("bob", "none"))
+    assert p.claim("job") is None
+    p.settle("job")
+    p.settle("job")
+    clock.t += p.grace_s + 0.1
+    assert len(p) == 0 and p.dropped == 1
+    p.put("job", RequestTag("alice", "none"))
+    p.put("job", RequestTag("alice", "none"))  # the same client's two requests at once: one session
+    assert p.claim("job") == RequestTag("alice", "none")
+
+
 def test_claim_finds_no_tag_past_its_grace():
     clock = Clock()
     p = PendingTags(clock=clock)

@@ -30,6 +30,14 @@ def test_a_responses_api_request_is_known_by_its_body_request_id():
     assert "my-id" in request_keys("my-id_1")
 
 
+def test_a_completions_request_is_not_known_by_its_id_with_the_prompt_index():
+    """vLLM names a completions request ``cmpl-<X-Request-Id>-<prompt index>``: ``job-0`` is no
+    spelling of ``cmpl-job-0`` (another client's ``job-0`` would take its tag)."""
+    assert request_keys("cmpl-job-0") == ("cmpl-job-0", "job")
+    assert request_keys("cmpl-job-0-3") == ("cmpl-job-0-3", "job-0")
+    assert request_keys("chatcmpl-job-0")[:2] == ("chatcmpl-job-0", "job-0")  # the chat route: as sent
+
+
 def test_a_chat_batch_conversation_is_known_by_the_x_request_id():
     assert request_keys("chatcmpl-r9_1") == ("chatcmpl-r9_1", "r9_1", "chatcmpl-r9", "r9")
 
