@@ -30,12 +30,13 @@ from pte_instrument.cost.architecture import ArchitectureError, KVGroup, ModelSh
 from pte_instrument.cost.devices import DeviceProfile, UnknownDeviceError, resolve_device
 from pte_instrument.cost.model import CostModel
 from pte_instrument.offline.decomposition import DEFAULT_BOOTSTRAP, DEFAULT_SPLITS, AnalysisError, analyze
-from pte_instrument.offline.records import RecordError, build_tables, join_request_log, load_records
+from pte_instrument.offline.records import RecordError, build_tables, load_records
 from pte_instrument.offline.request_log import (
     DEFAULT_LIMIT,
     SORT_KEYS,
     detect_kind,
     is_gzip,
+    join_request_log,
     load_request_log,
     request_log_markdown,
     request_log_report,
@@ -181,15 +182,26 @@ def add_efficiency_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def _each_once(paths: list[str]) -> None:
     """Refuse a file or folder given twice (by another name or a link too): its records would
-    all be duplicates of each other, and every copy of a duplicate is dropped."""
-    seen: list[Path] = []
+    all be duplicates of each other, and every copy of a duplicate is dropped. A harness
+    output is the results files and logs it is read from: a run given as its folder and as
+    its file would be read twice, the second copy finding its requests taken."""
+    from pte_instrument.offline.harness_outputs import harness_files
+
+    seen: list[tuple[Path, str]] = []
     for name in paths:
         p = Path(name)
-        if p.exists():
-            for q in seen:
-                if p.samefile(q):
-                    raise UsageError(f"{p} is {q} again: give each input once")
-            seen.append(p)
+        if not p.exists():
+            continue
+        for f in harness_files(p) or [p]:
+            for q, given in seen:
+                if f.samefile(q):
+                    raise UsageError(f"{_named(f, name)} is {_named(q, given)} again: give each input once")
+            seen.append((f, name))
+
+
+def _named(path: Path, given: str) -> str:
+    """A file read, named as given, or by the folder given that holds it."""
+    return given if path == Path(given) else f"{path} (in {given})"
 
 
 def _efficiency(args: argparse.Namespace) -> int:

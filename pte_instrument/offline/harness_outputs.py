@@ -18,6 +18,12 @@ def is_harness_output(path: str | Path) -> bool:
     return lm_eval_reader.is_output(path) or inspect_reader.is_output(path)
 
 
+def harness_files(path: str | Path) -> list[Path]:
+    """The files a harness output is read from: lm-eval's results files and Inspect AI's
+    logs at or under ``path``."""
+    return lm_eval_reader.results_files(Path(path)) + inspect_reader.logs(Path(path))
+
+
 def load_runs(
     paths: Sequence[str | Path],
     *,
@@ -26,16 +32,20 @@ def load_runs(
     labels: Sequence[str] | None = None,
     key: bytes | None = None,
 ) -> list[Run]:
-    """Every run in ``paths``, in order; ``labels`` names them (default: the model, made
-    unique by the run's position where two runs share one); ``key``: the server's
-    ``PTE_PROMPT_DIGEST_KEY``, under which the digests are recomputed."""
+    """Every run in ``paths``, in order (a folder's lm-eval runs, then its Inspect AI logs');
+    ``labels`` names them (default: the model, made unique by the run's position where two
+    runs share one); ``key``: the server's ``PTE_PROMPT_DIGEST_KEY``, under which the digests
+    are recomputed."""
     runs: list[Run] = []
     for path in paths:
-        if lm_eval_reader.is_output(path):
+        lm_eval, inspect = lm_eval_reader.is_output(path), inspect_reader.is_output(path)
+        if lm_eval:  # a folder may hold both harnesses' outputs: each kind is read
             runs += lm_eval_reader.read(path, metric=metric, filter_name=lm_eval_filter, key=key)
-        elif inspect_reader.is_output(path):
+        if inspect:
             runs += inspect_reader.read(path, metric=metric, key=key)
-        elif not Path(path).exists():
+        if lm_eval or inspect:
+            continue
+        if not Path(path).exists():
             raise HarnessError(f"cannot read {path}: no such file or directory")
         else:
             raise HarnessError(

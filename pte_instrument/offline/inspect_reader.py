@@ -10,6 +10,7 @@ A call answered from Inspect's own cache never reached the server and is not one
 from __future__ import annotations
 
 import logging
+import re
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -22,29 +23,50 @@ HARNESS = "inspect"
 SUFFIXES = (".eval", ".json")
 
 
-def _logs(path: Path) -> list[Path]:
+def logs(path: Path) -> list[Path]:
+    """The logs (one a run) that ``path`` is or holds."""
     if path.is_file():
         return [path] if path.suffix == ".eval" or (path.suffix == ".json" and _is_json_log(path)) else []
     if path.is_dir():
-        return sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES and _logs(p))
+        return sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES and logs(p))
     return []
 
 
+# A string (group 2 set where it is a key), or a bracket.
+_TOKEN = re.compile(r'"((?:[^"\\]|\\.)*)"(\s*:)?|[{}\[\]]')
+
+
 def _is_json_log(path: Path) -> bool:
-    """An Inspect ``.json`` log begins with its ``version`` and ``status`` (lm-eval's results
-    files are ``.json`` too)."""
-    if path.name.startswith("results_"):
+    """An Inspect ``.json`` log is one JSON object whose own keys include ``version``,
+    ``status`` and ``eval``, the first three Inspect writes: told from its first
+    kilobytes, without parsing the log (records in a JSON array, or lines of objects with a
+    status and a version, are none)."""
+    if path.name.startswith("results_"):  # lm-eval's results files are .json too
         return False
     try:
         with path.open("rb") as f:
-            head = f.read(512)
+            head = f.read(4096).decode("utf-8", "replace")
     except OSError:
         return False
-    return b'"version"' in head and b'"status"' in head
+    if not head.lstrip("\ufeff \t\r\n").startswith("{"):
+        return False
+    keys: set[str] = set()
+    depth = 0
+    for token in _TOKEN.finditer(head):
+        text, is_key = token.group(1), token.group(2)
+        if text is None:  # a bracket
+            depth += 1 if token.group() in "{[" else -1
+            if depth == 0:  # the first object ended without them (the next line's is another)
+                return False
+        elif depth == 1 and is_key:
+            keys.add(text)
+        if {"version", "status", "eval"} <= keys:
+            return True
+    return False
 
 
 def is_output(path: str | Path) -> bool:
-    return bool(_logs(Path(path)))
+    return bool(logs(Path(path)))
 
 
 def _reader() -> Any:
@@ -60,7 +82,7 @@ def _reader() -> Any:
 def read(path: str | Path, *, metric: str | None = None, key: bytes | None = None) -> list[Run]:
     """Every log at or under ``path``, one run each, in the order of their names; ``key``: the
     server's ``PTE_PROMPT_DIGEST_KEY``."""
-    return [_read_log(p, metric, key) for p in _logs(Path(path))]
+    return [_read_log(p, metric, key) for p in logs(Path(path))]
 
 
 def _score_value(value: Any) -> float:

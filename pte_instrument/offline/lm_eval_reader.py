@@ -9,13 +9,23 @@ times as it has responses (a task's ``repeats``); each is named by the digest of
 sent: the chat messages lm-eval logged as JSON (``local-chat-completions``,
 ``openai-chat-completions``) or the prompt text (the completion models). lm-eval logs no
 response id, so the join is by digest alone.
+
+The results file is named by the time it was written (after the last response), on the
+evaluating machine's clock in that machine's zone, which the file does not name. The run's
+end is that time read in the zone that fits the file's own times, not the zone of the
+machine reading it: of the UTC offsets of whole quarter hours from −12 h to +14 h, the one
+that puts the end at or after ``date`` (the unix time the run began) and closest to ``date +
+total_evaluation_time_seconds`` (its duration, counted from a little earlier: a few seconds
+off, where the offsets are 15 minutes apart). Without the duration (or the start), the
+latest reading (UTC−12): no request of the run comes after it; with a start after every
+reading, no end.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Mapping
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +37,8 @@ HARNESS = "lm-eval"
 CHAT_MODELS = ("local-chat-completions", "openai-chat-completions")
 
 
-def _results_files(path: Path) -> list[Path]:
+def results_files(path: Path) -> list[Path]:
+    """The results files (one a run) that ``path`` is or holds."""
     if path.is_file():
         return [path] if path.name.startswith("results_") and path.suffix == ".json" else []
     if path.is_dir():
@@ -36,7 +47,7 @@ def _results_files(path: Path) -> list[Path]:
 
 
 def is_output(path: str | Path) -> bool:
-    return bool(_results_files(Path(path)))
+    return bool(results_files(Path(path)))
 
 
 def read(
@@ -44,7 +55,7 @@ def read(
 ) -> list[Run]:
     """Every run whose results file is ``path`` or lies under it, in the order of their files;
     ``key``: the server's ``PTE_PROMPT_DIGEST_KEY``."""
-    return [_read_run(f, metric, filter_name, key) for f in _results_files(Path(path))]
+    return [_read_run(f, metric, filter_name, key) for f in results_files(Path(path))]
 
 
 def _load_json(path: Path) -> Any:
@@ -121,12 +132,17 @@ def _read_run(results_file: Path, metric: str | None, filter_name: str | None, k
     problems: list[Problem] = []
     metrics: dict[str, str] = {}
     for task, task_config in results["configs"].items():
+        metric_list = task_config.get("metric_list") if isinstance(task_config, dict) else None
         listed = [
-            m.get("metric")
-            for m in (task_config.get("metric_list") if isinstance(task_config, dict) else None) or []
-            if isinstance(m, dict)
+            m["metric"]
+            for m in (metric_list if isinstance(metric_list, list) else ())
+            if isinstance(m, dict) and isinstance(m.get("metric"), str)
         ]
-        files = sorted(results_file.parent.glob(f"samples_{task}_{stamp}.jsonl"))
+        # Its exact name (a task's name may hold glob characters), beside the results file.
+        samples_file = results_file.parent / f"samples_{task}_{stamp}.jsonl"
+        files = (
+            [samples_file] if samples_file.parent == results_file.parent and samples_file.is_file() else []
+        )
         chosen = metric or (listed[0] if listed else _first_logged_metric(files))
         if chosen is None or not files:
             why = "no metric listed" if chosen is None else "no samples file (run lm_eval with --log_samples)"
@@ -145,9 +161,7 @@ def _read_run(results_file: Path, metric: str | None, filter_name: str | None, k
         raise HarnessError(f"{results_file}: no task with logged samples and a metric{first}")
     started = results.get("date")  # unix time the evaluation began
     start = float(started) if _is_time(started) else None
-    # The results file is named by the local time it was written, once the last response came
-    # (its total_evaluation_time_seconds counts from before the model loaded: too late an end).
-    end = _local_time(stamp)
+    end = _end_time(stamp, start, _duration(results.get("total_evaluation_time_seconds")))
     return Run(model, HARNESS, model, str(results_file), metrics, start, end, tuple(samples), tuple(problems))
 
 
@@ -173,13 +187,42 @@ def _first_logged_metric(files: list[Path]) -> str | None:
     return None
 
 
-def _local_time(stamp: str) -> float | None:
-    """Unix seconds of lm-eval's file time stamp (``2026-12-05T03-14-20.691863``, local time)."""
-    day, _, clock = stamp.partition("T")
+def _duration(v: Any) -> float | None:
+    """Seconds the evaluation took: lm-eval writes them as text ("99.0")."""
+    if isinstance(v, bool) or not isinstance(v, str | int | float):
+        return None
     try:
-        return datetime.fromisoformat(f"{day}T{clock.replace('-', ':')}").timestamp()
+        seconds = float(v)
     except ValueError:
         return None
+    return seconds if 0 <= seconds < 1e11 else None
+
+
+QUARTER_HOUR = 900
+OFFSETS = range(-12 * 4, 14 * 4 + 1)  # quarter hours east of UTC, every zone's
+
+
+def _end_time(stamp: str, start: float | None, duration: float | None) -> float | None:
+    """Unix seconds of lm-eval's file time stamp (``2026-12-05T03-14-20.691863``, the
+    evaluating machine's wall clock), in the zone that fits the run's start and duration (see
+    the module's text)."""
+    day, _, clock = stamp.partition("T")
+    try:
+        wall = (
+            datetime.fromisoformat(f"{day}T{clock.replace('-', ':')}")
+            .replace(tzinfo=timezone.utc)
+            .timestamp()
+        )
+    except (ValueError, OverflowError):
+        return None
+    readings = [wall - k * QUARTER_HOUR for k in OFFSETS]
+    if start is not None:
+        readings = [t for t in readings if t >= start]  # written after the run began
+    if not readings:
+        return None
+    if start is None or duration is None:
+        return max(readings)
+    return min(readings, key=lambda t: (abs(t - (start + duration)), t))
 
 
 def _read_samples(

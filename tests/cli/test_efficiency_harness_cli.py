@@ -128,3 +128,23 @@ def test_a_corrupt_inspect_log_is_one_line(tmp_path, capsys):
     log.write_text(json.dumps(request_line("r", "a", 1, 1)) + "\n")
     code, _, err = run(["efficiency", str(bad), "--request-log", str(log)], capsys)
     assert code == 2 and "cannot read Inspect log" in err and "Traceback" not in err
+
+
+def test_a_run_given_as_its_folder_and_as_its_results_file_is_refused_as_given_twice(evaluation, capsys):
+    """The folder holds the results file: its run would be read twice, the second copy
+    finding its requests taken by the first. Told by the files the arguments read, as a
+    file given twice by two names is."""
+    root, log = evaluation
+    [results_file] = root.rglob("results_*.json")
+    for twice in ([root, results_file], [results_file, root], [root, root / "tiny"]):
+        code, out, err = run(["efficiency", *map(str, twice), "--request-log", str(log)], capsys)
+        assert code == 2 and out == "" and "give each input once" in err, err
+        assert "Traceback" not in err
+
+
+def test_folders_that_share_no_file_are_two_inputs_however_they_nest(evaluation, capsys, tmp_path):
+    """Only a file read twice is refused: an output beside another inside one folder is not."""
+    root, log = evaluation
+    other = lm_eval_output(tmp_path / "lm" / "again", [chat_row(0, "a", 1.0)])
+    code, _, err = run(["efficiency", str(root / "tiny"), str(other), "--request-log", str(log)], capsys)
+    assert code == 0, err

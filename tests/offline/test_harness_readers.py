@@ -5,7 +5,7 @@ mock model."""
 from __future__ import annotations
 
 import json
-from datetime import datetime
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -60,9 +60,8 @@ def test_lm_eval_samples_the_primary_metric_the_first_filter_and_each_repeat(tmp
     [run] = load_runs([root])
     assert (run.harness, run.model, run.label, run.metrics) == ("lm-eval", "tiny", "tiny", {"qa": "acc"})
     assert run.started_at == 1000.0
-    assert (
-        run.ended_at == datetime.fromisoformat("2026-12-05T03:14:20.691863").timestamp()
-    )  # the file's local time
+    # the file's time in the zone that puts it nearest date + duration (1970 here: UTC+14)
+    assert run.ended_at == datetime(2026, 12, 5, 3, 14, 20, 691863, timezone(timedelta(hours=14))).timestamp()
     assert [(s.sample_id, s.score, s.correct, s.answer) for s in run.samples] == [
         ("0", 1.0, True, "answer 0"),
         ("1", 0.0, False, "answer 1"),
