@@ -44,6 +44,12 @@ class GuardedOutput:
     def write(self, text: str) -> int:
         try:
             return self._stream.write(text)
+        except UnicodeEncodeError:
+            # Text the stream's encoding cannot spell (a file name whose bytes are not UTF-8
+            # reaches Python as surrogate escapes) is printed escaped, not lost to a traceback;
+            # the stream encodes the whole text before it writes any, so nothing is doubled.
+            encoding = getattr(self._stream, "encoding", None) or "utf-8"
+            return self.write(text.encode(encoding, "backslashreplace").decode(encoding))
         except OSError as e:
             raise OutputError(e) from None
 

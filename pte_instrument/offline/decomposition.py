@@ -24,16 +24,17 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from pte_instrument.offline.statistics import bootstrap_weights, finite_or_none, percentile_interval, spearman
+from pte_instrument.offline.statistics import count_chunks, finite_or_none, percentile_interval, spearman
 
 DEFAULT_BOOTSTRAP = 500
 DEFAULT_SPLITS = 200
+MAX_BOOT_ELEMS = 4_000_000  # entries of one chunk of resample counts: memory stays bounded
 LOOP_WINDOW = 256  # words at the end of a truncated trace examined for loops
 NGRAM = 4
 TOP_K = (1, 3, 5)
@@ -326,10 +327,13 @@ def _value_stack(table: EvalTable, W: np.ndarray, rows: np.ndarray, mask: np.nda
     )
 
 
-def _sums(weights: np.ndarray, stack: np.ndarray) -> dict[str, np.ndarray]:
-    """Weighted sums: (B, N) count weights × (n_sums, C, N) values -> name -> (B, C)."""
+def _sums(weights: np.ndarray | Iterable[np.ndarray], stack: np.ndarray) -> dict[str, np.ndarray]:
+    """Weighted sums: (B, N) count weights, whole or as chunks of rows, × (n_sums, C, N)
+    values -> name -> (B, C)."""
     ns, C, N = stack.shape
-    out = (weights @ stack.reshape(ns * C, N).T).reshape(weights.shape[0], ns, C)
+    values = stack.reshape(ns * C, N).T
+    chunks = [weights] if isinstance(weights, np.ndarray) else weights
+    out = np.concatenate([w @ values for w in chunks]).reshape(-1, ns, C)
     return {k: out[:, j, :] for j, k in enumerate(SUMS)}
 
 
@@ -638,7 +642,12 @@ def analyze(
             "each model shares with the reference"
         )
 
-    K = bootstrap_weights(N, n_boot, _rng(seed, table.benchmark, 0))
+    def resamples() -> Iterator[np.ndarray]:
+        """The count rows of the ``n_boot`` resamples, a bounded chunk at a time (all at once
+        they are n_boot × N: 10 GiB for 10⁵ resamples of 14 000 instances); the same rows on
+        every call, so every view and the solver shares see the same resamples."""
+        return count_chunks(N, n_boot, _rng(seed, table.benchmark, 0), MAX_BOOT_ELEMS)
+
     ones = np.ones((1, N))
     has_w = source is not None
     has_trace = bool(np.isfinite(table.sigma[table.present]).any())
@@ -667,7 +676,7 @@ def analyze(
             axis=1,
         )
         point = _sums(ones, stack)
-        boot = _sums(K, stack) if n_boot else None
+        boot = _sums(resamples(), stack) if n_boot else None
         del stack
         views[name] = _view_result(table, name, need_w, point, boot, M)
     for name in views:
@@ -676,7 +685,9 @@ def analyze(
 
     solver_result = None
     if solver_idx is not None:
-        solver_result = _solver_result(table, order, solver_idx, K, n_splits, seed)
+        solver_result = _solver_result(
+            table, order, solver_idx, resamples if n_boot else None, n_splits, seed
+        )
         notes.append(
             f"solver-derived workload: {solver_result.n_covered} of {N} instances solved by "
             "the pool; the others drop out of the workload and trace views"
@@ -742,7 +753,7 @@ def _solver_result(
     table: EvalTable,
     order: list[int],
     solver: np.ndarray,
-    K: np.ndarray,
+    resamples: Callable[[], Iterable[np.ndarray]] | None,
     n_splits: int,
     seed: int,
 ) -> SolverResult:
@@ -750,8 +761,9 @@ def _solver_result(
     covered, counts = _solver_shares(np.ones((1, N)), solver, order)
     p = _share_stats(covered, counts)
     b = None
-    if K.shape[0]:
-        b_cov, b_counts = _solver_shares(K, solver, order)
+    if resamples is not None:
+        shares = [_solver_shares(w, solver, order) for w in resamples()]
+        b_cov, b_counts = np.concatenate([c for c, _ in shares]), np.concatenate([k for _, k in shares])
         b = _share_stats(b_cov, b_counts)
         b["coverage"] = b_cov / N
     p["coverage"] = covered / N

@@ -38,6 +38,7 @@ from pte_instrument.offline.records import (
     json_lines,
     parse_rows,
     refuse_bad_load,
+    text_lines,
 )
 from pte_instrument.offline.statistics import bootstrap_means, interval_bounds, spearman
 
@@ -211,7 +212,7 @@ def load_trajectories(path: str | Path, strict: bool = False) -> TrajectoryLoad:
     except (OSError, UnicodeDecodeError) as e:
         raise RecordError(f"cannot read {p}: {getattr(e, 'strerror', None) or e}") from None
     trajs, problems, rows = parse_rows(
-        json_lines(p, text.splitlines()),
+        json_lines(p, text_lines(text)),
         parse_trajectory,
         TrajectoryError,
         lambda raw: (_s(raw.get("model")), _s(raw.get("task", raw.get("benchmark"))), _s(raw.get("id"))),

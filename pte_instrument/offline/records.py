@@ -181,7 +181,14 @@ def _iter_json(p: Path) -> Iterator[tuple[str, Mapping[str, Any] | _RowError]]:
             where = f"{p}[{k}]"
             yield where, row if isinstance(row, dict) else _RowError("not a JSON object")
         return
-    yield from json_lines(p, text.splitlines())
+    yield from json_lines(p, text_lines(text))
+
+
+def text_lines(text: str) -> list[str]:
+    """The lines of a JSONL text, split at newlines (``\\n``, ``\\r\\n``, ``\\r``) only, as a file
+    is read line by line: ``str.splitlines()`` also splits at U+2028, U+2029 and U+0085,
+    which ``json.dumps(ensure_ascii=False)`` writes raw inside a string of one valid line."""
+    return text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
 
 
 def json_lines(p: Path, lines: Iterable[str]) -> Iterator[tuple[str, dict[str, Any] | _RowError]]:
@@ -481,56 +488,6 @@ def check_consistency(records: Iterable[EvalRecord]) -> tuple[list[EvalRecord], 
         elif key in known and r.workload is None:
             r = replace(r, workload=known[key])  # W belongs to the instance, not the row
         out.append(r)
-    return out, problems
-
-
-def join_request_log(
-    records: Sequence[EvalRecord], path: str | Path
-) -> tuple[list[EvalRecord], list[Problem]]:
-    """Fill PTE fields from the plugin's request log (JSONL): by ``request_id`` (one request)
-    or else by ``session_id`` (summed over the session's requests, an agent answer).
-    Records that already carry PTE keep it; records whose key is not in the log are kept
-    without PTE and listed."""
-    by_request: dict[str, dict[str, float]] = {}
-    by_session: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys(PTE_FIELDS, 0.0))
-    for where, row in iter_rows(path):
-        if isinstance(row, _RowError):
-            raise RecordError(f"request log {where}: {row}")
-        try:
-            values = {k: _number(row[k], k) for k in PTE_FIELDS}
-        except KeyError as e:
-            raise RecordError(f"request log {where}: missing field {e.args[0]!r}") from None
-        except _RowError as e:
-            raise RecordError(f"request log {where}: {e}") from None
-        if row.get("request_id") is not None:
-            by_request[str(row["request_id"])] = values
-        if row.get("session_id") is not None:
-            acc = by_session[str(row["session_id"])]
-            for k in PTE_FIELDS:
-                acc[k] += values[k]
-    out, problems = [], []
-    for r in records:
-        if r.pte_served is not None:
-            out.append(r)
-            continue
-        values = None
-        if r.request_id is not None:
-            values = by_request.get(r.request_id)
-        elif r.session_id is not None:
-            values = by_session.get(r.session_id)
-        if values is None and (r.request_id or r.session_id):
-            key = f"request_id {r.request_id}" if r.request_id else f"session_id {r.session_id}"
-            problems.append(
-                Problem(
-                    r.where,
-                    f"{key} not in request log {path}",
-                    r.model,
-                    r.benchmark,
-                    r.instance_id,
-                    "kept without PTE",
-                )
-            )
-        out.append(replace(r, **values) if values else r)
     return out, problems
 
 

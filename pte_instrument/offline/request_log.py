@@ -16,12 +16,14 @@ import math
 import zlib
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
 from pte_instrument.offline.records import (
     LARGEST_VALUE,
+    PTE_FIELDS,
+    EvalRecord,
     Problem,
     RecordError,
     json_lines,
@@ -269,6 +271,86 @@ def repeated_ids(path: Path, ids: Iterable[tuple[str, int]], consequence: str) -
 def _soft(row: Mapping[str, Any], name: str) -> str | None:
     v = row.get(name)
     return v if isinstance(v, str) else None
+
+
+# --------------------------------------------------------------------------- joined to evaluation records
+
+
+@dataclass(frozen=True)
+class _LoggedPTE:
+    """The PTE of one request-log line, and the keys it joins by."""
+
+    where: str
+    request_id: str | None
+    session_id: str | None
+    values: dict[str, float]
+
+
+def _logged_pte(row: Mapping[str, Any], where: str) -> _LoggedPTE:
+    return _LoggedPTE(
+        where,
+        _text(row, "request_id", False),
+        _text(row, "session_id", False),
+        {name: _number(row, name) for name in PTE_FIELDS},
+    )
+
+
+def join_request_log(
+    records: Sequence[EvalRecord], path: str | Path
+) -> tuple[list[EvalRecord], list[Problem]]:
+    """Fill PTE fields from the plugin's request log (JSONL, gzipped or not, read as ``pte
+    report`` reads it): by ``request_id`` (one request) or else by ``session_id`` (summed over
+    the session's requests, an agent answer). Records that already carry PTE keep it; records
+    whose key is not in the log are kept without PTE and listed. A log line that is not a
+    request's PTE (a line cut off by a live writer, a negative value) is listed and joins
+    nothing; a ``request_id`` logged more than once is listed and joins none of its copies.
+    A log with no usable line is a :class:`RecordError`."""
+    p = Path(path)
+    logged, read_problems, _ = parse_rows(
+        json_lines(p, log_lines(p)), _logged_pte, _LineError, lambda row: (None, None, None)
+    )
+    refuse_bad_load(read_problems, False, bool(logged), "request-log line", "request-log lines", str(p))
+    # a request-log line is no evaluation record: it is not counted among the records dropped
+    problems = [replace(pr, action="not joined") for pr in read_problems]
+    with_id = [x for x in logged if x.request_id is not None]
+    twice = repeated_ids(
+        p,
+        ((x.request_id, int(x.where.rpartition(":")[2])) for x in with_id),  # type: ignore[misc]
+        "it joins none of its copies",
+    )
+    problems += twice
+    counts: defaultdict[str, int] = defaultdict(int)
+    for x in with_id:
+        counts[x.request_id] += 1  # type: ignore[index]
+    by_request = {x.request_id: x.values for x in with_id if counts[x.request_id] == 1}  # type: ignore[index]
+    # every copy of a repeated id may be a request served: the session sums keep each
+    by_session: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys(PTE_FIELDS, 0.0))
+    for x in logged:
+        if x.session_id is not None:
+            acc = by_session[x.session_id]
+            for k in PTE_FIELDS:
+                acc[k] += x.values[k]
+    out = []
+    for r in records:
+        if r.pte_served is not None:
+            out.append(r)
+            continue
+        values = None
+        if r.request_id is not None:
+            values = by_request.get(r.request_id)
+        elif r.session_id is not None:
+            values = by_session.get(r.session_id)
+        if values is None and (r.request_id or r.session_id):
+            if r.request_id and counts.get(r.request_id, 0) > 1:
+                reason = (
+                    f"request_id {r.request_id} is logged {counts[r.request_id]} times in request log {p}"
+                )
+            else:
+                key = f"request_id {r.request_id}" if r.request_id else f"session_id {r.session_id}"
+                reason = f"{key} not in request log {p}"
+            problems.append(Problem(r.where, reason, r.model, r.benchmark, r.instance_id, "kept without PTE"))
+        out.append(replace(r, **values) if values else r)
+    return out, problems
 
 
 # --------------------------------------------------------------------------- the report

@@ -11,6 +11,7 @@ and the engine's step log (``PTE_STEP_LOG``), both JSONL.
 
 from __future__ import annotations
 
+import glob
 import gzip
 import json
 import math
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from pte_instrument.offline.statistics import (
@@ -37,7 +39,7 @@ from pte_instrument.offline.statistics import (
     spearman,
     weighted_pearson,
 )
-from pte_instrument.wire import STEP_LOG_FIELDS
+from pte_instrument.wire import STEP_LOG_FIELDS, StepLogHeader
 
 NO_INTERVAL = (math.nan, math.nan)  # a statistic that was not bootstrapped
 
@@ -185,18 +187,26 @@ def bootstrap_metrics(
 # ---------------------------------------------------------------------------------------
 
 
+def turn_numbers(turns: Any) -> np.ndarray:
+    """The turn numbers (1-based) some request has, ascending: the columns of :func:`turn_matrix`."""
+    turns = np.asarray(turns, dtype=np.int64)
+    return np.unique(turns[turns >= 1])
+
+
 def turn_matrix(session_ids: Sequence[Any], turns: Any, values: Any) -> tuple[np.ndarray, list[Any]]:
-    """(sessions × turn index) matrix of values, NaN where a session has no such turn.
-    Turn numbers are 1-based; column j holds turn j+1."""
+    """(sessions × turn index) matrix of values, NaN where a session has no such turn; column
+    j holds the j-th of :func:`turn_numbers` (turn j+1 when no number is skipped). A column per
+    number present, not per number up to the largest: a stray turn of 10**12 is one column."""
     turns = np.asarray(turns, dtype=np.int64)
     values = np.asarray(values, dtype=np.float64)
     keys = sorted({s for s in session_ids}, key=str)
     row = {s: i for i, s in enumerate(keys)}
-    n_turns = int(turns.max()) if turns.size else 0
-    m = np.full((len(keys), n_turns), np.nan)
-    for s, t, v in zip(session_ids, turns, values, strict=True):
+    numbers = turn_numbers(turns)
+    column = np.searchsorted(numbers, turns)
+    m = np.full((len(keys), numbers.size), np.nan)
+    for s, t, c, v in zip(session_ids, turns, column, values, strict=True):
         if t >= 1:
-            m[row[s], t - 1] = v
+            m[row[s], c] = v
     return m, keys
 
 
@@ -297,10 +307,16 @@ def _text(v: Any) -> str | None:
     return v if isinstance(v, str) else None
 
 
-def _whole(v: Any) -> int:
-    """A turn number; 0 (no session) for anything that is not a finite number."""
+def _whole(v: Any, problems: Counter[str] | None = None) -> int:
+    """A turn number; 0 (no session) for anything that is not one: a value that is not a
+    number, or one out of range (negative, not finite, past 2**53: no int64), counted as
+    :func:`_col` counts them."""
     x = _number(v)
-    return int(x) if x is not None and math.isfinite(x) else 0
+    if x is not None and 0 <= x <= LARGEST_VALUE:  # NaN fails too
+        return int(x)
+    if v is not None and problems is not None:
+        problems["not_number" if x is None else "out_of_range"] += 1
+    return 0
 
 
 # No count, second or unix time a log holds is this large; past it a float stops counting by
@@ -431,7 +447,7 @@ def request_table(records: Sequence[Mapping[str, Any]], problems: Counter[str] |
     return RequestTable(
         request_id=[str(r.get("request_id", "")) for r in records],
         session_id=[_text(r.get("session_id")) for r in records],
-        turn=np.asarray([_whole(r.get("turn")) for r in records], dtype=np.int64),
+        turn=np.asarray([_whole(r.get("turn"), problems) for r in records], dtype=np.int64),
         device=[str(r.get("device", "")) for r in records],
         finish_reason=[str(r.get("finish_reason", "")) for r in records],
         cols=cols,
@@ -497,8 +513,42 @@ def _numbers(v: Any, problems: Counter[str] | None) -> list[float]:
     return []
 
 
+# The header's fields and their wire types: a header may leave some out (an older engine,
+# a hand-made log), but one it holds must be of its type.
+_HEADER_TYPES = {f.name: f.type for f in msgspec.structs.fields(StepLogHeader)}
+_HEADER_SIZES = ("n_active", "n_total", "hoi", "weights_pte")
+
+
+def checked_header(
+    header: dict[str, Any] | None, problems: Counter[str] | None = None
+) -> dict[str, Any] | None:
+    """The step log's header when each field it holds is of its wire type and of the shape
+    ``pte calibrate`` checks (positive sizes, a γ ≥ 0 and a window per KV group). Any other is
+    ignored (None), its values read as missing and counted as :func:`_col` counts them."""
+    if header is None:
+        return None
+    try:
+        for name, value in header.items():
+            if name in _HEADER_TYPES:
+                msgspec.convert(value, _HEADER_TYPES[name])
+    except msgspec.ValidationError:  # a field of another type (null included)
+        if problems is not None:
+            problems["not_number"] += 1
+        return None
+    gammas, windows = header.get("gammas"), header.get("windows")
+    if (
+        all(0 < header[k] <= LARGEST_VALUE for k in _HEADER_SIZES if k in header)  # NaN fails too
+        and (gammas is None or (gammas and all(0 <= g <= LARGEST_VALUE for g in gammas)))
+        and (windows is None or gammas is None or len(windows) == len(gammas))
+    ):
+        return header
+    if problems is not None:
+        problems["out_of_range"] += 1
+    return None
+
+
 def step_table(records: Sequence[Mapping[str, Any]], problems: Counter[str] | None = None) -> StepTable:
-    header = next((r for r in records if r.get("header")), None)
+    header = checked_header(next((dict(r) for r in records if r.get("header")), None), problems)
     rows = [r for r in records if not r.get("header") and "dt_s" in r]
     cols = {k: _col(rows, k, problems=problems) for k in STEP_FIELDS}
     contexts = [_numbers(r.get("ctx"), problems) for r in rows]
@@ -512,7 +562,8 @@ def load_steps(path: str | Path, problems: Counter[str] | None = None) -> StepTa
     """The step log of one engine (and ``<path>.engine<N>`` files of others, appended);
     None when there is none or it holds no step."""
     p = Path(path)
-    files = [p, *sorted(p.parent.glob(p.name + ".engine*"))] if p.parent.exists() else []
+    # the name is a name, not a pattern: `steps[0].jsonl` must not match `steps0.jsonl.engine1`
+    files = [p, *sorted(p.parent.glob(glob.escape(p.name) + ".engine*"))] if p.parent.exists() else []
     records: list[dict[str, Any]] = []
     for f in files:
         records += load_jsonl(f, problems)
@@ -797,7 +848,7 @@ def turn_profile(
         M, _ = turn_matrix(session_ids, turns, vals)
         if count is None:
             count = np.isfinite(M).sum(axis=0)
-            out["turn"] = list(range(1, M.shape[1] + 1))
+            out["turn"] = turn_numbers(turns).tolist()
             out["sessions"] = count.tolist()
         out[name] = [report_number(v) for v in _nanmean0(M)]
     return out

@@ -3,6 +3,7 @@ exit code 2 (the convention of pte_instrument.cli.errors), never a traceback."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -96,3 +97,31 @@ def test_bad_input_is_one_line_and_exit_2(case, files):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1, r.stderr
     assert lines[0].startswith(f"pte {args[0]}: error: ") and needle in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("command", ["efficiency", "report", "calibrate"])
+def test_an_input_file_name_that_is_not_utf8_is_printed_escaped_not_a_traceback(tmp_path, command):
+    """A file name is bytes: one with a Latin-1 é (b"\\xe9") reaches Python as a surrogate
+    escape, which a strict UTF-8 standard output (PYTHONIOENCODING=utf-8) cannot encode; the
+    report names the file escaped instead of failing after the analysis."""
+    from tests.cli.test_bad_options import FIXTURE, records, request_log
+
+    made = {"efficiency": records, "report": request_log, "calibrate": lambda _: FIXTURE}[command](tmp_path)
+    path = tmp_path / os.fsdecode(b"r\xe9sultats" + made.suffix.encode())
+    shutil.copyfile(made, path)
+    if command != "calibrate":  # a bad line: the report names the file in its problems
+        path.write_text(made.read_text() + "not json\n")
+    more = {
+        "efficiency": ["--reference", "a", "--bootstrap", "0"],
+        "report": [],
+        "calibrate": ["--bootstrap", "0"],
+    }
+    r = subprocess.run(
+        [str(PTE), command, os.fsencode(path), *more[command]],
+        capture_output=True,
+        timeout=120,
+        env={**os.environ, "PYTHONIOENCODING": "utf-8", "COLUMNS": "200"},
+    )
+    err = r.stderr.decode("utf-8", "replace")
+    assert r.returncode == 0 and "Traceback" not in err, err[-2000:]
+    assert b"r\\udce9sultats" in b"".join(r.stdout.split())  # a long path may be wrapped

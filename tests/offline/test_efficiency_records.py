@@ -13,10 +13,10 @@ from pte_instrument.offline.records import (
     RecordError,
     build_tables,
     check_consistency,
-    join_request_log,
     load_records,
     parse_record,
 )
+from pte_instrument.offline.request_log import join_request_log
 
 GOOD = [
     {
@@ -283,3 +283,95 @@ def test_build_tables_arrays():
 def test_record_dataclass_defaults():
     r = EvalRecord("m", "b", "i", False, 3, True)
     assert r.workload is None and r.trace is None and r.pte_served is None
+
+
+def join_log_line(rid: str, pte: float, session: str | None = None) -> dict:
+    return {
+        "request_id": rid,
+        "session_id": session,
+        "pte_served": pte,
+        "pte_reference": pte,
+        "pte_ideal": pte,
+    }
+
+
+def test_the_request_log_join_reads_a_gzipped_log_as_report_does(tmp_path):
+    """A rotated log is gzipped (requests.jsonl.1.gz): `pte report` reads it, and so must the
+    join, by its first bytes rather than its name."""
+    import gzip
+
+    text = "".join(json.dumps(join_log_line(r, p)) + "\n" for r, p in (("r1", 10.0), ("r2", 5.0)))
+    log = tmp_path / "requests.jsonl.1.gz"
+    log.write_bytes(gzip.compress(text.encode()))
+    out, problems = join_request_log([parse_record({**GOOD[0], "request_id": "r2"})], log)
+    assert out[0].pte_served == 5.0 and problems == []
+
+
+def test_a_cut_off_last_line_of_a_live_request_log_is_a_problem_and_the_rest_is_joined(tmp_path):
+    """A log being written ends mid-line: that line joins nothing and is listed; it does not
+    fail the whole command."""
+    log = write_jsonl(
+        tmp_path / "requests.jsonl", [join_log_line("r1", 10.0), '{"request_id": "r2", "pte_se']
+    )
+    out, problems = join_request_log([parse_record({**GOOD[0], "request_id": "r1"})], log)
+    assert out[0].pte_served == 10.0
+    assert [(p.where, "invalid JSON" in p.reason) for p in problems] == [(f"{log}:2", True)]
+
+
+def test_a_request_id_logged_twice_joins_none_of_its_copies_and_is_named(tmp_path):
+    """Two lines with one id (a reused X-Request-Id, a log read with a copy of itself): which
+    copy is the answer's is anyone's guess, so the record is joined to neither and both the
+    id and the unjoined record are listed."""
+    log = write_jsonl(
+        tmp_path / "requests.jsonl",
+        [join_log_line("r1", 10.0), join_log_line("r2", 3.0), join_log_line("r1", 99.0)],
+    )
+    recs = [parse_record({**GOOD[0], "request_id": "r1"}), parse_record({**GOOD[1], "request_id": "r2"})]
+    out, problems = join_request_log(recs, log)
+    assert out[0].pte_served is None and out[1].pte_served == 3.0
+    logged_twice, unjoined = problems
+    assert "'r1' is logged 2 times (lines 1, 3)" in logged_twice.reason
+    assert logged_twice.where == f"{log}:1"
+    assert "request_id r1 is logged 2 times" in unjoined.reason and unjoined.action == "kept without PTE"
+
+
+@pytest.mark.parametrize("field", ["pte_served", "pte_reference", "pte_ideal"])
+def test_a_negative_pte_in_the_request_log_is_refused_as_in_a_record(tmp_path, field):
+    """A record's own negative PTE is refused; the same value from the log must not become a
+    negative PTE per correct answer."""
+    log = write_jsonl(
+        tmp_path / "requests.jsonl", [{**join_log_line("r1", 10.0), field: -500.0}, join_log_line("r2", 4.0)]
+    )
+    recs = [parse_record({**GOOD[0], "request_id": "r1"}), parse_record({**GOOD[1], "request_id": "r2"})]
+    out, problems = join_request_log(recs, log)
+    assert out[0].pte_served is None and out[1].pte_served == 4.0
+    assert any(p.where == f"{log}:1" and f"{field} is negative" in p.reason for p in problems)
+
+
+def test_a_request_log_with_no_usable_line_is_an_error(tmp_path):
+    """Nothing to join from: an error naming the first bad line, not a silent no-op."""
+    log = write_jsonl(tmp_path / "requests.jsonl", ['{"request_id": "r1", "pte_se'])
+    with pytest.raises(RecordError, match=r"no valid request-log lines.*invalid JSON"):
+        join_request_log([parse_record({**GOOD[0], "request_id": "r1"})], log)
+
+
+@pytest.mark.parametrize("separator", ["\u2028", "\u2029", "\x85"])
+def test_a_jsonl_line_holding_a_unicode_line_separator_is_one_record(tmp_path, separator):
+    """json.dumps(ensure_ascii=False) writes U+2028, U+2029 and U+0085 raw inside strings:
+    valid JSON on one line, which str.splitlines() would cut in two."""
+    rows = [{**GOOD[0], "trace": f"first{separator}second"}, GOOD[2]]
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    res = load_records(path)
+    assert res.problems == [] and res.rows_read == 2
+    assert res.records[0].trace == f"first{separator}second"
+
+
+def test_a_request_log_line_holding_a_unicode_line_separator_is_joined(tmp_path):
+    """The join reads the log's lines as the other request-log readers do: split on newlines
+    only."""
+    path = tmp_path / "requests.jsonl"
+    row = {**join_log_line("r1", 7.0), "note": "a\u2028b"}
+    path.write_text(json.dumps(row, ensure_ascii=False) + "\n", encoding="utf-8")
+    out, problems = join_request_log([parse_record({**GOOD[0], "request_id": "r1"})], path)
+    assert out[0].pte_served == 7.0 and problems == []

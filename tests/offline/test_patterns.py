@@ -267,3 +267,20 @@ def test_load_trajectories_names_bad_lines(tmp_path):
         load_trajectories(path, strict=True)
     with pytest.raises(RecordError, match="cannot read"):
         load_trajectories(tmp_path / "none.jsonl")
+
+
+@pytest.mark.parametrize("separator", ["\u2028", "\u2029", "\x85"])
+def test_a_trajectory_line_holding_a_unicode_line_separator_is_one_trajectory(tmp_path, separator):
+    """json.dumps(ensure_ascii=False) writes U+2028, U+2029 and U+0085 raw inside strings (a
+    model's reasoning may hold them): one valid line, which str.splitlines() would cut."""
+    good = {
+        "model": "m",
+        "task": "t",
+        "id": "1",
+        "correct": True,
+        "turns": [turn(10, 1, reasoning=f"a{separator}b")],
+    }
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(good, ensure_ascii=False) + "\n", encoding="utf-8")
+    res = load_trajectories(path)
+    assert res.problems == [] and [t.id for t in res.trajectories] == ["1"]

@@ -221,3 +221,14 @@ def test_gzip_is_read_and_a_broken_one_refused(tmp_path):
     (tmp_path / "latin1.jsonl").write_bytes(json.dumps(LINES[0]).encode() + b"\n\xff\xfe\n")
     with pytest.raises(RecordError, match="not UTF-8"):
         load_request_log(tmp_path / "latin1.jsonl")
+
+
+@pytest.mark.parametrize("separator", ["\u2028", "\u2029", "\x85"])
+def test_a_request_log_line_holding_a_unicode_line_separator_is_one_line(tmp_path, separator):
+    """json.dumps(ensure_ascii=False) writes U+2028, U+2029 and U+0085 raw inside strings:
+    the reader splits on newlines only, so such a line is one request."""
+    path = tmp_path / "requests.jsonl"
+    rows = [{**LINES[3], "session_id": f"s{separator}1"}, LINES[4]]
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    load = load_request_log(path)
+    assert load.problems == () and [r.session_id for r in load.lines] == [f"s{separator}1", "s3"]

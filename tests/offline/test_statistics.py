@@ -202,7 +202,7 @@ def test_every_consumer_uses_these_functions():
     assert decomposition.spearman is S.spearman and patterns.spearman is S.spearman
     assert analysis.pearson is S.pearson and analysis.spearman is S.spearman
     assert analysis.rankdata is S.rankdata and analysis.pearson_rows is S.pearson_rows
-    assert decomposition.bootstrap_weights is S.bootstrap_weights
+    assert decomposition.count_chunks is S.count_chunks
     # the latency bench's correlations follow the same small-sample rule
     c = analysis.bootstrap_corr([1, 2], [2, 1], n_boot=50)
     assert c.n == 2 and math.isnan(c.pearson) and math.isnan(c.spearman)

@@ -207,3 +207,149 @@ def test_numbers_past_what_a_log_holds_are_read_as_missing_not_a_traceback(tmp_p
     captured = capsys.readouterr()
     assert "1 line skipped (not a JSON object)" in captured.err
     assert "2 values out of range" in captured.err
+
+
+STEP_HEADER = {
+    "engine": 0,
+    "gammas": [0.002],
+    "windows": [None],
+    "n_active": 1e9,
+    "n_total": 1e9,
+    "hoi": 295.0,
+    "device": "h100-sxm",
+    "weights_pte": 295.0,
+    "header": True,
+}
+
+
+def step_lines(requests: list[dict], per_request: int = 4) -> list[dict]:
+    """``per_request`` decode steps inside each request's time, the context growing."""
+    return [
+        {
+            "engine": 0,
+            "step": k + i * per_request,
+            "t": r["arrived_at"] + 0.1 + 0.4 * k,
+            "n_reqs": 1,
+            "tokens": 1,
+            "prefill": 0,
+            "recompute": 0,
+            "decode_tokens": 1,
+            "spec_tokens": 0,
+            "ctx": [100.0 * (k + 1) + 7 * i],
+            "pte": 0.2 * (k + 1),
+            "roofline_pte": 295.2,
+            "weights_pte": 295.0,
+            "hook_s": 1e-6,
+            "dt_s": 0.007 + 0.00001 * (k + 1) + 0.000001 * i,
+            "model_s": None,
+        }
+        for i, r in enumerate(requests)
+        for k in range(per_request)
+    ]
+
+
+def write_logs(tmp_path: Path, header: dict | None, steps_name: str = "steps.jsonl") -> tuple[Path, Path]:
+    requests = finished_requests(6)
+    req_path, steps_path = tmp_path / "requests.jsonl", tmp_path / steps_name
+    req_path.write_text("".join(json.dumps(r) + "\n" for r in requests))
+    lines = ([header] if header is not None else []) + step_lines(requests)
+    steps_path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return req_path, steps_path
+
+
+def validate_steps_json(requests: Path, steps: Path, out: Path) -> list[str]:
+    return [
+        "validate",
+        str(requests),
+        str(steps),
+        "--out",
+        str(out),
+        "--bootstrap",
+        "10",
+        "--no-plots",
+        "--json",
+    ]
+
+
+NOT_NUMBER = "values that are not numbers read as missing"
+OUT_OF_RANGE = "values out of range"
+
+
+@pytest.mark.parametrize(
+    ("change", "warning"),
+    [
+        ({"gammas": "0.002"}, NOT_NUMBER),
+        ({"gammas": 0.002}, NOT_NUMBER),
+        ({"gammas": [None]}, NOT_NUMBER),
+        ({"n_active": "big"}, NOT_NUMBER),
+        ({"n_active": None}, NOT_NUMBER),
+        ({"hoi": 0}, OUT_OF_RANGE),
+        ({"n_total": -1.0}, OUT_OF_RANGE),
+        ({"gammas": [-0.002]}, OUT_OF_RANGE),
+        ({"windows": [None, None]}, OUT_OF_RANGE),
+        ({"gammas": []}, OUT_OF_RANGE),
+    ],
+)
+def test_a_step_log_header_of_the_wrong_types_or_shape_is_ignored_with_a_warning(
+    tmp_path, capsys, change, warning
+):
+    """The header says the cost model the steps were priced with; one whose fields are of the
+    wrong type or shape (as `pte calibrate` checks it) is read as missing, like any other bad
+    value of the logs, and counted: the steps are still validated, without it."""
+    requests, steps = write_logs(tmp_path, {**STEP_HEADER, **change})
+    assert main(validate_steps_json(requests, steps, tmp_path / "out")) == 0
+    err = capsys.readouterr().err
+    assert f"pte validate: warning: 1 {warning}" in err
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert "step_log_header" not in report["analysis"]["cost_model"]
+
+
+def test_a_good_step_log_header_is_read_without_a_warning(tmp_path, capsys):
+    """The hand-made logs above are good but for the header each case changes."""
+    requests, steps = write_logs(tmp_path, STEP_HEADER)
+    assert main(validate_steps_json(requests, steps, tmp_path / "out")) == 0
+    assert "warning" not in capsys.readouterr().err
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["analysis"]["cost_model"]["step_log_header"]["gammas"] == [0.002]
+
+
+@pytest.mark.parametrize("name", ["steps**.jsonl", "steps[0].jsonl", "steps?.jsonl"])
+def test_a_step_log_whose_name_has_glob_characters_is_read_with_its_other_engines(tmp_path, name):
+    """The other engines' logs are found as ``<name>.engine<N>``: the name is a name, not a
+    pattern (``**`` inside it is refused by pathlib, ``[0]`` matches no file named so)."""
+    from pte_instrument.validation import analysis as A
+
+    _, steps = write_logs(tmp_path, STEP_HEADER, name)
+    (tmp_path / (name + ".engine1")).write_text(steps.read_text())
+    (tmp_path / "steps0.jsonl.engine1").write_text(steps.read_text() * 2)  # what [0] would match
+    table = A.load_steps(steps)
+    assert table is not None and len(table) == 2 * 6 * 4
+
+
+def test_a_turn_number_too_large_for_a_count_is_read_as_missing_and_counted(tmp_path, capsys):
+    """A turn of 1e300 (or 10**30) is no turn any session had; read as no turn, counted like
+    any other value out of range, not an OverflowError."""
+    path = tmp_path / "requests.jsonl"
+    lines = [{**line, "session_id": "s", "turn": i + 1} for i, line in enumerate(finished_requests(5))]
+    lines[1]["turn"] = 1e300
+    lines[2]["turn"] = 10**30
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert main(validate_json(path, tmp_path / "out")) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["phases"][0]["requests"] == 5
+    assert "2 values out of range (negative, not finite, or past 2**53) read as missing" in captured.err
+
+
+def test_a_turn_number_far_past_the_others_is_one_column_not_a_huge_matrix(tmp_path, capsys):
+    """Turn 10**12 is within 2**53 but no session had as many turns: the turn level holds a
+    column per turn number present, not one per number up to it (22 TiB here)."""
+    path = tmp_path / "requests.jsonl"
+    lines = [
+        {**line, "session_id": f"s{i % 3}", "turn": i // 3 + 1}
+        for i, line in enumerate(finished_requests(12))
+    ]
+    lines[4]["turn"] = 10**12
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert main(validate_json(path, tmp_path / "out")) == 0
+    profiles = json.loads((tmp_path / "out" / "report.json").read_text())["analysis"]["turn_profiles"]
+    assert [p["turn"] for p in profiles.values()] == [[1, 2, 3, 4, 10**12]]
