@@ -143,8 +143,8 @@ def default_instance(port: int | None = None) -> str:
     return host if port is None else f"{host}:{port}"
 
 
-def _labels(raw: str, _: list[str]) -> frozenset[str]:
-    return frozenset(label.strip() for label in raw.split(",") if label.strip())
+def _labels(raw: str, lines: list[str]) -> frozenset[str]:
+    return _allow_list(raw, lines, "PTE_BENCHMARK_LABELS", "benchmark label", ("other", "none"))
 
 
 def _header(raw: str, _: list[str]) -> str:
@@ -226,11 +226,12 @@ def _transport(raw: str, _: list[str]) -> str:
     return raw
 
 
-def tenant_name_problem(name: str) -> str | None:
-    """Why ``name`` cannot be an allow-listed tenant (None: it can). Tenants are metric label
-    values: visible ASCII, at most ``MAX_TENANT_LEN`` characters, never the catch-all itself."""
-    if name == OTHER_TENANT:
-        return f"{OTHER_TENANT!r} is the catch-all for every other tenant"
+def label_value_problem(name: str, reserved: tuple[str, ...]) -> str | None:
+    """Why ``name`` cannot be an allow-listed metric label value (None: it can): visible ASCII
+    (the header it comes in is read as Latin-1 bytes), at most ``MAX_TENANT_LEN`` characters,
+    none of the values ``reserved`` for the catch-alls."""
+    if name in reserved:
+        return f"{name!r} is the plugin's catch-all for every other value, or none"
     if len(name) > MAX_TENANT_LEN:
         return f"longer than {MAX_TENANT_LEN} characters"
     if not name.isascii() or any(not 0x21 <= ord(c) <= 0x7E for c in name):
@@ -238,26 +239,32 @@ def tenant_name_problem(name: str) -> str | None:
     return None
 
 
-def _tenants(raw: str, lines: list[str]) -> frozenset[str]:
+def _allow_list(
+    raw: str, lines: list[str], variable: str, what: str, reserved: tuple[str, ...]
+) -> frozenset[str]:
     """Comma-separated names; an unusable one is named in one line and left out, the others
-    kept (one typo should not put every team under ``other``)."""
+    kept (one typo should not put every request under ``other``)."""
     names: list[str] = []
     for name in (part.strip() for part in raw.split(",")):
         if not name or name in names:
             continue
-        problem = tenant_name_problem(name)
+        problem = label_value_problem(name, reserved)
         if problem is not None:
             lines.append(
-                f"PTE_TENANTS: {name[:MAX_TENANT_LEN]!r} is not a usable tenant ({problem}); left out"
+                f"{variable}: {name[:MAX_TENANT_LEN]!r} is not a usable {what} ({problem}); left out"
             )
         elif len(names) == MAX_TENANTS:
             lines.append(
-                f"PTE_TENANTS lists more than {MAX_TENANTS} tenants; the first {MAX_TENANTS} are kept"
+                f"{variable} lists more than {MAX_TENANTS} {what}s; the first {MAX_TENANTS} are kept"
             )
             break
         else:
             names.append(name)
     return frozenset(names)
+
+
+def _tenants(raw: str, lines: list[str]) -> frozenset[str]:
+    return _allow_list(raw, lines, "PTE_TENANTS", "tenant", (OTHER_TENANT,))
 
 
 def is_redis_url(store: str | None) -> bool:
@@ -538,7 +545,7 @@ TABLE: tuple[Setting, ...] = (
         frozenset(),
         _labels,
         accepted="comma-separated labels",
-        help="benchmark labels allowed on live efficiency metrics; a client sends one in `X-PTE-Benchmark`, any other value is counted as `other`, none as `none` (metric labels stay bounded)",
+        help="benchmark labels allowed on live efficiency metrics (visible ASCII, up to 64 characters each); a client sends one in `X-PTE-Benchmark`, any other value is counted as `other`, none as `none` (metric labels stay bounded)",
         summary="allow-listed benchmark labels (`X-PTE-Benchmark` header) for the live efficiency metrics",
     ),
     Setting(

@@ -139,6 +139,22 @@ def test_unusable_allow_list_entries_are_named_and_left_out():
     assert sum("not visible ASCII" in e for e in s.errors) == 2
 
 
+def test_unusable_benchmark_labels_are_named_and_left_out():
+    """A benchmark label comes in a header read as Latin-1 bytes: one that is not visible ASCII
+    can never be sent, and ``other`` and ``none`` are the plugin's own values; each such is
+    said and left out, as a tenant is."""
+    long = "b" * 65
+    s = Settings.from_env(
+        {"PTE_BENCHMARK_LABELS": f"gsm8k, mmlu-pro-\u4e2d\u6587,aime 2024,none,other,{long},gsm8k"}
+    )
+    assert s.benchmark_labels == frozenset({"gsm8k"})
+    assert len(s.errors) == 5, s.errors
+    assert all(e.startswith("PTE_BENCHMARK_LABELS: ") and "left out" in e for e in s.errors)
+    assert (
+        sum("not visible ASCII" in e for e in s.errors) == 2 and sum("catch-all" in e for e in s.errors) == 2
+    )
+
+
 def test_the_allow_list_is_capped():
     s = Settings.from_env(
         {"PTE_TENANT_FROM_API_KEY": "1", "PTE_TENANTS": ",".join(f"t{i}" for i in range(MAX_TENANTS + 5))}
