@@ -90,6 +90,12 @@ class RequestTag:
         counted (``PendingTags.dropped``); a route and a trace context alone are not."""
         return self.session_id is not None or self.benchmark != "none"
 
+    @property
+    def owner(self) -> tuple[str | None, str, str | None, str | None]:
+        """Whose the request is (its session, benchmark, tenant and adapter): two requests open
+        at once under one id with different owners cannot be told apart."""
+        return self.session_id, self.benchmark, self.tenant, self.model
+
 
 UNTAGGED = RequestTag(None, "none")  # a request that carries nothing to remember
 
@@ -100,7 +106,7 @@ class _Pending:
     since: float
     open: int = 1  # HTTP exchanges under this key still going (clients may reuse an id)
     claimed: bool = False
-    clash: bool = False  # exchanges of different tags open under it at once: whose is whose is unknown
+    clash: bool = False  # exchanges of different owners open under it at once: whose is whose is unknown
 
 
 class PendingTags:
@@ -110,9 +116,9 @@ class PendingTags:
     a tag is claimed without being removed (``claim``). It stays while its HTTP exchange
     is open and ``grace_s`` after it ends (``settle``): the stat logger sees a request
     finish before, or moments after, its answer goes out. A client that reuses a request id
-    opens the key again; two exchanges of different tags open under one key at once tag
-    neither request (which is whose cannot be told). Past ``max_age_s``, or past ``capacity`` (least recently added
-    first), a tag goes in any case. ``dropped`` counts the tags that went unclaimed: their
+    opens the key again; two exchanges of different owners open under one key at once tag
+    neither request (which is whose cannot be told). Past ``max_age_s``, or past
+    ``capacity`` (least recently added first), a tag goes in any case. ``dropped`` counts the tags that went unclaimed: their
     requests never reached the engine (only tags that carry a session or a benchmark label
     are counted: ``RequestTag.tracked``)."""
 
@@ -155,7 +161,7 @@ class PendingTags:
             if entry is None:
                 entry = _Pending(tag, now)
             else:
-                entry.clash = entry.open > 0 and (entry.clash or entry.tag != tag)
+                entry.clash = entry.open > 0 and (entry.clash or entry.tag.owner != tag.owner)
                 entry.tag, entry.since, entry.open = tag, now, max(entry.open, 0) + 1
             for _, lost in self._map.put(key, entry):
                 self._expired += lost.tag.tracked

@@ -524,7 +524,7 @@ def checked_header(
 ) -> dict[str, Any] | None:
     """The step log's header when each field it holds is of its wire type and of the shape
     ``pte calibrate`` checks (positive sizes, a γ ≥ 0 and a window per KV group). Any other is
-    ignored (None), its values read as missing and counted as :func:`_col` counts them."""
+    ignored (None) and counted in ``problems["header"]``."""
     if header is None:
         return None
     try:
@@ -532,18 +532,18 @@ def checked_header(
             if name in _HEADER_TYPES:
                 msgspec.convert(value, _HEADER_TYPES[name])
     except msgspec.ValidationError:  # a field of another type (null included)
-        if problems is not None:
-            problems["not_number"] += 1
-        return None
-    gammas, windows = header.get("gammas"), header.get("windows")
-    if (
-        all(0 < header[k] <= LARGEST_VALUE for k in _HEADER_SIZES if k in header)  # NaN fails too
-        and (gammas is None or (gammas and all(0 <= g <= LARGEST_VALUE for g in gammas)))
-        and (windows is None or gammas is None or len(windows) == len(gammas))
-    ):
+        shaped = False
+    else:
+        gammas, windows = header.get("gammas"), header.get("windows")
+        shaped = bool(
+            all(0 < header[k] <= LARGEST_VALUE for k in _HEADER_SIZES if k in header)  # NaN fails too
+            and (gammas is None or (gammas and all(0 <= g <= LARGEST_VALUE for g in gammas)))
+            and (windows is None or gammas is None or len(windows) == len(gammas))
+        )
+    if shaped:
         return header
     if problems is not None:
-        problems["out_of_range"] += 1
+        problems["header"] += 1
     return None
 
 

@@ -31,9 +31,10 @@ def test_two_open_exchanges_under_one_id_with_different_tags_tag_neither_request
     p.settle("job")
     clock.t += p.grace_s + 0.1
     assert len(p) == 0 and p.dropped == 1
-    p.put("job", RequestTag("alice", "none"))
-    p.put("job", RequestTag("alice", "none"))  # the same client's two requests at once: one session
-    assert p.claim("job") == RequestTag("alice", "none")
+    p.put("job", RequestTag("alice", "none", traceparent=None))
+    later = RequestTag("alice", "none", traceparent=f"00-{TRACE}-{PARENT}-01")
+    p.put("job", later)  # the same session's two requests at once, traced apart: still its own
+    assert p.claim("job") == later
 
 
 def test_claim_finds_no_tag_past_its_grace():

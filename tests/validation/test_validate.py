@@ -271,35 +271,29 @@ def validate_steps_json(requests: Path, steps: Path, out: Path) -> list[str]:
     ]
 
 
-NOT_NUMBER = "values that are not numbers read as missing"
-OUT_OF_RANGE = "values out of range"
-
-
 @pytest.mark.parametrize(
-    ("change", "warning"),
+    "change",
     [
-        ({"gammas": "0.002"}, NOT_NUMBER),
-        ({"gammas": 0.002}, NOT_NUMBER),
-        ({"gammas": [None]}, NOT_NUMBER),
-        ({"n_active": "big"}, NOT_NUMBER),
-        ({"n_active": None}, NOT_NUMBER),
-        ({"hoi": 0}, OUT_OF_RANGE),
-        ({"n_total": -1.0}, OUT_OF_RANGE),
-        ({"gammas": [-0.002]}, OUT_OF_RANGE),
-        ({"windows": [None, None]}, OUT_OF_RANGE),
-        ({"gammas": []}, OUT_OF_RANGE),
+        {"gammas": "0.002"},
+        {"gammas": 0.002},
+        {"gammas": [None]},
+        {"n_active": "big"},
+        {"n_active": None},
+        {"hoi": 0},
+        {"n_total": -1.0},
+        {"gammas": [-0.002]},
+        {"windows": [None, None]},
+        {"gammas": []},
     ],
 )
-def test_a_step_log_header_of_the_wrong_types_or_shape_is_ignored_with_a_warning(
-    tmp_path, capsys, change, warning
-):
+def test_a_step_log_header_of_the_wrong_types_or_shape_is_ignored_with_a_warning(tmp_path, capsys, change):
     """The header says the cost model the steps were priced with; one whose fields are of the
-    wrong type or shape (as `pte calibrate` checks it) is read as missing, like any other bad
-    value of the logs, and counted: the steps are still validated, without it."""
+    wrong type or shape (as `pte calibrate` checks it) is ignored, in a warning that says so:
+    the steps are still validated, without it."""
     requests, steps = write_logs(tmp_path, {**STEP_HEADER, **change})
     assert main(validate_steps_json(requests, steps, tmp_path / "out")) == 0
     err = capsys.readouterr().err
-    assert f"pte validate: warning: 1 {warning}" in err
+    assert "pte validate: warning: the step log's header is not of the types or shape" in err
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert "step_log_header" not in report["analysis"]["cost_model"]
 
