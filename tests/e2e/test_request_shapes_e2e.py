@@ -359,8 +359,9 @@ def test_hang_ups_before_during_and_after_the_stream_are_each_priced_once(served
     assert set(ids) <= {f"chatcmpl-{rid}" for rid in rids}
     assert sorted(e["turn"] for e in entries) == list(range(1, len(entries) + 1))
     for e in entries:
-        b, _ = plan[rids.index(e["request_id"].removeprefix("chatcmpl-"))]
-        assert e["finish_reason"] == ("length" if b["max_tokens"] == 4 else "abort")
+        b, k = plan[rids.index(e["request_id"].removeprefix("chatcmpl-"))]
+        # (which hang-up, should it fail: before any answer, k None, or after k chunks)
+        assert e["finish_reason"] == ("length" if b["max_tokens"] == 4 else "abort"), (e, k)
         assert e["output_tokens"] <= b["max_tokens"] and e["engine_pte_served"] is not None
         if b["max_tokens"] == 4:
             assert e["output_tokens"] == 4
