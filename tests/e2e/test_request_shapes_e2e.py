@@ -330,7 +330,7 @@ def test_hang_ups_before_during_and_after_the_stream_are_each_priced_once(served
     body = {
         "model": vllm.served_name,
         "messages": [{"role": "user", "content": PROMPT}],
-        "max_tokens": 300,
+        "max_tokens": MAX_MODEL_LEN - 64,
         "ignore_eos": True,
         "stream": True,
     }
@@ -360,11 +360,14 @@ def test_hang_ups_before_during_and_after_the_stream_are_each_priced_once(served
     assert sorted(e["turn"] for e in entries) == list(range(1, len(entries) + 1))
     for e in entries:
         b, k = plan[rids.index(e["request_id"].removeprefix("chatcmpl-"))]
-        # (which hang-up, should it fail: before any answer, k None, or after k chunks)
-        assert e["finish_reason"] == ("length" if b["max_tokens"] == 4 else "abort"), (e, k)
         assert e["output_tokens"] <= b["max_tokens"] and e["engine_pte_served"] is not None
+        ran_out = e["finish_reason"] == "length" and e["output_tokens"] == b["max_tokens"]
         if b["max_tokens"] == 4:
-            assert e["output_tokens"] == 4
+            assert ran_out, e
+        else:  # cut short, unless the engine ran it out first: on a loaded host the API server
+            # can hear of a hang-up seconds after it (once 300 tokens' worth, ~3 s)
+            assert e["finish_reason"] == "abort" or ran_out, (e, k)
+    assert any(e["finish_reason"] == "abort" for e in entries)
     assert set(summary(client)["engine_hook"]["live_requests"].values()) <= {0}
 
 
