@@ -97,6 +97,23 @@ def test_a_full_disk_leaves_no_partial_line_and_counts_the_loss(tmp_path, monkey
     assert registry.get_sample_value("pte_plugin_faults_total", {"stage": "request_log"}) == 1
 
 
+def test_a_record_over_a_mebibyte_cut_by_a_full_disk_is_undone_too(tmp_path, acc, monkeypatch):
+    """A record the writer cut short itself is undone whatever its size: the tail check made
+    for a record cut by a crash leaves a tail over a mebibyte alone (it may be no record of
+    ours), and the next record was glued onto the half-written one."""
+    from dataclasses import replace
+
+    path = tmp_path / "requests.jsonl"
+    w = RequestLogWriter(path)
+    w.export(record(acc, 0))
+    failed = half_then_enospc(monkeypatch, path)
+    with pytest.raises(OSError):
+        w.export(replace(record(acc, 1), request_id="r" * (3 << 20)))  # 3 MiB of id
+    assert failed[0] > 1 << 20
+    w.export(record(acc, 2))
+    assert ids(path) == ["r0", "r2"]
+
+
 def test_a_short_write_is_completed_or_undone(tmp_path, acc, monkeypatch):
     path = tmp_path / "requests.jsonl"
     w = RequestLogWriter(path)

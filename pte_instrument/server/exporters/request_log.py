@@ -129,6 +129,7 @@ def _append(fd: int, data: bytes) -> None:
     """All of ``data`` at the end of the file, or none of it."""
     view = memoryview(data)
     with _locked(fd):
+        start = os.fstat(fd).st_size
         try:
             done = 0
             while done < len(data):  # a short write is continued, under the lock
@@ -138,8 +139,18 @@ def _append(fd: int, data: bytes) -> None:
                 done += n
         except OSError:
             with contextlib.suppress(OSError):  # if this fails too, the next open cuts it
-                _cut_partial_tail(fd)
+                _undo(fd, start)
             raise
+
+
+def _undo(fd: int, start: int) -> None:
+    """Take back a record cut short, written from ``start``: whatever its size, where nothing
+    but it (no newline) follows ``start``; else cut the partial tail as an open does."""
+    size = os.fstat(fd).st_size
+    if size > start and b"\n" not in os.pread(fd, size - start, start):
+        os.ftruncate(fd, start)
+    else:
+        _cut_partial_tail(fd)
 
 
 def _cut_partial_tail(fd: int) -> None:
