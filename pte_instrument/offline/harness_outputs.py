@@ -38,12 +38,12 @@ def load_runs(
     are recomputed."""
     runs: list[Run] = []
     for path in paths:
-        lm_eval, inspect = lm_eval_reader.is_output(path), inspect_reader.is_output(path)
-        if lm_eval:  # a folder may hold both harnesses' outputs: each kind is read
-            runs += lm_eval_reader.read(path, metric=metric, filter_name=lm_eval_filter, key=key)
-        if inspect:
-            runs += inspect_reader.read(path, metric=metric, key=key)
-        if lm_eval or inspect:
+        found = [  # a folder may hold both harnesses' outputs: each kind is read
+            *lm_eval_reader.read(path, metric=metric, filter_name=lm_eval_filter, key=key),
+            *inspect_reader.read(path, metric=metric, key=key),
+        ]
+        runs += found
+        if found:
             continue
         if not Path(path).exists():
             raise HarnessError(f"cannot read {path}: no such file or directory")

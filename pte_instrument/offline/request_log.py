@@ -14,7 +14,7 @@ from __future__ import annotations
 import gzip
 import math
 import zlib
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -312,17 +312,12 @@ def join_request_log(
     refuse_bad_load(read_problems, False, bool(logged), "request-log line", "request-log lines", str(p))
     # a request-log line is no evaluation record: it is not counted among the records dropped
     problems = [replace(pr, action="not joined") for pr in read_problems]
-    with_id = [x for x in logged if x.request_id is not None]
-    twice = repeated_ids(
-        p,
-        ((x.request_id, int(x.where.rpartition(":")[2])) for x in with_id),  # type: ignore[misc]
-        "it joins none of its copies",
+    with_id = [(x.request_id, x) for x in logged if x.request_id is not None]
+    problems += repeated_ids(
+        p, ((rid, int(x.where.rpartition(":")[2])) for rid, x in with_id), "it joins none of its copies"
     )
-    problems += twice
-    counts: defaultdict[str, int] = defaultdict(int)
-    for x in with_id:
-        counts[x.request_id] += 1  # type: ignore[index]
-    by_request = {x.request_id: x.values for x in with_id if counts[x.request_id] == 1}  # type: ignore[index]
+    counts = Counter(rid for rid, _ in with_id)
+    by_request = {rid: x.values for rid, x in with_id if counts[rid] == 1}
     # every copy of a repeated id may be a request served: the session sums keep each
     by_session: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys(PTE_FIELDS, 0.0))
     for x in logged:
@@ -341,7 +336,7 @@ def join_request_log(
         elif r.session_id is not None:
             values = by_session.get(r.session_id)
         if values is None and (r.request_id or r.session_id):
-            if r.request_id and counts.get(r.request_id, 0) > 1:
+            if r.request_id and counts[r.request_id] > 1:
                 reason = (
                     f"request_id {r.request_id} is logged {counts[r.request_id]} times in request log {p}"
                 )

@@ -162,7 +162,7 @@ class PendingTags:
                 entry = _Pending(tag, now)
             else:
                 entry.clash = entry.open > 0 and (entry.clash or entry.tag.owner != tag.owner)
-                entry.tag, entry.since, entry.open = tag, now, max(entry.open, 0) + 1
+                entry.tag, entry.since, entry.open = tag, now, entry.open + 1
             for _, lost in self._map.put(key, entry):
                 self._expired += lost.tag.tracked
 
